@@ -1,0 +1,160 @@
+"""Settings, built once from the environment.
+
+This is the only module that reads ``os.environ``. ``Settings.from_env`` validates every variable and
+raises ``ConfigError`` naming the variable and its allowed values, so a bad value stops the model from
+loading with a message a user can act on. Tests build settings from a plain dict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Mapping
+
+DTYPES = ("bfloat16", "float16", "float32", "auto")
+QUANTIZATIONS = ("none", "8bit", "4bit")
+ENGINES = ("paged", "generate")
+DEFAULT_MODEL_DIR_NAME = "SmolLM2-135M-Instruct"
+
+
+class ConfigError(ValueError):
+    """A setting has a value the server cannot run with."""
+
+
+def default_cache_dir(env: Mapping[str, str]) -> Path:
+    """Where prepared models live (outside git): $LLM_API_CACHE, else ~/.cache/llm_api."""
+    if env.get("LLM_API_CACHE"):
+        return Path(env["LLM_API_CACHE"])
+    return Path(env.get("HOME", str(Path.home()))) / ".cache" / "llm_api"
+
+
+def default_model_path(env: Mapping[str, str]) -> Path:
+    return default_cache_dir(env) / "models" / DEFAULT_MODEL_DIR_NAME
+
+
+@dataclass(frozen=True)
+class Settings:
+    model_name: str = "smollm2"
+    model_path: str = ""  # empty: the embedded default model in the cache dir
+    device_map: str = "auto"  # auto | cpu | cuda | cuda:N | an integer | a JSON object
+    max_input_tokens: int = 2048
+    max_new_tokens: int = 2048
+    dtype: str = "bfloat16"
+    quantization: str = "none"
+    end_of_stream_token: str = "<|endoftext|>"
+    # Generation path: the paged engine, or transformers' generate() (the reference).
+    engine: str = "generate"
+    # Paged KV cache and scheduler limits.
+    kv_block_size: int = 16
+    kv_cache_memory_mib: int = 0  # 0: sized automatically (GPU: free memory x utilization)
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    request_timeout_s: float = 600.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
+        env = os.environ if env is None else env
+        values = {
+            "model_name": _nonempty(env, "MODEL_NAME", cls.model_name),
+            "model_path": env.get("MODEL_PATH", "") or str(default_model_path(env)),
+            "device_map": _device_map(env.get("DEVICE_MAP", cls.device_map)),
+            "max_input_tokens": _int(env, "MAX_INPUT_TOKENS", cls.max_input_tokens, minimum=1),
+            "max_new_tokens": _int(env, "MAX_NEW_TOKENS", cls.max_new_tokens, minimum=1),
+            "dtype": _choice(env, "DTYPE", cls.dtype, DTYPES),
+            "quantization": _choice(env, "QUANTIZATION", cls.quantization, QUANTIZATIONS),
+            "end_of_stream_token": _nonempty(env, "END_OF_STREAM_TOKEN", cls.end_of_stream_token),
+            "engine": _choice(env, "ENGINE", cls.engine, ENGINES),
+            "kv_block_size": _int(env, "KV_BLOCK_SIZE", cls.kv_block_size, minimum=1),
+            "kv_cache_memory_mib": _int(env, "KV_CACHE_MEMORY_MIB", cls.kv_cache_memory_mib, minimum=0),
+            "gpu_memory_utilization": _float(
+                env, "GPU_MEMORY_UTILIZATION", cls.gpu_memory_utilization, 0.0, 1.0
+            ),
+            "max_num_seqs": _int(env, "MAX_NUM_SEQS", cls.max_num_seqs, minimum=1),
+            "max_num_batched_tokens": _int(
+                env, "MAX_NUM_BATCHED_TOKENS", cls.max_num_batched_tokens, minimum=1
+            ),
+            "request_timeout_s": _float(env, "REQUEST_TIMEOUT_S", cls.request_timeout_s, 0.0, None),
+        }
+        return cls(**values)
+
+    def replace(self, **changes) -> "Settings":
+        known = {f.name for f in fields(self)}
+        unknown = set(changes) - known
+        if unknown:
+            raise TypeError(f"unknown settings: {sorted(unknown)}")
+        return type(self)(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
+
+
+def _nonempty(env: Mapping[str, str], name: str, default: str) -> str:
+    value = env.get(name, default)
+    if not value.strip():
+        raise ConfigError(f"{name} must not be empty")
+    return value
+
+
+def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...]) -> str:
+    raw = env.get(name, default)
+    value = raw.strip().lower()
+    if name == "QUANTIZATION" and value in ("", "none", "null", "no", "off"):
+        value = "none"
+    if value not in allowed:
+        shown = ", ".join("None" if a == "none" else a for a in allowed)
+        raise ConfigError(f"{name}={raw!r} is not supported; allowed values: {shown}")
+    return value
+
+
+def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer; allowed values: integers >= {minimum}") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={raw!r} is out of range; allowed values: integers >= {minimum}")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, default: float, low: float, high: float | None) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    allowed = f"numbers in ({low}, {high}]" if high is not None else f"numbers > {low}"
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number; allowed values: {allowed}") from None
+    if not value > low or (high is not None and value > high) or value != value:
+        raise ConfigError(f"{name}={raw!r} is out of range; allowed values: {allowed}")
+    return value
+
+
+def _device_map(raw: str) -> str:
+    """Validate DEVICE_MAP as accelerate understands it; keep the raw string (parsed at load)."""
+    value = raw.strip()
+    allowed = "auto, cpu, cuda, cuda:N, mps, an integer GPU index, or a JSON object of module -> device"
+    if value in ("auto", "cpu", "cuda", "mps", "balanced", "sequential") or value.isdigit():
+        return value
+    if value.startswith("cuda:") and value[5:].isdigit():
+        return value
+    if value.startswith("{"):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            raise ConfigError(f"DEVICE_MAP={raw!r} is not valid JSON; allowed values: {allowed}") from None
+        if isinstance(parsed, dict) and parsed:
+            return value
+    raise ConfigError(f"DEVICE_MAP={raw!r} is not supported; allowed values: {allowed}")
+
+
+def parse_device_map(value: str) -> str | int | dict:
+    """Turn a validated DEVICE_MAP string into what ``from_pretrained(device_map=...)`` takes."""
+    if value.isdigit():
+        return int(value)
+    if value.startswith("{"):
+        return json.loads(value)
+    return value

@@ -1,0 +1,116 @@
+"""Token ids -> the text a client sees, one delta at a time.
+
+``IncrementalDetokenizer`` keeps two offsets into a request's generated ids (the TGI scheme): text is
+decoded over a short window so tokenizers that merge spaces across tokens decode correctly, and a
+delta is released only when it does not end in a partial UTF-8 character (U+FFFD), so a multi-byte
+character split over tokens is never cut in half.
+
+``TextStream`` adds what the edge needs on top: stop strings (the text is cut before the first match
+and the request reports it should stop) and a guard that removes the end-of-stream marker from model
+output, so the marker appears only once, at the very end of a stream. Both hold back the few characters
+that could still turn into a match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add new token ids; return the text they complete (possibly empty)."""
+        self._ids.extend(int(t) for t in token_ids)
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset :])
+        if len(full_text) > len(prefix_text) and not full_text.endswith(REPLACEMENT_CHAR):
+            delta = full_text[len(prefix_text) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Text still held back at the end of the request (a dangling partial character)."""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
+
+
+@dataclass
+class TextDelta:
+    text: str
+    stopped: bool  # a stop string matched: the request must stop here
+
+
+class TextStream:
+    """One request's token ids -> safe text deltas, honouring stop strings and the end marker."""
+
+    def __init__(self, tokenizer, stop: Sequence[str], end_marker: str):
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stop = [s for s in stop if s]
+        self._marker = end_marker
+        self._pending = ""  # text decoded but held back because it may start a stop or marker
+        self._stopped = False
+        self.text = ""  # everything released so far
+
+    def push(self, token_ids: Sequence[int]) -> TextDelta:
+        if self._stopped:
+            return TextDelta("", True)
+        return self._release(self._detok.push(token_ids), final=False)
+
+    def finish(self) -> str:
+        """Release what was held back; call once when the request ended for another reason."""
+        if self._stopped:
+            return ""
+        return self._release(self._detok.flush(), final=True).text
+
+    def _release(self, new_text: str, final: bool) -> TextDelta:
+        buf = self._pending + new_text
+        cut = _first_match(buf, self._stop)
+        if cut is not None:
+            self._stopped = True
+            out = _strip_marker(buf[:cut], self._marker)
+            self._pending = ""
+            self.text += out
+            return TextDelta(out, True)
+        buf = _strip_marker(buf, self._marker)
+        hold = 0 if final else _longest_partial_suffix(buf, self._stop + [self._marker])
+        out, self._pending = buf[: len(buf) - hold], buf[len(buf) - hold :]
+        self.text += out
+        return TextDelta(out, False)
+
+
+def _first_match(text: str, stops: Sequence[str]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _strip_marker(text: str, marker: str) -> str:
+    while marker and marker in text:
+        text = text.replace(marker, "")
+    return text
+
+
+def _longest_partial_suffix(text: str, patterns: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of some pattern."""
+    best = 0
+    for pattern in patterns:
+        for n in range(min(len(pattern) - 1, len(text)), best, -1):
+            if text.endswith(pattern[:n]):
+                best = n
+                break
+    return best

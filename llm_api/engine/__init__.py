@@ -1,0 +1,1 @@
+"""The paged-KV-cache engine: continuous batching over stock transformers models."""

@@ -1,0 +1,112 @@
+"""Sampling parameters and the batched sampler shared by every generation path.
+
+``SamplingParams`` is the validated, per-request description of how to pick tokens. ``Sampler`` turns
+one step's logits ``[B, V]`` for a batch of requests, each with its own parameters, into token ids
+``[B]``: greedy rows take the argmax, sampling rows apply repetition penalty, temperature, top-k and
+top-p and draw with the request's own ``torch.Generator`` so a seeded request gives the same tokens
+whatever else shares its batch. The paged engine and the ``generate()`` reference both call it, so the
+two paths pick tokens the same way.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filter
+    repetition_penalty: float = 1.0
+    do_sample: bool = False
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0.0
+
+    @property
+    def needs_penalty(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+
+@dataclass
+class SamplingState:
+    """Per-request mutable sampler state: the RNG of a sampling request."""
+
+    generator: torch.Generator | None = None
+
+    @classmethod
+    def for_params(cls, params: SamplingParams, device: torch.device | str = "cpu") -> "SamplingState":
+        if params.greedy:
+            return cls(None)
+        generator = torch.Generator(device=device)
+        seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
+        generator.manual_seed(seed)
+        return cls(generator)
+
+
+@dataclass
+class SamplerBatch:
+    """One step's rows: parameters, RNG state and (for repetition penalty) tokens seen so far."""
+
+    params: Sequence[SamplingParams]
+    states: Sequence[SamplingState]
+    seen_token_ids: Sequence[Sequence[int] | torch.Tensor | None] = field(default_factory=list)
+
+
+class Sampler:
+    """Picks one token per row. Greedy-only batches cost one argmax and nothing else."""
+
+    def __call__(self, logits: torch.Tensor, batch: SamplerBatch) -> torch.Tensor:
+        # logits: [B, V] -> token ids: [B] (int64, on logits.device)
+        params = batch.params
+        if all(p.greedy and not p.needs_penalty for p in params):
+            return logits.argmax(dim=-1)
+        logits = logits.float().clone()
+        for row, p in enumerate(params):
+            if p.needs_penalty:
+                _apply_repetition_penalty(logits[row], batch.seen_token_ids[row], p.repetition_penalty)
+        token_ids = logits.argmax(dim=-1)
+        for row, p in enumerate(params):
+            if not p.greedy:
+                token_ids[row] = _sample_row(logits[row], p, batch.states[row].generator)
+        return token_ids
+
+
+def _apply_repetition_penalty(row_logits: torch.Tensor, seen, penalty: float) -> None:
+    # Same rule as transformers' RepetitionPenaltyLogitsProcessor: divide positive scores, multiply
+    # negative ones, once per distinct token already in the sequence.
+    if seen is None or len(seen) == 0:
+        return
+    ids = seen if torch.is_tensor(seen) else torch.tensor(list(seen), dtype=torch.long)
+    ids = ids.to(row_logits.device).unique()
+    scores = row_logits[ids]
+    row_logits[ids] = torch.where(scores < 0, scores * penalty, scores / penalty)
+
+
+def _sample_row(row_logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    row = row_logits / p.temperature
+    if p.top_k > 0 and p.top_k < row.numel():
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(row, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the mass before it already reaches top_p; the top token always stays.
+        drop = (probs.cumsum(dim=-1) - probs) >= p.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        row = torch.full_like(row, float("-inf")).scatter(0, order, sorted_logits)
+    probs = row.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[0]
