@@ -1,0 +1,88 @@
+"""Per-request state shared by the scheduler, the model runner and the engine.
+
+A ``Request`` holds token ids only (never text): the prompt, the tokens generated so far, how many of
+them already have K/V in the paged cache (``num_computed_tokens``), the KV blocks it holds, its status
+and, once finished, why. A request built from ``prompt_embeds`` carries placeholder prompt ids (its
+length is what counts) and never takes part in prefix caching. ``RequestOutput`` is what one engine
+step reports for one request. This module imports no torch, so the scheduler stays torch-free.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from llm_api.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again; its blocks were freed and its tokens will be recomputed
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # hit an EOS token
+    LENGTH = "length"  # hit max_new_tokens or the model's length limit
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request: the new token ids and whether the request ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: "SamplingParams"
+    arrival_index: int  # order of add_request calls; ties nothing, used for logs and tests
+    sampling_state: Any = None  # llm_api.sampling.SamplingState, built by the engine
+    prompt_embeds: Any = None  # torch.Tensor [num_prompt_tokens, hidden_size] or None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # leading tokens whose K/V are in the cache
+    block_ids: list[int] = field(default_factory=list)
+    # Chained content hash of each full block of (prompt + output) tokens, filled as blocks fill up.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading block_ids already registered in the prefix cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        # Placeholder prompt ids of an embeddings request say nothing about its content.
+        return self.prompt_embeds is None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end) of prompt + output, without copying both lists."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
