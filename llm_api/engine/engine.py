@@ -1,0 +1,210 @@
+"""LLMEngine: continuous batching over a paged KV cache, one ``step()`` at a time (token ids only).
+
+``step()`` is the whole algorithm: the scheduler picks this step's tokens, the model runner computes
+logits at the last token of each request that is due a new token, the sampler picks those tokens, and
+the scheduler appends them, finishes requests (EOS, max_new_tokens, length limit) and frees their blocks.
+The engine is single-threaded; ``AsyncLLMEngine`` drives it from one thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from llm_api.engine.block_pool import BlockPool
+from llm_api.engine.kv_cache import PagedKVCache, choose_num_blocks, layout_for_model
+from llm_api.engine.model_runner import ModelRunner
+from llm_api.engine.request import FinishReason, Request, RequestOutput
+from llm_api.engine.scheduler import PromptTooLongError, Scheduler, SchedulerConfig
+from llm_api.sampling import Sampler, SamplerBatch, SamplingParams, SamplingState
+
+__all__ = ["LLMEngine", "EngineConfig", "EngineStats", "RequestOutput", "PromptTooLongError"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: sized from kv_cache_memory_mib / free memory / CPU default
+    kv_cache_memory_mib: int = 0
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # prompt + output tokens; None: the model's position limit
+    enable_prefix_caching: bool = True
+
+    @classmethod
+    def from_settings(cls, settings) -> "EngineConfig":
+        """From ``llm_api.config.Settings``."""
+        return cls(
+            block_size=settings.kv_block_size,
+            kv_cache_memory_mib=settings.kv_cache_memory_mib,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_model_len=settings.max_input_tokens + settings.max_new_tokens,
+        )
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    max_model_len: int
+    num_preemptions: int
+    prefix_cache_queries: int  # prompt tokens looked up at admission
+    prefix_cache_hits: int  # of those, tokens reused from the cache
+    num_prefill_tokens_computed: int
+    num_decode_tokens_computed: int
+    num_steps: int
+
+
+class LLMEngine:
+    def __init__(self, model: nn.Module, config: EngineConfig, eos_token_ids: set[int]):
+        self.config = config
+        self.model = model
+        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.vocab_size = text_config.vocab_size
+        self.hidden_size = text_config.hidden_size
+        model_max_len = getattr(text_config, "max_position_embeddings", None) or 1 << 30
+        wanted_max_len = min(config.max_model_len or model_max_len, model_max_len)
+        layout = layout_for_model(model)
+        num_blocks = choose_num_blocks(
+            layout, config.block_size, num_blocks=config.num_blocks, memory_mib=config.kv_cache_memory_mib,
+            gpu_memory_utilization=config.gpu_memory_utilization, max_num_seqs=config.max_num_seqs,
+            max_model_len=wanted_max_len,
+        )
+        self.kv_cache = PagedKVCache(layout, num_blocks, config.block_size)
+        # One request never needs more than the whole pool, so it can always run alone.
+        self.max_model_len = min(wanted_max_len, self.kv_cache.max_num_tokens)
+        self.runner = ModelRunner(model, self.kv_cache)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            BlockPool(num_blocks, config.block_size, config.enable_prefix_caching),
+            set(eos_token_ids),
+        )
+        self.sampler = Sampler()
+        self._arrival_counter = itertools.count()
+        self._pending_outputs: list[RequestOutput] = []  # abort notices, reported by the next step()
+        self._num_steps = 0
+        logger.info("paged KV cache: %d blocks x %d tokens (%d tokens, %.1f MiB), max_model_len %d",
+                    num_blocks, config.block_size, self.kv_cache.max_num_tokens, self.kv_cache.num_bytes / 2**20,
+                    self.max_model_len)
+
+    # ----------------------------------------------------------------- requests
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int] | None, params: SamplingParams,
+                    prompt_embeds: torch.Tensor | None = None) -> None:
+        if prompt_embeds is not None:
+            if prompt_token_ids:
+                raise ValueError("give prompt_token_ids or prompt_embeds, not both")
+            if prompt_embeds.ndim == 3 and prompt_embeds.shape[0] == 1:
+                prompt_embeds = prompt_embeds[0]
+            if prompt_embeds.ndim != 2 or prompt_embeds.shape[1] != self.hidden_size:
+                raise ValueError(f"prompt_embeds must be [num_tokens, {self.hidden_size}], "
+                                 f"got {list(prompt_embeds.shape)}")
+            weight = self.runner.input_embeddings.weight
+            prompt_embeds = prompt_embeds.detach().to(weight.device, weight.dtype)
+            # Placeholder ids: only their count matters; such requests never use the prefix cache.
+            prompt_token_ids = [0] * prompt_embeds.shape[0]
+        elif prompt_token_ids is None:
+            raise ValueError("give prompt_token_ids or prompt_embeds")
+        else:
+            prompt_token_ids = list(prompt_token_ids)
+            if prompt_token_ids and not all(isinstance(t, int) and 0 <= t < self.vocab_size
+                                            for t in prompt_token_ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            arrival_index=next(self._arrival_counter),
+            sampling_state=SamplingState.for_params(params, self.runner.logits_device),
+            prompt_embeds=prompt_embeds,
+        )
+        self.scheduler.add(request)
+        logger.debug("request %s added: %d prompt tokens", request_id, request.num_prompt_tokens)
+
+    def abort_request(self, request_id: str) -> None:
+        if self.scheduler.abort(request_id) is not None:
+            self._pending_outputs.append(RequestOutput(request_id, [], True, FinishReason.ABORT.value))
+
+    def has_unfinished_requests(self) -> bool:
+        """True while ``step()`` has work to do or outputs to report."""
+        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
+
+    # ----------------------------------------------------------------- one step
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.scheduled:
+            return outputs
+        self._num_steps += 1
+        logits, sampled_requests = self.runner.execute(scheduler_output.scheduled)  # [num_sampled, V]
+        sampled_token_ids = {}
+        if sampled_requests:
+            token_ids = self.sampler(logits, self._sampler_batch(sampled_requests)).tolist()
+            sampled_token_ids = {r.request_id: t for r, t in zip(sampled_requests, token_ids)}
+        outputs += self.scheduler.update(scheduler_output, sampled_token_ids)
+        return outputs
+
+    def _sampler_batch(self, requests: list[Request]) -> SamplerBatch:
+        # Seen ids only for rows with repetition penalty: greedy rows stay a bare argmax.
+        seen = [_seen_token_ids(r) if r.params.needs_penalty else None for r in requests]
+        return SamplerBatch([r.params for r in requests], [r.sampling_state for r in requests], seen)
+
+    # ----------------------------------------------------------------- helpers
+
+    def generate_batch_stream(
+        self, requests: Iterable[tuple[str, list[int] | None, SamplingParams, torch.Tensor | None]]
+    ) -> Iterator[list[RequestOutput]]:
+        """Synchronous batch mode: add the requests, then step until all of them finish, yielding each
+        step's outputs for them. If one add fails, the ones already added are aborted and the error is
+        raised. Closing the iterator early aborts the unfinished ones."""
+        unfinished: set[str] = set()
+        try:
+            for request_id, prompt_token_ids, params, prompt_embeds in requests:
+                self.add_request(request_id, prompt_token_ids, params, prompt_embeds)
+                unfinished.add(request_id)
+            while unfinished:
+                outputs = [o for o in self.step() if o.request_id in unfinished]
+                unfinished.difference_update(o.request_id for o in outputs if o.finished)
+                if outputs:
+                    yield outputs
+        finally:
+            for request_id in unfinished:
+                self.abort_request(request_id)
+            self._pending_outputs = [o for o in self._pending_outputs if o.request_id not in unfinished]
+
+    def stats(self) -> EngineStats:
+        counters = self.scheduler.counters
+        pool = self.scheduler.block_pool
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=pool.num_free_blocks,
+            num_total_blocks=pool.num_blocks,
+            block_size=pool.block_size,
+            max_model_len=self.max_model_len,
+            num_preemptions=counters.num_preemptions,
+            prefix_cache_queries=counters.prefix_cache_queries,
+            prefix_cache_hits=counters.prefix_cache_hits,
+            num_prefill_tokens_computed=counters.num_prefill_tokens_computed,
+            num_decode_tokens_computed=counters.num_decode_tokens_computed,
+            num_steps=self._num_steps,
+        )
+
+
+def _seen_token_ids(request: Request) -> list[int]:
+    # An embeddings prompt has no ids (as in generate(inputs_embeds=...)): only the output counts.
+    return request.output_token_ids if request.prompt_embeds is not None else request.all_token_ids()

@@ -1,0 +1,125 @@
+"""The paged K/V tensors: one preallocated pool per attention layer, and how many blocks to make.
+
+Layer ``i`` owns ``key_caches[i]`` and ``value_caches[i]``, each ``[num_blocks, block_size,
+num_kv_heads, head_dim]`` on the device and in the dtype of that layer's attention weights, so a model
+split across devices keeps each layer's cache beside the layer. Block ``b``'s slot ``s`` is the flat
+row ``b * block_size + s`` of ``key_caches[i].view(-1, num_kv_heads, head_dim)`` (the slot mapping).
+
+Sizing (``choose_num_blocks``): an explicit block count wins; else ``kv_cache_memory_mib``; else on
+CUDA the free memory times ``gpu_memory_utilization``; else (CPU) enough blocks for ``max_num_seqs``
+sequences of ``max_model_len`` tokens, capped at ``CPU_DEFAULT_CAP_BYTES``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+CPU_DEFAULT_CAP_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    layer_devices: tuple[torch.device, ...]
+    layer_dtypes: tuple[torch.dtype, ...]
+
+    def bytes_per_token(self) -> int:
+        # K and V, every layer.
+        return sum(2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dt).element_size()
+                   for dt in self.layer_dtypes)
+
+
+def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
+    """layer_idx -> the self-attention module of that layer (the ones that call the attention interface)."""
+    found: dict[int, nn.Module] = {}
+    for module in model.modules():
+        layer_idx = getattr(module, "layer_idx", None)
+        if isinstance(layer_idx, int) and type(module).__name__.endswith("Attention") and layer_idx not in found:
+            found[layer_idx] = module
+    return found
+
+
+def layout_for_model(model: nn.Module) -> KVCacheLayout:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    modules = attention_modules(model)
+    num_layers = config.num_hidden_layers
+    if sorted(modules) != list(range(num_layers)):
+        raise NotImplementedError(
+            f"{type(model).__name__}: expected attention modules with layer_idx 0..{num_layers - 1}, "
+            f"found {sorted(modules)}"
+        )
+    devices, dtypes = [], []
+    for i in range(num_layers):
+        weight = next(modules[i].parameters())
+        devices.append(weight.device)
+        # Quantized weights are integers; the activations (and so K/V) are in the model's float dtype.
+        dtypes.append(weight.dtype if weight.dtype.is_floating_point else model.dtype)
+    return KVCacheLayout(num_layers, num_kv_heads, head_dim, tuple(devices), tuple(dtypes))
+
+
+def choose_num_blocks(
+    layout: KVCacheLayout,
+    block_size: int,
+    *,
+    num_blocks: int | None,
+    memory_mib: int,
+    gpu_memory_utilization: float,
+    max_num_seqs: int,
+    max_model_len: int,
+) -> int:
+    bytes_per_block = layout.bytes_per_token() * block_size
+    if num_blocks:
+        return num_blocks
+    if memory_mib > 0:
+        return max(1, (memory_mib << 20) // bytes_per_block)
+    cuda_devices = sorted({d for d in layout.layer_devices if d.type == "cuda"}, key=str)
+    if cuda_devices:
+        # Every device must hold its layers' share; the tightest device decides the count.
+        counts = []
+        for device in cuda_devices:
+            free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+            budget = free_bytes - (1.0 - gpu_memory_utilization) * total_bytes
+            share = sum(1 for d in layout.layer_devices if d == device) / layout.num_layers
+            counts.append(int(budget / (bytes_per_block * share)))
+        if min(counts) < 1:
+            raise RuntimeError("no GPU memory left for the KV cache; lower the model size or raise "
+                               "GPU_MEMORY_UTILIZATION")
+        return min(counts)
+    wanted = _cdiv(max_num_seqs * max_model_len, block_size)
+    return max(1, min(wanted, CPU_DEFAULT_CAP_BYTES // bytes_per_block))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PagedKVCache:
+    def __init__(self, layout: KVCacheLayout, num_blocks: int, block_size: int):
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
+        self.key_caches = [torch.zeros(shape, dtype=dt, device=dev)
+                           for dev, dt in zip(layout.layer_devices, layout.layer_dtypes)]
+        self.value_caches = [torch.zeros(shape, dtype=dt, device=dev)
+                             for dev, dt in zip(layout.layer_devices, layout.layer_dtypes)]
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Tokens the whole pool holds: the most concurrent context across all requests."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.key_caches + self.value_caches)
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.key_caches[layer_idx], self.value_caches[layer_idx]

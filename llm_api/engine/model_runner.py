@@ -1,0 +1,122 @@
+"""Runs one scheduled step of an already-loaded Hugging Face decoder on the paged KV cache.
+
+``ModelRunner(model, kv_cache)`` switches the model to the paged attention function (any decoder whose
+attention goes through transformers' ``AttentionInterface``). ``execute(scheduled)`` packs every
+scheduled request's new tokens into one ``[1, num_tokens]`` batch (single-token sequences first, as the
+attention function expects), with per-token positions, the slot mapping and the block tables, runs the
+forward with ``use_cache=False``, and returns logits ``[num_sampled, vocab]`` only at the last token of
+each request that samples this step (``logits_to_keep`` keeps ``lm_head`` off the other positions),
+with those requests in the same order.
+
+Requests built from ``prompt_embeds`` feed their prompt positions from the embeddings (the rest, i.e.
+generated tokens being recomputed after a preemption, from the embedding table).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from llm_api.engine.attention import METADATA_KWARG, PagedAttentionMetadata, register_paged_attention
+from llm_api.engine.kv_cache import PagedKVCache
+from llm_api.engine.request import Request
+from llm_api.engine.scheduler import ScheduledRequest
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, kv_cache: PagedKVCache):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        name = register_paged_attention()
+        model.set_attn_implementation(name)
+        if getattr(model.config, "_attn_implementation", None) != name:
+            raise NotImplementedError(
+                f"{type(model).__name__} does not take a pluggable attention function (AttentionInterface)"
+            )
+        self.input_embeddings = model.get_input_embeddings()
+        self.input_device = self.input_embeddings.weight.device
+        self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    @property
+    def logits_device(self) -> torch.device:
+        output_embeddings = self.model.get_output_embeddings()
+        return output_embeddings.weight.device if output_embeddings is not None else self.input_device
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[Request]]:
+        """-> (logits [num_sampled, V], the requests those rows belong to)."""
+        block_size = self.block_size
+        ordered = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens > 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        context_lens: list[int] = []
+        block_table_rows: list[list[int]] = []
+        logit_indices: list[int] = []
+        sampled_requests: list[Request] = []
+        embeds_segments = []  # (packed offset, request, first position, end position) fed from embeddings
+        for item in ordered:
+            request = item.request
+            start = request.num_computed_tokens
+            end = start + item.num_new_tokens
+            block_ids = request.block_ids
+            if item.num_new_tokens == 1:  # the common decode case, without building lists
+                num_prompt = request.num_prompt_tokens
+                input_ids.append(request.prompt_token_ids[start] if start < num_prompt
+                                 else request.output_token_ids[start - num_prompt])
+                positions.append(start)
+                slot_mapping.append(block_ids[start // block_size] * block_size + start % block_size)
+            else:
+                input_ids.extend(request.token_ids(start, end))
+                positions.extend(range(start, end))
+                slot_mapping.extend(block_ids[p // block_size] * block_size + p % block_size
+                                    for p in range(start, end))
+            if request.prompt_embeds is not None and start < request.num_prompt_tokens:
+                embeds_segments.append((query_start_loc[-1], request, start, min(end, request.num_prompt_tokens)))
+            query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
+            context_lens.append(end)
+            block_table_rows.append(block_ids)
+            if item.samples:
+                logit_indices.append(query_start_loc[-1] - 1)
+                sampled_requests.append(request)
+
+        device = self.input_device
+        max_blocks = max(len(row) for row in block_table_rows)
+        metadata = PagedAttentionMetadata(
+            key_caches=self.kv_cache.key_caches,
+            value_caches=self.kv_cache.value_caches,
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+            block_tables=torch.tensor([row + [0] * (max_blocks - len(row)) for row in block_table_rows],
+                                      dtype=torch.long, device=device),
+            context_lens=torch.tensor(context_lens, dtype=torch.long, device=device),
+            query_start_loc=query_start_loc,
+            context_lens_list=context_lens,
+            num_decode_seqs=sum(1 for s in ordered if s.num_new_tokens == 1),
+        )
+        token_ids = torch.tensor([input_ids], dtype=torch.long, device=device)  # [1, T]
+        model_inputs = {
+            "position_ids": torch.tensor([positions], dtype=torch.long, device=device),  # [1, T]
+            "use_cache": False,
+            METADATA_KWARG: metadata,
+        }
+        if embeds_segments:
+            model_inputs["inputs_embeds"] = self._embeddings_with_prompts(token_ids, embeds_segments)
+        else:
+            model_inputs["input_ids"] = token_ids
+        if self.takes_logits_to_keep:
+            model_inputs["logits_to_keep"] = torch.tensor(logit_indices, dtype=torch.long, device=device)
+            logits = self.model(**model_inputs).logits[0]  # [num_sampled, V]
+        else:
+            logits = self.model(**model_inputs).logits[0, logit_indices]
+        return logits, sampled_requests
+
+    def _embeddings_with_prompts(self, token_ids: torch.Tensor, segments) -> torch.Tensor:
+        embeds = self.input_embeddings(token_ids)  # [1, T, H]
+        for offset, request, first, end in segments:
+            rows = request.prompt_embeds[first:end]  # [n, H]
+            embeds[0, offset : offset + rows.shape[0]] = rows.to(embeds.device, embeds.dtype)
+        return embeds
