@@ -1,0 +1,97 @@
+"""Helpers for engine tests: tiny random decoders (fp32, seeded), the generate() oracle, drivers.
+
+Every helper that runs requests through an engine ends with ``assert_engine_idle``: no request left and
+every KV block free again, with the pool's invariants intact.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from llm_api.engine.engine import EngineConfig, LLMEngine
+from llm_api.sampling import SamplingParams
+
+VOCAB_SIZE = 1000
+_COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=128, vocab_size=VOCAB_SIZE, max_position_embeddings=512)
+
+TINY_CONFIGS = {
+    "llama": lambda: LlamaConfig(**_COMMON),
+    # A window shorter than the longest context, so the sliding-window mask is exercised.
+    "mistral": lambda: MistralConfig(**_COMMON, sliding_window=24),
+    "qwen2": lambda: Qwen2Config(**_COMMON),
+    "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=16),
+    "gpt2": lambda: GPT2Config(n_embd=64, n_layer=2, n_head=4, n_inner=128, vocab_size=VOCAB_SIZE, n_positions=512),
+}
+
+
+def tiny_model(arch: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[arch](), dtype=torch.float32)
+    return model.eval()
+
+
+def get_model(cache: dict, arch: str):
+    if arch not in cache:
+        cache[arch] = (tiny_model(arch), tiny_model(arch))  # (for the engine, for generate())
+    return cache[arch]
+
+
+def random_prompt(generator: torch.Generator, length: int) -> list[int]:
+    return torch.randint(0, VOCAB_SIZE, (length,), generator=generator).tolist()
+
+
+@torch.inference_mode()
+def reference_greedy(model, prompt_token_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None):
+    """generate() alone on one prompt (no padding): the token ids it appends, EOS included."""
+    input_ids = torch.tensor([prompt_token_ids])
+    output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                            max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=0)
+    return output[0, len(prompt_token_ids):].tolist()
+
+
+def make_engine(model, eos_token_ids=(), **config) -> LLMEngine:
+    config.setdefault("block_size", 4)
+    config.setdefault("num_blocks", 256)
+    return LLMEngine(model, EngineConfig(**config), eos_token_ids=set(eos_token_ids))
+
+
+def run_engine(engine: LLMEngine, arrivals: dict[int, list[tuple]], max_steps: int = 10_000):
+    """arrivals: step index -> [(request_id, prompt_token_ids, SamplingParams)] added before that step.
+    Returns request_id -> (generated token ids, finish reason) and checks the engine ends idle."""
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    for step in range(max_steps):
+        for request_id, prompt, params in arrivals.get(step, []):
+            engine.add_request(request_id, prompt, params)
+            tokens[request_id] = []
+        if step > max(arrivals) and not engine.has_unfinished_requests():
+            break
+        for output in engine.step():
+            tokens[output.request_id].extend(output.new_token_ids)
+            if output.finished:
+                reasons[output.request_id] = output.finish_reason
+    else:
+        raise AssertionError("engine did not finish")
+    assert_engine_idle(engine)
+    return {rid: (tokens[rid], reasons.get(rid)) for rid in tokens}
+
+
+def assert_engine_idle(engine: LLMEngine) -> None:
+    stats = engine.stats()
+    assert not engine.has_unfinished_requests()
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.num_free_blocks == stats.num_total_blocks, "KV blocks leaked"
+    engine.scheduler.block_pool.check_invariants({})
+
+
+def greedy(max_new_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
