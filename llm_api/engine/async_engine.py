@@ -1,0 +1,181 @@
+"""AsyncLLMEngine: one engine thread stepping ``LLMEngine``, and per-request asyncio streams.
+
+The engine (and its scheduler) is not thread-safe, so every add and abort is queued and applied by the
+engine thread between steps. The thread steps while there is work and sleeps on a condition when idle
+(no busy spinning). Outputs reach each request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``.
+
+``generate()`` raises add_request's error (bad input, prompt too long) before yielding anything; if
+``step()`` raises, every stream then in the engine ends with that error and their requests are aborted,
+so no stream hangs; if the consumer stops iterating or is cancelled, its request is aborted in a
+``finally``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import torch
+
+from llm_api.engine.engine import LLMEngine, RequestOutput
+from llm_api.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine was shut down (or its thread died) before the request finished."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue  # RequestOutput items, or one BaseException that ends the stream
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the consumer's loop is closed: nobody is listening any more
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int] | None
+    params: SamplingParams
+    prompt_embeds: torch.Tensor | None
+    stream: _Stream
+    added: asyncio.Future  # resolved (or failed) once add_request ran on the engine thread
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._streams: dict[str, _Stream] = {}  # owned by the engine thread
+        self._commands: list[_Add | str] = []  # an add, or the id of a request to abort
+        self._wakeup = threading.Condition()
+        self._shutdown = False
+        self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------- caller side
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int] | None, params: SamplingParams,
+                       prompt_embeds: torch.Tensor | None = None) -> AsyncIterator[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
+        added = loop.create_future()
+        self._submit(_Add(request_id, prompt_token_ids, params, prompt_embeds, stream, added))
+        finished = False
+        try:
+            await added  # add_request's error surfaces here, before any output
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort from any thread: applied between steps, frees the request's blocks."""
+        self._submit(request_id)
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        with self._wakeup:
+            self._shutdown = True
+            self._wakeup.notify()
+        self._thread.join(timeout)
+
+    def _submit(self, command) -> None:
+        with self._wakeup:
+            if self._shutdown:
+                raise EngineDeadError("the engine is shut down")
+            self._commands.append(command)
+            self._wakeup.notify()
+
+    # ----------------------------------------------------------------- engine thread
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._wakeup:
+                    while not (self._commands or self._shutdown or self.engine.has_unfinished_requests()):
+                        self._wakeup.wait()
+                    if self._shutdown:
+                        break
+                    commands, self._commands = self._commands, []
+                for command in commands:
+                    self._apply(command)
+                if self.engine.has_unfinished_requests():
+                    self._step()
+        finally:
+            dead = EngineDeadError("the engine is shut down")
+            self._end_streams(dead)
+            with self._wakeup:
+                self._shutdown = True  # later submits fail at once instead of waiting forever
+                pending, self._commands = self._commands, []
+            for command in pending:
+                if isinstance(command, _Add):
+                    _resolve(command.stream.loop, command.added, dead)
+
+    def _apply(self, command) -> None:
+        if isinstance(command, str):
+            self.engine.abort_request(command)
+            return
+        try:
+            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                    command.prompt_embeds)
+        except Exception as error:  # bad input: this caller's problem only
+            _resolve(command.stream.loop, command.added, error)
+            return
+        self._streams[command.request_id] = command.stream
+        _resolve(command.stream.loop, command.added, None)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as error:
+            logger.exception("engine step failed; ending %d streams", len(self._streams))
+            # The scheduler may be mid-step: abort every request so its blocks are freed.
+            for request_id in list(self.engine.scheduler.requests):
+                self.engine.abort_request(request_id)
+            self.engine.step()  # drains the abort notices; schedules nothing
+            self._end_streams(error)
+            return
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # its consumer already left (the abort came from its finally)
+            stream.put(output)
+            if output.finished:
+                del self._streams[output.request_id]
+
+    def _end_streams(self, error: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.put(error)
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, error: BaseException | None) -> None:
+    def settle():
+        if future.done():
+            return  # the caller was cancelled while waiting
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:
+        pass
