@@ -1,0 +1,206 @@
+"""Clients for a running llm_api TorchServe: HTTP (sync and aiohttp) and gRPC, streaming and unary.
+
+Every streaming call yields text deltas and stops at the end-of-stream marker, which it does not
+yield. A stream that ends without the marker, or with an error object, raises ``StreamError``; a
+refused request raises ``RequestRefused`` carrying the server's ``{"code", "type", "message"}``.
+Chunks are decoded incrementally, so a UTF-8 character split across network chunks is never garbled.
+
+Authorization: TorchServe writes its keys to ``key_file.json`` in the directory it was started from;
+``read_key()`` reads one (the inference key by default).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import AsyncIterator, Iterator, Mapping
+
+DEFAULT_MARKER = "<|endoftext|>"
+
+
+class RequestRefused(Exception):
+    def __init__(self, status: int, body: bytes | str):
+        self.status = status
+        text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+        try:
+            self.error = json.loads(text)
+        except json.JSONDecodeError:
+            self.error = {"code": status, "type": "http_error", "message": text}
+        super().__init__(f"{status}: {self.error.get('message', text)}")
+
+
+class StreamError(Exception):
+    """The stream ended without the end-of-stream marker."""
+
+
+def read_key(key_file: str | Path = "key_file.json", kind: str = "inference") -> str:
+    return json.loads(Path(key_file).read_text())[kind]["key"]
+
+
+class _MarkerScanner:
+    """Bytes in -> text out, holding back anything that may be the start of the marker."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+        self.done = False
+        self.text = ""
+        self._decoder = codecs.getincrementaldecoder("utf-8")()
+        self._pending = ""
+
+    def feed(self, data: bytes) -> str:
+        buf = self._pending + self._decoder.decode(data)
+        at = buf.find(self.marker)
+        if at >= 0:
+            self.done = True
+            self._pending = ""
+            out = buf[:at]
+        else:
+            hold = next((n for n in range(min(len(self.marker) - 1, len(buf)), 0, -1) if buf.endswith(self.marker[:n])), 0)
+            out, self._pending = buf[: len(buf) - hold], buf[len(buf) - hold :]
+        self.text += out
+        return out
+
+    def close(self) -> None:
+        if self.done:
+            return
+        tail = self._pending + self._decoder.decode(b"", final=True)
+        whole = (self.text + tail).strip()
+        # gRPC carries a refused request as an ordinary message holding the error object.
+        if whole.startswith("{"):
+            try:
+                error = json.loads(whole)
+            except json.JSONDecodeError:
+                error = None
+            if isinstance(error, dict) and "code" in error:
+                raise RequestRefused(int(error["code"]), whole)
+        raise StreamError(f"stream ended without the end-of-stream marker: {whole[-300:]!r}")
+
+
+def _headers(key: str | None) -> dict:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+class HTTPClient:
+    """Blocking HTTP client (standard library only)."""
+
+    def __init__(self, base_url: str, model: str, key: str | None = None, marker: str = DEFAULT_MARKER, timeout: float = 600):
+        self.url = f"{base_url.rstrip('/')}/predictions/{model}"
+        self.key = key
+        self.marker = marker
+        self.timeout = timeout
+
+    def stream(self, payload: Mapping, chunk_size: int = 64) -> Iterator[str]:
+        req = urllib.request.Request(
+            self.url,
+            data=json.dumps(payload).encode("utf-8"),
+            headers={"Content-Type": "application/json", **_headers(self.key)},
+        )
+        try:
+            resp = urllib.request.urlopen(req, timeout=self.timeout)
+        except urllib.error.HTTPError as err:
+            raise RequestRefused(err.code, err.read()) from None
+        scanner = _MarkerScanner(self.marker)
+        with resp:
+            while not scanner.done:
+                data = resp.read1(chunk_size) if hasattr(resp, "read1") else resp.read(chunk_size)
+                if not data:
+                    break
+                text = scanner.feed(data)
+                if text:
+                    yield text
+        scanner.close()
+
+    def generate(self, payload: Mapping) -> str:
+        return "".join(self.stream(payload))
+
+
+class AsyncHTTPClient:
+    """aiohttp client; pass an existing ``aiohttp.ClientSession`` or let it open one per call."""
+
+    def __init__(self, base_url: str, model: str, key: str | None = None, marker: str = DEFAULT_MARKER, session=None):
+        self.url = f"{base_url.rstrip('/')}/predictions/{model}"
+        self.key = key
+        self.marker = marker
+        self.session = session
+
+    async def stream(self, payload: Mapping, chunk_size: int = 32) -> AsyncIterator[str]:
+        import aiohttp
+
+        session = self.session or aiohttp.ClientSession()
+        try:
+            async with session.post(self.url, json=dict(payload), headers=_headers(self.key)) as resp:
+                if resp.status != 200:
+                    raise RequestRefused(resp.status, await resp.read())
+                scanner = _MarkerScanner(self.marker)
+                while not scanner.done:
+                    data = await resp.content.read(chunk_size)
+                    if not data:
+                        break
+                    text = scanner.feed(data)
+                    if text:
+                        yield text
+                scanner.close()
+        finally:
+            if self.session is None:
+                await session.close()
+
+    async def generate(self, payload: Mapping) -> str:
+        return "".join([t async for t in self.stream(payload)])
+
+
+class GRPCClient:
+    """gRPC client for TorchServe's InferenceAPIsService (streaming needs ``stream=true``)."""
+
+    def __init__(self, target: str, model: str, key: str | None = None, marker: str = DEFAULT_MARKER, timeout: float = 600):
+        import grpc
+
+        from llm_api.proto import inference_pb2, inference_pb2_grpc
+
+        self._pb2 = inference_pb2
+        self._channel = grpc.insecure_channel(target)
+        self._stub = inference_pb2_grpc.InferenceAPIsServiceStub(self._channel)
+        self.model = model
+        self.marker = marker
+        self.timeout = timeout
+        self._metadata = (("authorization", f"Bearer {key}"),) if key else ()
+
+    def _request(self, inputs: Mapping, stream: bool):
+        fields = {k: (v if isinstance(v, bytes) else str(v).encode("utf-8")) for k, v in inputs.items()}
+        if stream:
+            fields["stream"] = b"true"
+        return self._pb2.PredictionsRequest(model_name=self.model, input=fields)
+
+    def stream(self, inputs: Mapping) -> Iterator[str]:
+        """Yield text deltas. ``inputs`` are form-style fields: text/messages/params as strings."""
+        scanner = _MarkerScanner(self.marker)
+        responses = self._stub.StreamPredictions(self._request(inputs, True), metadata=self._metadata, timeout=self.timeout)
+        for i, response in enumerate(responses):
+            if i == 0 and response.prediction.startswith(b'{"code"') and self.marker.encode() not in response.prediction:
+                scanner.feed(response.prediction)
+                scanner.close()  # raises RequestRefused with the server's error object
+            text = scanner.feed(response.prediction)
+            if text:
+                yield text
+            if scanner.done:
+                break
+        scanner.close()
+
+    def generate(self, inputs: Mapping) -> str:
+        """Unary Predictions: the whole answer in one message."""
+        response = self._stub.Predictions(self._request(inputs, False), metadata=self._metadata, timeout=self.timeout)
+        scanner = _MarkerScanner(self.marker)
+        text = scanner.feed(response.prediction)
+        scanner.close()
+        return text
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

