@@ -135,6 +135,8 @@ class LLMHandler(BaseHandler):
         for key, stream in streams.items():
             if index_of[key] not in results:
                 results[index_of[key]] = stream.finish(stream.finish_reason)
+        for idx in range(len(data)):
+            self._mark_last_message(context, idx, streamed=any(s.started for k, s in streams.items() if index_of[k] == idx))
         logger.info("handle: batch of %d done in %.2fs", len(data), time.monotonic() - started)
         return [results[i] for i in range(len(data))]
 
@@ -188,6 +190,17 @@ class LLMHandler(BaseHandler):
         # HTTP requests carry their headers (url_path among them); gRPC requests carry none.
         headers = context.request_processor[idx].get_request_properties() if context.request_processor else {}
         return not any(isinstance(v, str) for v in headers.values())
+
+    def _mark_last_message(self, context, idx: int, streamed: bool) -> None:
+        """Tell TorchServe's gRPC frontend that this message ends the call.
+
+        A StreamPredictions call must end with ``ts_stream_next: false`` (without the header the
+        frontend throws and the worker dies), and the backend cannot tell it from a unary call, so
+        every gRPC answer that was not streamed carries it (a unary call ignores it). HTTP must not
+        get it on a non-streamed answer: the frontend would then skip the response headers.
+        """
+        if not streamed and self._is_grpc(context, idx):
+            context.set_response_header(idx, "ts_stream_next", "false")
 
     @staticmethod
     def _set_error(context, idx: int, code: int, message: str) -> None:

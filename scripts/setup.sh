@@ -19,10 +19,11 @@ fi
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# Reinstall only when what we install changed (the stamp hashes the inputs).
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-${extras:-serve}-$(echo "$TORCH_SPEC" | sha256sum | cut -c1-8)"
-stamp=".venv/.llm_api-installed"
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+# Reinstall only when what we install changed (the stamp hashes the inputs). The test install is a
+# superset of the serving one, so either stamp satisfies a serving set-up.
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$(echo "$TORCH_SPEC" | sha256sum | cut -c1-8)"
+stamp=".venv/.llm_api-installed-${extras:-serve}"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] && { [ -n "$extras" ] || [ "$(cat .venv/.llm_api-installed-test 2>/dev/null)" != "$want" ]; }; then
   echo "setup: installing $TORCH_SPEC and llm_api${extras:+[$extras]}"
   # torch first, pinned: the package's own range is then already satisfied and pulls nothing more.
   # shellcheck disable=SC2086

@@ -126,7 +126,8 @@ class TorchServe:
         return workers[0]["status"] if workers else None
 
     def tail(self, n: int = 4000) -> str:
-        out = (self.workdir / "torchserve.out").read_text(errors="replace")[-n:]
+        out_file = self.workdir / "torchserve.out"
+        out = out_file.read_text(errors="replace")[-n:] if out_file.exists() else ""
         return out + "\n--- model_log ---\n" + self.model_log()[-n:]
 
     def stop(self) -> None:

@@ -1,0 +1,51 @@
+"""Incremental detokenizing: deltas add up to the full decode, UTF-8 is never split, stops cut."""
+
+import pytest
+
+from llm_api.detokenizer import IncrementalDetokenizer, TextStream
+
+MARKER = "<|endoftext|>"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(embedded_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded_model_path)
+
+
+@pytest.mark.parametrize("text", ["Hello world, how are you?", "naïve café — 日本語のテキスト 🙂👍🏽 end", "  spaces\n\nand\ttabs  "])
+def test_deltas_concatenate_to_decode(tokenizer, text):
+    ids = tokenizer(text)["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.push([i]) for i in ids]
+    deltas.append(detok.flush())
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_multibyte_character_is_not_split(tokenizer):
+    ids = tokenizer("🙂")["input_ids"]
+    assert len(ids) > 1  # byte-level BPE spreads the emoji over several tokens
+    detok = IncrementalDetokenizer(tokenizer)
+    assert [detok.push([i]) for i in ids][:-1] == [""] * (len(ids) - 1)
+
+
+def test_stop_string_cuts_text_across_tokens(tokenizer):
+    ids = tokenizer("one two three four")["input_ids"]
+    stream = TextStream(tokenizer, ["three"], MARKER)
+    out, stopped = "", False
+    for i in ids:
+        delta = stream.push([i])
+        out += delta.text
+        if delta.stopped:
+            stopped = True
+            break
+    assert stopped and out == "one two "
+
+
+def test_marker_never_appears_in_model_text(tokenizer):
+    ids = tokenizer("a <|endoftext|> b <|endof")["input_ids"]
+    stream = TextStream(tokenizer, [], MARKER)
+    out = "".join(stream.push([i]).text for i in ids) + stream.finish()
+    assert MARKER not in out and out.startswith("a ") and "b" in out

@@ -1,0 +1,87 @@
+"""The README's commands: the archiver command as written, the main job, and bad settings."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from llm_api.client import HTTPClient
+from tests.ts_server import TorchServe, _group_alive, free_port
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def test_archiver_command_as_written(tmp_path):
+    (tmp_path / "llm_api").mkdir()
+    shutil.copy(REPO / "llm_api" / "custom_handler.py", tmp_path / "llm_api")
+    (tmp_path / "model-store").mkdir()
+    env = {**os.environ, "MODEL_NAME": "smollm2", "PATH": f"{BIN}:{os.environ['PATH']}"}
+    subprocess.run(
+        "torch-model-archiver --model-name $MODEL_NAME --version 1.0 --handler llm_api/custom_handler.py "
+        "--archive-format no-archive --export-path model-store",
+        shell=True, check=True, cwd=tmp_path, env=env,
+    )
+    archive = tmp_path / "model-store" / "smollm2"
+    assert (archive / "custom_handler.py").is_file() and (archive / "MAR-INF" / "MANIFEST.json").is_file()
+
+
+@pytest.mark.server
+def test_bad_env_value_stops_the_model_loading(tmp_path, embedded_model_path):
+    server = TorchServe(tmp_path, env={"MODEL_PATH": str(embedded_model_path), "DTYPE": "float8"})
+    try:
+        server.start(wait_ready=False)
+        deadline = time.monotonic() + 120
+        while "DTYPE='float8' is not supported" not in server.model_log() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        log = server.model_log()
+        assert "DTYPE='float8' is not supported; allowed values: bfloat16, float16, float32, auto" in log
+        assert server.worker_status() != "READY"
+    finally:
+        server.stop()
+
+
+@pytest.mark.server
+def test_main_job_serves_the_embedded_model(tmp_path):
+    """`make serve` as a user runs it, with ports moved by TorchServe's TS_* variables."""
+    ports = {name: free_port() for name in ("inference", "management", "metrics", "grpc", "grpc_mgmt")}
+    env = {
+        **os.environ,
+        "TMPDIR": str(tmp_path),
+        "TS_INFERENCE_ADDRESS": f"http://127.0.0.1:{ports['inference']}",
+        "TS_MANAGEMENT_ADDRESS": f"http://127.0.0.1:{ports['management']}",
+        "TS_METRICS_ADDRESS": f"http://127.0.0.1:{ports['metrics']}",
+        "TS_GRPC_INFERENCE_PORT": str(ports["grpc"]),
+        "TS_GRPC_MANAGEMENT_PORT": str(ports["grpc_mgmt"]),
+    }
+    out = open(tmp_path / "serve.out", "wb")
+    proc = subprocess.Popen(["make", "serve"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        probe = TorchServe(REPO, ports=ports)  # reads REPO/key_file.json and asks the management API
+        probe.proc = proc
+        probe.wait_ready(timeout=300)
+        text = (tmp_path / "serve.out").read_text(errors="replace")
+        assert "curl -N" in text  # it says how to call it
+        key = probe.key()
+        answer = HTTPClient(f"http://127.0.0.1:{ports['inference']}", "smollm2", key).generate(
+            {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_new_tokens": 24}
+        )
+        assert "Paris" in answer
+    finally:
+        for sig in (15, 9):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + 15
+            while _group_alive(proc.pid) and time.monotonic() < deadline:
+                proc.poll()
+                time.sleep(0.2)
+            if not _group_alive(proc.pid):
+                break
+        proc.poll()

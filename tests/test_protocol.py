@@ -1,0 +1,121 @@
+"""Request parsing: each malformed request is refused with its own type and a message naming it."""
+
+import json
+
+import pytest
+
+from llm_api.protocol import Limits, RequestError, parse_request
+
+LIMITS = Limits(max_input_tokens=8, max_new_tokens=100, hidden_size=4)
+
+
+def body(obj) -> dict:
+    return {"body": json.dumps(obj).encode()}
+
+
+def refused(row, type_=None, needle=None) -> RequestError:
+    with pytest.raises(RequestError) as err:
+        parse_request(row, LIMITS)
+    if type_:
+        assert err.value.type == type_, err.value.message
+    if needle:
+        assert needle in err.value.message
+    assert err.value.code == 400
+    assert set(err.value.to_json()) == {"code", "type", "message"}
+    return err.value
+
+
+def test_json_text_with_params():
+    req = parse_request(body({"text": "hi", "max_new_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 3,
+                              "repetition_penalty": 1.2, "seed": 7, "stop": ["\n"]}), LIMITS)
+    p = req.params
+    assert req.text == "hi" and req.stream
+    assert (p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.seed, p.stop) == (5, 0.5, 0.9, 3, 1.2, 7, ("\n",))
+    assert p.do_sample  # a sampling control implies sampling
+
+
+def test_defaults_are_greedy():
+    p = parse_request(body({"text": "hi"}), LIMITS).params
+    assert p.greedy and p.max_new_tokens == 100  # default capped by MAX_NEW_TOKENS
+
+
+def test_form_fields_are_coerced():
+    req = parse_request({"text": b"hello", "max_new_tokens": b"3", "do_sample": b"false", "temperature": b"0.7",
+                         "stop": b'["a", "b"]', "stream": b"false"}, LIMITS)
+    assert req.params.max_new_tokens == 3 and not req.params.do_sample and req.params.temperature == 0.7
+    assert req.params.stop == ("a", "b") and not req.stream
+
+
+def test_messages_and_embeds():
+    req = parse_request(body({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}), LIMITS)
+    assert req.input_kind == "messages" and len(req.messages) == 2
+    req = parse_request(body({"inputs_embeds": [[0.1, 0.2, 0.3, 0.4]] * 3}), LIMITS)
+    assert req.input_kind == "inputs_embeds"
+    req = parse_request({"messages": b'[{"role": "user", "content": "x"}]'}, LIMITS)
+    assert req.messages[0]["content"] == "x"
+
+
+@pytest.mark.parametrize(
+    "row, type_, needle",
+    [
+        ({"body": b""}, "empty_body", "empty"),
+        ({"body": b"   "}, "empty_body", "empty"),
+        ({"body": b'{"text": "hi"'}, "invalid_json", "invalid JSON"),
+        ({"body": b"[1, 2]"}, "invalid_json", "must be an object"),
+        ({"body": b'"text"'}, "invalid_json", "must be an object"),
+        ({"body": b'{"text": "\xff\xfe"}'}, "invalid_encoding", "UTF-8"),
+        ({"body": b'{"text": "a", "text": "b"}'}, "invalid_json", "duplicate"),
+        ({"body": b'{"text": "a", "temperature": NaN}'}, "invalid_json", "NaN"),
+        ({"body": b'{"text": "a", "temperature": Infinity}'}, "invalid_json", "Infinity"),
+        ({"body": b'{"text": "a", "x": ' + b"[" * 100 + b"]" * 100 + b"}"}, "invalid_json", "nested"),
+        ({"body": b'{"text": "\\ud800"}'}, "invalid_input", "surrogate"),
+        ({"body": b'{"text": "a\\u0000b"}'}, "invalid_input", "NUL"),
+        ({}, "empty_body", None),
+        ({"text": b"\xc3"}, "invalid_encoding", "UTF-8"),
+    ],
+)
+def test_malformed_payloads(row, type_, needle):
+    refused(row, type_, needle)
+
+
+@pytest.mark.parametrize(
+    "obj, type_, needle",
+    [
+        ({}, "missing_input", "one input"),
+        ({"max_new_tokens": 3}, "missing_input", "one input"),
+        ({"text": "a", "messages": [{"role": "user", "content": "b"}]}, "too_many_inputs", "text and messages"),
+        ({"text": ""}, "invalid_input", "empty"),
+        ({"text": 5}, "invalid_input", "string"),
+        ({"text": "a", "bogus": 1}, "unknown_field", "'bogus'"),
+        ({"messages": []}, "invalid_input", "non-empty"),
+        ({"messages": "hello"}, "invalid_input", "non-empty array"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "invalid_input", "role"),
+        ({"messages": [{"role": "user"}]}, "invalid_input", "content"),
+        ({"messages": [["user", "x"]]}, "invalid_input", "object"),
+        ({"inputs_embeds": [[0.1, 0.2]]}, "invalid_input", "hidden size is 4"),
+        ({"inputs_embeds": [[0.1, 0.2, 0.3, "x"]]}, "invalid_input", "finite"),
+        ({"inputs_embeds": [[1, 2, 3, 4]] * 9}, "prompt_too_long", "MAX_INPUT_TOKENS=8"),
+        ({"inputs_embeds": []}, "invalid_input", "non-empty"),
+        ({"inputs_embeds": [1, 2, 3, 4]}, "invalid_input", "array of numbers"),
+        ({"text": "a", "temperature": -0.1}, "invalid_parameter", "'temperature'"),
+        ({"text": "a", "temperature": "hot"}, "invalid_parameter", "'temperature' must be a number"),
+        ({"text": "a", "temperature": True}, "invalid_parameter", "'temperature' must be a number"),
+        ({"text": "a", "top_p": 0}, "invalid_parameter", "'top_p' must be in (0, 1]"),
+        ({"text": "a", "top_p": 1.5}, "invalid_parameter", "'top_p'"),
+        ({"text": "a", "top_k": -1}, "invalid_parameter", "'top_k'"),
+        ({"text": "a", "top_k": 2.5}, "invalid_parameter", "'top_k' must be an integer"),
+        ({"text": "a", "max_new_tokens": 0}, "invalid_parameter", "'max_new_tokens' must be between 1 and 100"),
+        ({"text": "a", "max_new_tokens": 101}, "invalid_parameter", "'max_new_tokens'"),
+        ({"text": "a", "max_new_tokens": 10**30}, "invalid_parameter", "'max_new_tokens'"),
+        ({"text": "a", "max_new_tokens": "ten"}, "invalid_parameter", "'max_new_tokens' must be an integer"),
+        ({"text": "a", "repetition_penalty": 0}, "invalid_parameter", "'repetition_penalty'"),
+        ({"text": "a", "do_sample": "maybe"}, "invalid_parameter", "'do_sample'"),
+        ({"text": "a", "seed": -1}, "invalid_parameter", "'seed'"),
+        ({"text": "a", "stop": ["x"] * 17}, "invalid_parameter", "at most 16"),
+        ({"text": "a", "stop": [1]}, "invalid_parameter", "'stop'"),
+        ({"text": "a", "stop": [""]}, "invalid_parameter", "stop string"),
+        ({"text": "a", "stream": "sometimes"}, "invalid_parameter", "'stream'"),
+    ],
+)
+def test_invalid_requests(obj, type_, needle):
+    refused(body(obj), type_, needle)
