@@ -1,4 +1,4 @@
-"""A real TorchServe for tests: own ports, own TMPDIR and working directory, stopped by its pid.
+"""A real TorchServe for tests and benchmarks: own ports, own TMPDIR and working directory, stopped by its pid.
 
 ``TorchServe.start()`` builds the archive (a folder, or a ``.mar``) from the repo's handler and the
 given model-config, writes a config.properties that is the shipped one with free loopback ports, and

@@ -45,7 +45,7 @@ def embedded_lm(embedded_model_path):
 
 
 def _serve(tmp_path_factory, embedded_model_path, name: str, model_config: str | None, **kw):
-    from tests.ts_server import TorchServe
+    from llm_api.local_server import TorchServe
 
     env = {"MODEL_PATH": str(embedded_model_path), **kw.pop("env", {})}
     server = TorchServe(tmp_path_factory.mktemp(name), model_config=model_config, env=env, **kw)

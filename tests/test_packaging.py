@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from llm_api.client import HTTPClient
-from tests.ts_server import TorchServe, _group_alive, free_port
+from llm_api.local_server import TorchServe, _group_alive, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

@@ -58,3 +58,18 @@ def test_grpc_without_key_is_refused(classic_server):
         with pytest.raises(grpc.RpcError) as err:
             service.Predictions(request, timeout=30)
         assert err.value.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
+
+
+@pytest.mark.parametrize("script, needle", [("http_stream.py", "Paris"), ("grpc_stream.py", "unary:")])
+def test_example_scripts(classic_server, script, needle):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "LLM_API_HTTP": classic_server.http, "LLM_API_GRPC": classic_server.grpc}
+    repo = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, str(repo / "examples" / script)], cwd=classic_server.workdir, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert needle in done.stdout and MARKER not in done.stdout

@@ -1,0 +1,17 @@
+"""Stream an answer over gRPC (StreamPredictions with stream=true), then one unary call.
+
+Usage (with `make serve` running, from the repo root so key_file.json is found):
+    .venv/bin/python examples/grpc_stream.py "Once upon a time"
+"""
+
+import os
+import sys
+
+from llm_api.client import GRPCClient, read_key
+
+prompt = sys.argv[1] if len(sys.argv) > 1 else "Once upon a time"
+with GRPCClient(os.environ.get("LLM_API_GRPC", "127.0.0.1:7070"), os.environ.get("MODEL_NAME", "smollm2"), key=read_key("key_file.json")) as client:
+    for text in client.stream({"text": prompt, "max_new_tokens": "64"}):
+        print(text, end="", flush=True)
+    print()
+    print("unary:", client.generate({"text": prompt, "max_new_tokens": "16"}))
