@@ -45,7 +45,7 @@ class Settings:
     quantization: str = "none"
     end_of_stream_token: str = "<|endoftext|>"
     # Generation path: the paged engine, or transformers' generate() (the reference).
-    engine: str = "generate"
+    engine: str = "paged"
     # Paged KV cache and scheduler limits.
     kv_block_size: int = 16
     kv_cache_memory_mib: int = 0  # 0: sized automatically (GPU: free memory x utilization)

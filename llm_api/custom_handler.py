@@ -1,84 +1,75 @@
 """LLMHandler: the TorchServe entry point (the only module that imports ``ts``).
 
-TorchServe calls ``initialize`` once per worker and ``handle`` with the requests it collected. The
-handler turns each row into a ``GenerationJob`` (or a 4xx JSON error for that row alone), runs the
-valid ones through the configured generation path and streams each client its own text with
-``send_intermediate_predict_response``; the final return closes every stream.
+TorchServe calls ``initialize`` once per worker and ``handle`` with the requests it collected. Each
+row becomes a job (or a 4xx JSON error for that row alone); ``ModelService`` runs the jobs and each
+client gets its own text through ``send_intermediate_predict_response``, then a final message.
 
 Two worker modes, chosen in the archive's model-config.yaml:
-* classic (default aggregator): TorchServe hands over up to ``batchSize`` requests collected within
-  ``maxBatchDelay``; they run as one batch and every stream stays open until ``handle`` returns;
-* ``asyncCommunication: true``: ``handle`` is awaited once per request and requests join the running
-  engine at its next step (see ``_handle_async``).
+* classic (the default aggregator): up to ``batchSize`` requests collected within ``maxBatchDelay``
+  arrive in one call and run as one batch; every stream stays open until ``handle`` returns;
+* ``asyncCommunication: true`` (batchSize 1): ``handle`` returns a coroutine that TorchServe awaits
+  once per request, many at a time, so requests join the running engine at its next step.
 
-TorchServe facts this relies on are listed in the project's torchserve-facts notes: the backend
-cannot tell unary gRPC from streaming gRPC (so gRPC streams only with ``stream=true``), a non-200
-status must be set per request with ``context.set_response_status``, and the module may define only
-one class.
+TorchServe 0.12 behaviours this is shaped by (see the project's torchserve-facts notes):
+* the backend cannot tell unary gRPC from StreamPredictions: gRPC streams only with ``stream=true``,
+  and a gRPC answer that was not streamed is one message marked ``ts_stream_next: false``
+  (``_final_marking``);
+* in async mode a final message without a preceding chunk is never removed from the frontend's
+  table, so HTTP answers there go out as a chunk; a 4xx cannot (the frontend closes the
+  connection after its head), so refused requests are the one exception;
+* a non-200 code for the whole batch fails every request in flight: errors are set per request
+  with ``context.set_response_status``, never raised;
+* the module may define only one class.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import os
 import time
 import uuid
+from contextlib import aclosing
 
-import torch
 from ts.handler_utils.utils import send_intermediate_predict_response
 from ts.torch_handler.base_handler import BaseHandler
 
-from llm_api import model_loader
 from llm_api.config import Settings
-from llm_api.detokenizer import TextStream
-from llm_api.generation import GenerationJob, StepOutput
-from llm_api.protocol import GenerateRequest, Limits, RequestError, parse_request
-from llm_api.reference import ReferenceGenerator
-from llm_api.response import ResponseStream
+from llm_api.protocol import CancelRequest, RequestError, parse_request
+from llm_api.serving import ModelService, Prepared
 
 logger = logging.getLogger(__name__)
 
 STREAM_CONTENT_TYPE = "text/plain; charset=utf-8"
-ERROR_CONTENT_TYPE = "application/json"
+JSON_CONTENT_TYPE = "application/json"
 
 
 class LLMHandler(BaseHandler):
     def __init__(self):
         super().__init__()
-        self.settings: Settings | None = None
-        self.lm = None
-        self.path = None
-        self.limits: Limits | None = None
+        self.service: ModelService | None = None
         self.async_mode = False
 
-    # -------------------------------------------------------------------------------------------
-    # lifecycle
-
     def initialize(self, context):
-        self.settings = Settings.from_env()  # a bad value raises here and the model does not load
+        settings = Settings.from_env()  # a bad value raises here and the model does not load
         # Parse request bodies ourselves: TorchServe's own JSON decoding accepts NaN, duplicate keys
         # and invalid UTF-8 silently (it falls back to bytes), and we want one clear error per case.
         # The worker reads this variable for every incoming message.
         os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
         yaml_config = getattr(context, "model_yaml_config", None) or {}
         self.async_mode = bool(yaml_config.get("asyncCommunication", False))
-        self.lm = model_loader.load(self.settings)
-        self.limits = Limits(
-            max_input_tokens=self.settings.max_input_tokens,
-            max_new_tokens=self.settings.max_new_tokens,
-            hidden_size=self.lm.hidden_size,
-        )
-        self.path = ReferenceGenerator(self.lm.model, self.lm.eos_token_ids, self.lm.tokenizer.pad_token_id)
+        self.service = ModelService.load(settings)
         self.initialized = True
         logger.info(
-            "LLMHandler ready: model=%s engine=%s async=%s batch_size=%s",
-            self.settings.model_name,
-            self.settings.engine,
-            self.async_mode,
-            getattr(context, "system_properties", {}).get("batch_size"),
+            "LLMHandler ready: model=%s path=%s mode=%s batch_size=%s",
+            settings.model_name, self.service.path_name, "async" if self.async_mode else "classic",
+            context.system_properties.get("batch_size"),
         )
 
     def handle(self, data, context):
+        if self.async_mode:
+            return self._handle_async(data, context)  # TorchServe awaits the coroutine
         return self._handle_batch(data, context)
 
     # -------------------------------------------------------------------------------------------
@@ -87,111 +78,161 @@ class LLMHandler(BaseHandler):
     def _handle_batch(self, data, context):
         started = time.monotonic()
         results: dict[int, str | bytes] = {}
-        jobs: list[GenerationJob] = []
-        streams: dict[str, ResponseStream] = {}
-        index_of: dict[str, int] = {}
+        live: dict[str, tuple[int, Prepared]] = {}
         for idx, row in enumerate(data):
             try:
-                job, stream = self._prepare(idx, row, context)
+                prepared = self._prepare(idx, row, context)
             except RequestError as err:
-                logger.info("request %s refused: %s (%s)", context.get_request_id(idx), err.type, err.message)
-                self._set_error(context, idx, err.code, err.message)
-                results[idx] = err.to_bytes()
+                results[idx] = self._error(context, idx, err)
                 continue
-            jobs.append(job)
-            streams[job.key] = stream
-            index_of[job.key] = idx
+            if isinstance(prepared, str):  # a cancel call: it cannot reach a running batch here
+                results[idx] = prepared
+                continue
+            live[prepared.job.request_id] = (idx, prepared)
             context.set_response_content_type(idx, STREAM_CONTENT_TYPE)
-        logger.info(
-            "handle: batch of %d requests (%d valid), prompt tokens %s",
-            len(data), len(jobs), [j.prompt_len for j in jobs],
-        )
+        jobs = [p.job for _, p in live.values()]
+        logger.info("handle: batch of %d requests (%d valid), prompt tokens %s", len(data), len(jobs), [j.prompt_len for j in jobs])
 
-        def on_step(outputs: list[StepOutput]) -> None:
+        def on_step(outputs) -> None:
             chunks: dict[int, str] = {}
+            now = time.monotonic()
             for out in outputs:
-                stream = streams[out.key]
+                idx, prepared = live[out.request_id]
+                stream = prepared.stream
+                if stream.finished:  # ended here already (stop string, deadline); its abort is under way
+                    continue
                 chunk, stopped = stream.push(out.new_token_ids)
-                if stopped and not out.finished:
-                    self.path.abort(out.key)
                 if chunk:
-                    chunks[index_of[out.key]] = chunk
-                if out.finished or stopped:
-                    stream.finish_reason = "stop" if stopped else out.finish_reason
+                    chunks[idx] = chunk
+                if stopped:
+                    results[idx] = stream.finish("stop")
+                elif out.finished:
+                    results[idx] = stream.finish(out.finish_reason)
+                elif now > prepared.deadline:
+                    results[idx] = stream.fail(408, "timeout", "the request exceeded its deadline")
+                if stream.finished and not out.finished:
+                    self.service.path.abort(out.request_id)
             if chunks:
                 send_intermediate_predict_response(
                     chunks, {i: context.get_request_id(i) for i in chunks}, "Intermediate", 200, context
                 )
 
         try:
-            self.path.run(jobs, on_step)
+            self.service.path.run(jobs, on_step)
         except Exception:  # one failed batch must not take the worker down; every stream gets an end
             logger.exception("generation failed for a batch of %d", len(jobs))
-            for key, stream in streams.items():
-                if not stream.finished:
-                    results[index_of[key]] = stream.fail(500, "internal_error", "generation failed")
-                    if not stream.started:
-                        self._set_error(context, index_of[key], 500, "generation failed")
-        for key, stream in streams.items():
-            if index_of[key] not in results:
-                results[index_of[key]] = stream.finish(stream.finish_reason)
+            for idx, prepared in live.values():
+                if not prepared.stream.finished:
+                    results[idx] = self._fail(context, idx, prepared, 500, "internal_error", "generation failed")
+        for idx, prepared in live.values():
+            if idx not in results:
+                results[idx] = prepared.stream.finish(prepared.stream.finish_reason or "length")
         for idx in range(len(data)):
-            self._mark_last_message(context, idx, streamed=any(s.started for k, s in streams.items() if index_of[k] == idx))
+            streamed = any(p.stream.started for i, p in live.values() if i == idx)
+            self._final_marking(context, idx, streamed)
         logger.info("handle: batch of %d done in %.2fs", len(data), time.monotonic() - started)
         return [results[i] for i in range(len(data))]
 
     # -------------------------------------------------------------------------------------------
-    # shared request preparation
+    # async mode: one request per call, many calls at once
 
-    def _prepare(self, idx: int, row, context) -> tuple[GenerationJob, ResponseStream]:
-        """Validate one row and turn it into a job; raises RequestError for this row only."""
-        is_grpc = self._is_grpc(context, idx)
-        fields = dict(row)
-        if is_grpc and "stream" not in fields and "body" not in fields and "data" not in fields:
-            fields["stream"] = "false"  # unary Predictions looks the same as StreamPredictions here
-        request = parse_request(fields, self.limits)
-        key = context.get_request_id(idx) or uuid.uuid4().hex
-        job = GenerationJob(key=key, params=request.params)
-        if request.inputs_embeds is not None:
-            job.prompt_embeds = torch.tensor(request.inputs_embeds, dtype=self.lm.model.dtype, device=self.lm.device)
-        else:
-            job.prompt_token_ids = self._tokenize(request)
-        stream = ResponseStream(
-            key=key,
-            text_stream=TextStream(self.lm.tokenizer, request.params.stop, self.settings.end_of_stream_token),
-            marker=self.settings.end_of_stream_token,
-            streaming=request.stream,
-            num_prompt_tokens=job.prompt_len,
+    async def _handle_async(self, data, context):
+        results = []
+        for idx, row in enumerate(data):  # batchSize is 1 in this mode; a list still works
+            results.append(await self._serve_one(idx, row, context))
+        return results
+
+    async def _serve_one(self, idx: int, row, context):
+        grpc = self._is_grpc(context, idx)
+        try:
+            prepared = self._prepare(idx, row, context)
+        except RequestError as err:
+            return self._async_final(context, idx, self._error(context, idx, err), streamed=False, grpc=grpc)
+        if isinstance(prepared, str):
+            context.set_response_content_type(idx, JSON_CONTENT_TYPE)
+            return self._async_final(context, idx, prepared, streamed=False, grpc=grpc)
+        context.set_response_content_type(idx, STREAM_CONTENT_TYPE)
+        stream = prepared.stream
+        final = None
+        self.service.register(prepared)
+        try:
+            async with asyncio.timeout(max(0.0, prepared.deadline - time.monotonic())), aclosing(
+                self.service.stream(prepared.job)
+            ) as outputs:
+                async for out in outputs:
+                    chunk, stopped = stream.push(out.new_token_ids)
+                    if chunk:
+                        send_intermediate_predict_response([chunk], {idx: context.get_request_id(idx)}, "Intermediate", 200, context)
+                    if stopped:
+                        final = stream.finish("stop")
+                    elif out.finished and out.finish_reason == "abort":
+                        final = self._fail(context, idx, prepared, 499, "cancelled", "the request was cancelled")
+                    elif out.finished:
+                        final = stream.finish(out.finish_reason)
+                    if final is not None:
+                        break  # closing the iterator aborts the request if it is still running
+        except TimeoutError:
+            final = self._fail(context, idx, prepared, 408, "timeout", "the request exceeded its deadline")
+        except RequestError as err:
+            final = self._error(context, idx, err)
+        except Exception:  # an engine failure ends this stream with an error, never a hang
+            logger.exception("request %s failed", prepared.job.request_id)
+            final = self._fail(context, idx, prepared, 500, "internal_error", "generation failed")
+        finally:
+            self.service.unregister(prepared)
+        if final is None:
+            final = self._fail(context, idx, prepared, 500, "internal_error", "generation ended without a result")
+        logger.info(
+            "request %s ended: %s after %d tokens; %s",
+            prepared.job.request_id, stream.finish_reason, stream.num_generated_tokens, self.service.kv_usage(),
         )
-        return job, stream
+        return self._async_final(context, idx, final, streamed=stream.started, grpc=grpc)
 
-    def _tokenize(self, request: GenerateRequest) -> list[int]:
-        tokenizer = self.lm.tokenizer
-        if request.messages is not None:
-            if not getattr(tokenizer, "chat_template", None):
-                raise RequestError("this model has no chat template; send 'text' instead", "unsupported_input")
-            try:
-                ids = tokenizer.apply_chat_template(
-                    request.messages, add_generation_prompt=True, tokenize=True, return_dict=True
-                )["input_ids"]
-            except Exception as exc:  # templates raise on role orders they do not support
-                raise RequestError(f"the chat template rejected these messages: {exc}", "invalid_input") from None
-        else:
-            ids = tokenizer(request.text)["input_ids"]
-        if len(ids) > self.settings.max_input_tokens:
-            raise RequestError(
-                f"the prompt has {len(ids)} tokens; the limit is MAX_INPUT_TOKENS={self.settings.max_input_tokens}",
-                "prompt_too_long",
-            )
-        return list(ids)
+    def _async_final(self, context, idx: int, final, streamed: bool, grpc: bool):
+        if grpc or streamed:
+            self._final_marking(context, idx, streamed)
+            return final
+        status, _ = context.get_response_status(idx)
+        if status is not None and status >= 400:
+            # The frontend closes a connection right after the head of a 4xx, so an error cannot be
+            # a chunk: it goes as a plain response (which TorchServe 0.12 then keeps in its table).
+            return final
+        # HTTP with nothing sent yet: the whole answer goes out as a chunk, and the final message
+        # only closes the stream.
+        send_intermediate_predict_response([final], {idx: context.get_request_id(idx)}, "Intermediate", 200, context)
+        return ""
 
-    @staticmethod
-    def _is_grpc(context, idx: int) -> bool:
-        # HTTP requests carry their headers (url_path among them); gRPC requests carry none.
-        headers = context.request_processor[idx].get_request_properties() if context.request_processor else {}
-        return not any(isinstance(v, str) for v in headers.values())
+    # -------------------------------------------------------------------------------------------
+    # shared
 
-    def _mark_last_message(self, context, idx: int, streamed: bool) -> None:
+    def _prepare(self, idx: int, row, context) -> Prepared | str:
+        """A row -> a prepared job, or the JSON answer of a cancel call; RequestError if refused."""
+        fields = dict(row) if hasattr(row, "keys") else row
+        if self._is_grpc(context, idx) and isinstance(fields, dict) and not ({"stream", "body", "data"} & set(fields)):
+            fields = {**fields, "stream": "false"}  # unary Predictions looks the same as StreamPredictions here
+        request = parse_request(fields, self.service.limits)
+        if isinstance(request, CancelRequest):
+            found = self.service.cancel(request.target_id)
+            logger.info("cancel %s: %s", request.target_id, "found" if found else "not running")
+            return json.dumps({"request_id": request.target_id, "cancelled": found})
+        prepared = self.service.prepare(request, context.get_request_id(idx) or uuid.uuid4().hex)
+        logger.info("request %s: %s, %d prompt tokens", prepared.job.request_id, request.input_kind, prepared.job.prompt_len)
+        return prepared
+
+    def _error(self, context, idx: int, err: RequestError) -> bytes:
+        logger.info("request %s refused: %s (%s)", context.get_request_id(idx), err.type, err.message)
+        context.set_response_status(err.code, err.message[:200], idx)
+        context.set_response_content_type(idx, JSON_CONTENT_TYPE)
+        return err.to_bytes()
+
+    def _fail(self, context, idx: int, prepared: Prepared, code: int, type_: str, message: str) -> str:
+        """End an accepted request with an error: in-band if its stream began, else as its status."""
+        if not prepared.stream.started:
+            context.set_response_status(code, message, idx)
+            context.set_response_content_type(idx, JSON_CONTENT_TYPE)
+        return prepared.stream.fail(code, type_, message)
+
+    def _final_marking(self, context, idx: int, streamed: bool) -> None:
         """Tell TorchServe's gRPC frontend that this message ends the call.
 
         A StreamPredictions call must end with ``ts_stream_next: false`` (without the header the
@@ -203,6 +244,7 @@ class LLMHandler(BaseHandler):
             context.set_response_header(idx, "ts_stream_next", "false")
 
     @staticmethod
-    def _set_error(context, idx: int, code: int, message: str) -> None:
-        context.set_response_status(code, message[:200], idx)
-        context.set_response_content_type(idx, ERROR_CONTENT_TYPE)
+    def _is_grpc(context, idx: int) -> bool:
+        # HTTP requests carry their headers (url_path among them); gRPC requests carry none.
+        headers = context.request_processor[idx].get_request_properties() if context.request_processor else {}
+        return not any(isinstance(v, str) for v in headers.values())

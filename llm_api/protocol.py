@@ -6,7 +6,9 @@ decision). A JSON body arrives as the single field ``body`` (gRPC clients may al
 ``data``); any other row is form fields (HTTP form, or gRPC's ``input`` map), whose values are strings
 coerced to each parameter's type.
 
-The request carries exactly one input: ``text``, ``messages`` (chat turns) or ``inputs_embeds`` (a list
+A control request ``{"cancel": "<request id>"}`` (the id TorchServe returned in ``x-request-id``, or
+the ``request_id`` the client chose) parses to ``CancelRequest``. Otherwise the request carries
+exactly one input: ``text``, ``messages`` (chat turns) or ``inputs_embeds`` (a list
 of vectors of the model's hidden size), plus generation parameters. Anything else raises
 ``RequestError`` with an HTTP status, a machine-readable type and a message naming the problem; the
 handler turns it into ``{"code", "type", "message"}`` for that request alone.
@@ -31,8 +33,9 @@ PARAM_FIELDS = (
     "do_sample",
     "seed",
     "stop",
+    "ignore_eos",
 )
-CONTROL_FIELDS = ("stream", "request_id", "timeout")
+CONTROL_FIELDS = ("stream", "request_id", "timeout")  # plus "cancel", alone
 ALLOWED_FIELDS = INPUT_FIELDS + PARAM_FIELDS + CONTROL_FIELDS
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -82,9 +85,21 @@ class GenerateRequest:
         return next(k for k in INPUT_FIELDS if getattr(self, k) is not None)
 
 
-def parse_request(row: Mapping[str, Any], limits: Limits) -> GenerateRequest:
+@dataclass(frozen=True)
+class CancelRequest:
+    target_id: str
+
+
+def parse_request(row: Mapping[str, Any], limits: Limits) -> GenerateRequest | CancelRequest:
     """Validate one TorchServe batch row; raise ``RequestError`` naming the first problem found."""
     fields_ = _fields_of(row)
+    if "cancel" in fields_:
+        if set(fields_) - {"cancel"}:
+            raise RequestError("a cancel request carries only the field 'cancel'", "invalid_request")
+        target = _text(fields_["cancel"], "cancel")
+        if not target:
+            raise RequestError("'cancel' must name a request id", "invalid_request")
+        return CancelRequest(target)
     unknown = sorted(set(fields_) - set(ALLOWED_FIELDS))
     if unknown:
         raise RequestError(
@@ -294,6 +309,7 @@ def _sampling_params(f: dict, limits: Limits) -> SamplingParams:
         do_sample=do_sample,
         seed=seed,
         stop=_stop(f.get("stop")),
+        ignore_eos=_bool(f, "ignore_eos", False),
     )
 
 

@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from llm_api.generation import GenerationJob, OnStep, StepOutput
+from llm_api.generation import GenerationJob, OnStep, RequestOutput
 from llm_api.sampling import Sampler, SamplerBatch, SamplingState
 
 logger = logging.getLogger(__name__)
@@ -36,9 +36,9 @@ class ReferenceGenerator:
         self._device = model.get_input_embeddings().weight.device
         self._reporter: StepReporter | None = None
 
-    def abort(self, key: str) -> None:
+    def abort(self, request_id: str) -> None:
         if self._reporter is not None:
-            self._reporter.abort(key)
+            self._reporter.abort(request_id)
 
     @torch.inference_mode()
     def run(self, jobs: Sequence[GenerationJob], on_step: OnStep) -> None:
@@ -126,8 +126,8 @@ class StepReporter(StoppingCriteria):
         self._done = [False] * len(jobs)
         self._aborted: set[str] = set()
 
-    def abort(self, key: str) -> None:
-        self._aborted.add(key)
+    def abort(self, request_id: str) -> None:
+        self._aborted.add(request_id)
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         new_tokens = input_ids[:, -1].tolist()
@@ -135,9 +135,9 @@ class StepReporter(StoppingCriteria):
         for row, job in enumerate(self._jobs):
             if self._done[row]:
                 continue
-            if job.key in self._aborted:
+            if job.request_id in self._aborted:
                 self._done[row] = True
-                outputs.append(StepOutput(job.key, [], True, "abort"))
+                outputs.append(RequestOutput(job.request_id, [], True, "abort"))
                 continue
             token = new_tokens[row]
             self._num_generated[row] += 1
@@ -147,18 +147,18 @@ class StepReporter(StoppingCriteria):
             elif self._num_generated[row] >= job.params.max_new_tokens:
                 reason = "length"
             self._done[row] = reason is not None
-            outputs.append(StepOutput(job.key, [token], reason is not None, reason))
+            outputs.append(RequestOutput(job.request_id, [token], reason is not None, reason))
         if outputs:
             self._on_step(outputs)
         # Aborts requested inside on_step take effect now, not one step later.
         for row, job in enumerate(self._jobs):
-            if not self._done[row] and job.key in self._aborted:
+            if not self._done[row] and job.request_id in self._aborted:
                 self._done[row] = True
-                self._on_step([StepOutput(job.key, [], True, "abort")])
+                self._on_step([RequestOutput(job.request_id, [], True, "abort")])
         return torch.tensor(self._done, dtype=torch.bool, device=input_ids.device)
 
     def finish_remaining(self) -> None:
         """Rows still open when generate() returned (it stopped at its own length limit)."""
-        rest = [StepOutput(j.key, [], True, "length") for row, j in enumerate(self._jobs) if not self._done[row]]
+        rest = [RequestOutput(j.request_id, [], True, "length") for row, j in enumerate(self._jobs) if not self._done[row]]
         if rest:
             self._on_step(rest)

@@ -21,7 +21,7 @@ from llm_api.detokenizer import TextStream
 
 @dataclass
 class ResponseStream:
-    key: str
+    request_id: str
     text_stream: TextStream
     marker: str
     streaming: bool

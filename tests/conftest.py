@@ -58,15 +58,38 @@ def _serve(tmp_path_factory, embedded_model_path, name: str, model_config: str |
 
 
 @pytest.fixture(scope="session")
+def embedded_lm_fp32(embedded_model_path):
+    from llm_api import model_loader
+    from llm_api.config import Settings
+
+    return model_loader.load(Settings.from_env({"MODEL_PATH": str(embedded_model_path), "DTYPE": "float32"}))
+
+
+@pytest.fixture(scope="session")
 def classic_server(tmp_path_factory, embedded_model_path):
-    """Classic batching (batchSize 8), archive built as a .mar file."""
-    server = _serve(tmp_path_factory, embedded_model_path, "classic", CLASSIC_CONFIG, mar=True)
+    """The paged engine under classic batching (batchSize 8), float32, archive built as a .mar file.
+
+    float32 so that greedy output can be compared token for token with generate(): in bfloat16 the
+    two paths may part at a one-ulp tie between the top two logits."""
+    server = _serve(tmp_path_factory, embedded_model_path, "classic", CLASSIC_CONFIG, mar=True, env={"DTYPE": "float32"})
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="session")
 def batch4_server(tmp_path_factory, embedded_model_path):
-    server = _serve(tmp_path_factory, embedded_model_path, "batch4", BATCH4_CONFIG)
+    """The generate() reference path with batchSize 4 (one call per four requests)."""
+    server = _serve(tmp_path_factory, embedded_model_path, "batch4", BATCH4_CONFIG, env={"ENGINE": "generate"})
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def async_server(tmp_path_factory, embedded_model_path):
+    """The shipped model-config.yaml (async mode, engine, bfloat16) with a small KV pool (64 MiB)."""
+    from llm_api.local_server import REPO
+
+    config = (REPO / "model-config.yaml").read_text()
+    server = _serve(tmp_path_factory, embedded_model_path, "async", config, env={"KV_CACHE_MEMORY_MIB": "64"})
     yield server
     server.stop()

@@ -119,3 +119,17 @@ def test_malformed_payloads(row, type_, needle):
 )
 def test_invalid_requests(obj, type_, needle):
     refused(body(obj), type_, needle)
+
+
+def test_cancel_request():
+    from llm_api.protocol import CancelRequest
+
+    assert parse_request(body({"cancel": "abc"}), LIMITS) == CancelRequest("abc")
+    refused(body({"cancel": "abc", "text": "x"}), "invalid_request", "only the field")
+    refused(body({"cancel": 5}), "invalid_input", "string")
+
+
+def test_timeout_and_request_id():
+    req = parse_request(body({"text": "x", "timeout": 2.5, "request_id": "mine"}), LIMITS)
+    assert req.timeout_s == 2.5 and req.client_request_id == "mine"
+    refused(body({"text": "x", "timeout": 0}), "invalid_parameter", "'timeout'")

@@ -9,17 +9,17 @@ from llm_api.sampling import SamplingParams
 
 def run(lm, jobs, abort_after=None):
     gen = ReferenceGenerator(lm.model, lm.eos_token_ids, lm.tokenizer.pad_token_id)
-    tokens = {j.key: [] for j in jobs}
+    tokens = {j.request_id: [] for j in jobs}
     reasons = {}
 
     def on_step(outputs):
         for out in outputs:
-            tokens[out.key] += out.new_token_ids
+            tokens[out.request_id] += out.new_token_ids
             if out.finished:
-                assert out.key not in reasons, "a job finished twice"
-                reasons[out.key] = out.finish_reason
-            if abort_after and out.key == abort_after[0] and len(tokens[out.key]) == abort_after[1]:
-                gen.abort(out.key)
+                assert out.request_id not in reasons, "a job finished twice"
+                reasons[out.request_id] = out.finish_reason
+            if abort_after and out.request_id == abort_after[0] and len(tokens[out.request_id]) == abort_after[1]:
+                gen.abort(out.request_id)
 
     gen.run(jobs, on_step)
     return tokens, reasons

@@ -36,12 +36,12 @@ def reference_text(lm, prompt_ids, max_new_tokens):
     return lm.tokenizer.decode(out[0, len(prompt_ids):], skip_special_tokens=True)
 
 
-def test_greedy_text_equals_generate(classic_server, embedded_lm):
+def test_greedy_text_equals_generate(classic_server, embedded_lm_fp32):
     prompt = "The history of the Roman empire"
     client = HTTPClient(classic_server.http, "smollm2", classic_server.key())
     chunks = list(client.stream({"text": prompt, "max_new_tokens": 40}))
-    ids = embedded_lm.tokenizer(prompt)["input_ids"]
-    assert "".join(chunks) == reference_text(embedded_lm, ids, 40)
+    ids = embedded_lm_fp32.tokenizer(prompt)["input_ids"]
+    assert "".join(chunks) == reference_text(embedded_lm_fp32, ids, 40)
     assert len(chunks) > 5
 
 
@@ -63,11 +63,11 @@ def test_form_fields(classic_server):
     assert status == 200 and body.decode().endswith(MARKER) and len(body) > len(MARKER)
 
 
-def test_inputs_embeds_equal_text(classic_server, embedded_lm):
+def test_inputs_embeds_equal_text(classic_server, embedded_lm_fp32):
     prompt = "Water boils at"
-    ids = embedded_lm.tokenizer(prompt)["input_ids"]
+    ids = embedded_lm_fp32.tokenizer(prompt)["input_ids"]
     with torch.no_grad():
-        embeds = embedded_lm.model.get_input_embeddings()(torch.tensor(ids)).float().tolist()
+        embeds = embedded_lm_fp32.model.get_input_embeddings()(torch.tensor(ids)).float().tolist()
     client = HTTPClient(classic_server.http, "smollm2", classic_server.key())
     from_embeds = client.generate({"inputs_embeds": embeds, "max_new_tokens": 16})
     from_text = client.generate({"text": prompt, "max_new_tokens": 16})

@@ -1,0 +1,123 @@
+"""The shipped async mode against a real TorchServe: requests join a running generation, cancels and
+deadlines end streams at once and free their KV blocks, HTTP and gRPC both stream."""
+
+import json
+import re
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from llm_api.client import GRPCClient, HTTPClient, RequestRefused
+
+pytestmark = pytest.mark.server
+MARKER = "<|endoftext|>"
+LONG = {"text": "Write a very long story about a dragon and a knight.", "max_new_tokens": 1500, "ignore_eos": True}
+
+
+def open_stream(server, payload):
+    req = urllib.request.Request(
+        f"{server.http}/predictions/smollm2", data=json.dumps(payload).encode(),
+        headers={"Authorization": f"Bearer {server.key()}", "Content-Type": "application/json"},
+    )
+    return urllib.request.urlopen(req, timeout=300)
+
+
+def post_json(server, payload):
+    with open_stream(server, payload) as resp:
+        return json.loads(resp.read())
+
+
+def read_rest(resp) -> str:
+    return resp.read().decode()
+
+
+def test_second_request_streams_before_first_finishes(async_server):
+    first = open_stream(async_server, {"text": "Tell me about the ocean.", "max_new_tokens": 120, "ignore_eos": True})
+    first.read1(1)  # the first request is generating
+    http = HTTPClient(async_server.http, "smollm2", async_server.key())
+    second = http.stream({"text": "The capital of France is", "max_new_tokens": 4})
+    t0 = time.monotonic()
+    next(second)
+    got_second = time.monotonic()
+    rest_of_second = "".join(second)
+    rest = read_rest(first)
+    first_done = time.monotonic()
+    assert got_second < first_done and rest.endswith(MARKER)
+    assert MARKER not in rest_of_second
+    assert got_second - t0 < (first_done - t0) / 2
+
+
+def test_cancel_ends_stream_and_frees_blocks(async_server):
+    resp = open_stream(async_server, {**LONG, "request_id": "job-cancel-1"})
+    resp.read1(1)
+    t0 = time.monotonic()
+    answer = post_json(async_server, {"cancel": "job-cancel-1"})
+    body = read_rest(resp)
+    elapsed = time.monotonic() - t0
+    assert answer == {"request_id": "job-cancel-1", "cancelled": True}
+    assert elapsed < 1.0, elapsed
+    assert not body.endswith(MARKER)
+    error = json.loads(body.strip().splitlines()[-1])
+    assert error["type"] == "cancelled"
+    request_id = resp.headers["x-request-id"]
+    line = next(l for l in async_server.model_log().splitlines() if f"request {request_id} ended" in l)
+    free, total = map(int, re.search(r"KV blocks free (\d+)/(\d+)", line).groups())
+    assert free == total
+    assert post_json(async_server, {"cancel": "job-cancel-1"})["cancelled"] is False
+
+
+def test_cancel_by_torchserve_request_id(async_server):
+    resp = open_stream(async_server, LONG)
+    resp.read1(1)
+    assert post_json(async_server, {"cancel": resp.headers["x-request-id"]})["cancelled"] is True
+    assert json.loads(read_rest(resp).strip().splitlines()[-1])["type"] == "cancelled"
+
+
+def test_deadline_ends_stream(async_server):
+    t0 = time.monotonic()
+    with open_stream(async_server, {**LONG, "timeout": 1.5}) as resp:
+        body = read_rest(resp)
+    assert time.monotonic() - t0 < 10
+    assert json.loads(body.strip().splitlines()[-1])["type"] == "timeout" and MARKER not in body
+
+
+def test_paris_and_grpc_in_async_mode(async_server):
+    http = HTTPClient(async_server.http, "smollm2", async_server.key())
+    assert "Paris" in http.generate({"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_new_tokens": 24})
+    with GRPCClient(async_server.grpc, "smollm2", async_server.key()) as client:
+        chunks = list(client.stream({"text": "The capital of France is", "max_new_tokens": "16"}))
+        assert len(chunks) > 2
+        assert client.generate({"text": "Hello", "max_new_tokens": "8"})
+        with pytest.raises(RequestRefused):
+            client.generate({"text": "x", "top_p": "3"})
+        with pytest.raises(RequestRefused):
+            list(client.stream({"text": "x", "top_p": "3"}))
+    assert async_server.worker_status() == "READY"
+
+
+def test_errors_are_per_request_in_async_mode(async_server):
+    http = HTTPClient(async_server.http, "smollm2", async_server.key())
+    results = {}
+
+    def good():
+        results["good"] = http.generate({"text": "Once upon a time", "max_new_tokens": 40})
+
+    thread = threading.Thread(target=good)
+    thread.start()
+    for bad in ({"text": "x", "temperature": -1}, {"messages": []}, {"text": ""}):
+        with pytest.raises(RequestRefused) as err:
+            http.generate(bad)
+        assert err.value.status == 400 and set(err.value.error) == {"code", "type", "message"}
+    thread.join(120)
+    assert results["good"]
+
+
+def test_request_that_cannot_fit_the_kv_pool_is_refused(async_server):
+    # 64 MiB of bfloat16 KV for this model holds about 2.9k tokens.
+    http = HTTPClient(async_server.http, "smollm2", async_server.key())
+    with pytest.raises(RequestRefused) as err:
+        http.generate({"text": "word " * 1900, "max_new_tokens": 1500})
+    assert err.value.status == 400 and err.value.error["type"] == "prompt_too_long"
+    assert "KV cache" in err.value.error["message"]
