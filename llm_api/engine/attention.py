@@ -25,6 +25,29 @@ ATTENTION_NAME = "llm_api_paged"
 METADATA_KWARG = "paged_attention_metadata"
 
 
+class GatherWorkspace:
+    """Reusable scratch for the decode gather, one pair of flat buffers per (device, dtype), grown on
+    demand. Why: on CPU a fresh ~50 MiB tensor per layer costs more in page faults than the copy itself
+    (measured: index_select into a new tensor 34 ms, into a reused one 5 ms, at 64 x 1k tokens)."""
+
+    def __init__(self):
+        self._buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, like: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two [num_blocks, block_size, Hkv, D] views shaped like the cache ``like``."""
+        key = (like.device, like.dtype)
+        block_numel = like[0].numel()
+        buffers = self._buffers.get(key)
+        if buffers is None or buffers[0].numel() < num_blocks * block_numel:
+            numel = int(num_blocks * 1.25 + 1) * block_numel  # headroom: contexts grow a block at a time
+            buffers = (torch.empty(numel, dtype=like.dtype, device=like.device),
+                       torch.empty(numel, dtype=like.dtype, device=like.device))
+            self._buffers[key] = buffers
+        shape = (num_blocks, *like.shape[1:])
+        return (buffers[0][: num_blocks * block_numel].view(shape),
+                buffers[1][: num_blocks * block_numel].view(shape))
+
+
 @dataclass
 class PagedAttentionMetadata:
     key_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, Hkv, D]
@@ -35,6 +58,7 @@ class PagedAttentionMetadata:
     query_start_loc: list[int]  # [B + 1] offsets of each sequence's tokens in the packed batch
     context_lens_list: list[int]  # context_lens as Python ints (for the per-sequence loop)
     num_decode_seqs: int  # leading sequences with exactly one query token
+    workspace: GatherWorkspace | None = None  # decode gather scratch, kept by the caller across steps
     _per_device: dict = field(default_factory=dict)  # (device, window) -> decode key mask, etc.
 
     def decode_inputs(self, device: torch.device, sliding_window: int | None):
@@ -112,14 +136,31 @@ def reference_paged_attention(query, key_cache, value_cache, block_tables, query
     return out
 
 
-def decode_attention(query, key_cache, value_cache, block_tables, key_mask, scaling, softcap=None):
+def decode_attention(query, key_cache, value_cache, block_tables, key_mask, scaling, softcap=None,
+                     workspace: GatherWorkspace | None = None):
     """All single-query sequences at once. query [B, Hq, D], block_tables [B, M] -> out [B, Hq, D]."""
-    num_seqs = query.shape[0]
+    num_seqs, num_heads, _ = query.shape
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     max_len = block_tables.shape[1] * block_size
-    # One gather per tensor into a padded [B, Hkv, L, D]; padding keys are masked out.
-    key = key_cache[block_tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
-    value = value_cache[block_tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    # One gather per tensor into a padded [B, L, Hkv, D] (padding keys are masked out), then viewed as
+    # [B, Hkv, L, D] for SDPA.
+    block_ids = block_tables.reshape(-1)
+    if workspace is None:
+        key, value = key_cache.index_select(0, block_ids), value_cache.index_select(0, block_ids)
+    else:
+        key, value = workspace.get(key_cache, block_ids.numel())
+        torch.index_select(key_cache, 0, block_ids, out=key)
+        torch.index_select(value_cache, 0, block_ids, out=value)
+    key = key.view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    value = value.view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    if softcap is None:
+        # Grouped-query heads without repeating K/V: the query heads sharing KV head h (h*G .. h*G+G-1,
+        # as transformers' repeat_kv orders them) become G "query positions" of head h. With one query
+        # token per sequence there is no causal order among them, so this is exact.
+        groups = num_heads // num_kv_heads
+        grouped = query.view(num_seqs, num_kv_heads, groups, head_dim)
+        out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=key_mask, scale=scaling)
+        return out.reshape(num_seqs, num_heads, head_dim)
     out = _attend(query[:, :, None, :], key, value, key_mask, scaling, softcap)  # [B, Hq, 1, D]
     return out[:, :, 0, :]
 
@@ -147,13 +188,14 @@ def paged_attention_forward(module, query, key, value, attention_mask=None, scal
     num_decode = metadata.num_decode_seqs
     if num_decode == num_tokens:  # a pure decode step: no output buffer, no loop
         block_tables, key_mask = metadata.decode_inputs(query.device, sliding_window)
-        out = decode_attention(query, key_cache, value_cache, block_tables, key_mask, scaling, softcap)
+        out = decode_attention(query, key_cache, value_cache, block_tables, key_mask, scaling, softcap,
+                               metadata.workspace)
         return out[None], None
     out = torch.empty_like(query)
     if num_decode:
         block_tables, key_mask = metadata.decode_inputs(query.device, sliding_window)
         out[:num_decode] = decode_attention(query[:num_decode], key_cache, value_cache, block_tables, key_mask,
-                                            scaling, softcap)
+                                            scaling, softcap, metadata.workspace)
     block_size = key_cache.shape[1]
     block_tables = metadata.block_tables.to(query.device)
     for i in range(num_decode, len(metadata.context_lens_list)):

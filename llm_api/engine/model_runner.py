@@ -19,7 +19,12 @@ import inspect
 import torch
 from torch import nn
 
-from llm_api.engine.attention import METADATA_KWARG, PagedAttentionMetadata, register_paged_attention
+from llm_api.engine.attention import (
+    METADATA_KWARG,
+    GatherWorkspace,
+    PagedAttentionMetadata,
+    register_paged_attention,
+)
 from llm_api.engine.kv_cache import PagedKVCache
 from llm_api.engine.request import Request
 from llm_api.engine.scheduler import ScheduledRequest
@@ -30,6 +35,7 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
+        self.gather_workspace = GatherWorkspace()
         name = register_paged_attention()
         model.set_attn_implementation(name)
         if getattr(model.config, "_attn_implementation", None) != name:
@@ -96,6 +102,7 @@ class ModelRunner:
             query_start_loc=query_start_loc,
             context_lens_list=context_lens,
             num_decode_seqs=sum(1 for s in ordered if s.num_new_tokens == 1),
+            workspace=self.gather_workspace,
         )
         token_ids = torch.tensor([input_ids], dtype=torch.long, device=device)  # [1, T]
         model_inputs = {

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from llm_api.engine.attention import (
+    GatherWorkspace,
     PagedAttentionMetadata,
     decode_attention,
     paged_attention_forward,
@@ -83,10 +84,16 @@ def test_batched_decode_matches_reference(sliding_window, softcap):
     metadata = PagedAttentionMetadata([key_cache], [value_cache], torch.zeros(0, dtype=torch.long), block_tables,
                                       torch.tensor(context_lens), starts, context_lens, num_decode_seqs=5)
     tables, key_mask = metadata.decode_inputs(query.device, sliding_window)
-    out = decode_attention(query, key_cache, value_cache, tables, key_mask, 0.3, softcap)
     expected = reference_paged_attention(query, key_cache, value_cache, block_tables, starts, context_lens, 0.3,
                                          sliding_window, softcap)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    workspace = GatherWorkspace()
+    for reused in (None, workspace, workspace):  # fresh tensors, then a workspace reused across calls
+        out = decode_attention(query, key_cache, value_cache, tables, key_mask, 0.3, softcap, reused)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    # A smaller batch later reuses the (larger) buffers.
+    out = decode_attention(query[:2], key_cache, value_cache, tables[:2, :2], key_mask[:2, ..., :8], 0.3, softcap,
+                           workspace)
+    torch.testing.assert_close(out, expected[:2], atol=1e-5, rtol=1e-5)
 
 
 def test_forward_writes_new_kv_and_mixes_decode_and_prefill():

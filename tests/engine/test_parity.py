@@ -157,3 +157,14 @@ def test_batch_stream_helper(tiny_models):
     next(stream)
     stream.close()
     assert_engine_idle(engine)
+
+
+def test_engine_config_from_settings():
+    from llm_api.config import Settings
+    from llm_api.engine.engine import EngineConfig
+
+    settings = Settings.from_env({"KV_BLOCK_SIZE": "32", "MAX_NUM_SEQS": "8", "MAX_NUM_BATCHED_TOKENS": "512",
+                                  "KV_CACHE_MEMORY_MIB": "64", "MAX_INPUT_TOKENS": "100", "MAX_NEW_TOKENS": "20"})
+    config = EngineConfig.from_settings(settings)
+    assert (config.block_size, config.max_num_seqs, config.max_num_batched_tokens) == (32, 8, 512)
+    assert (config.kv_cache_memory_mib, config.max_model_len) == (64, 120)
