@@ -43,6 +43,12 @@ class _Stream:
 
 
 @dataclass
+class _Abort:
+    request_id: str
+    stream: _Stream | None = None  # set: abort only the request this stream was added as
+
+
+@dataclass
 class _Add:
     request_id: str
     prompt_token_ids: list[int] | None
@@ -56,7 +62,7 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._streams: dict[str, _Stream] = {}  # owned by the engine thread
-        self._commands: list[_Add | str] = []  # an add, or the id of a request to abort
+        self._commands: list[_Add | _Abort] = []
         self._wakeup = threading.Condition()
         self._shutdown = False
         self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
@@ -84,11 +90,12 @@ class AsyncLLMEngine:
                     return
         finally:
             if not finished:
-                self.abort(request_id)
+                # Conditional: a failed add (e.g. a duplicate id) must not abort the other request.
+                self._submit(_Abort(request_id, stream), during_shutdown=True)
 
     def abort(self, request_id: str) -> None:
         """Abort from any thread: applied between steps, frees the request's blocks."""
-        self._submit(request_id)
+        self._submit(_Abort(request_id), during_shutdown=True)
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         with self._wakeup:
@@ -96,9 +103,11 @@ class AsyncLLMEngine:
             self._wakeup.notify()
         self._thread.join(timeout)
 
-    def _submit(self, command) -> None:
+    def _submit(self, command, during_shutdown: bool = False) -> None:
         with self._wakeup:
             if self._shutdown:
+                if during_shutdown:
+                    return  # nothing left to abort
                 raise EngineDeadError("the engine is shut down")
             self._commands.append(command)
             self._wakeup.notify()
@@ -129,8 +138,9 @@ class AsyncLLMEngine:
                     _resolve(command.stream.loop, command.added, dead)
 
     def _apply(self, command) -> None:
-        if isinstance(command, str):
-            self.engine.abort_request(command)
+        if isinstance(command, _Abort):
+            if command.stream is None or self._streams.get(command.request_id) is command.stream:
+                self.engine.abort_request(command.request_id)
             return
         try:
             self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,

@@ -72,6 +72,24 @@ def test_add_errors_reach_the_caller_before_any_output(async_engine):
     _wait_idle(engine)
 
 
+def test_duplicate_request_id_is_refused_without_touching_the_first(async_engine):
+    engine, reference_model = async_engine
+    prompt = [9, 8, 7, 6]
+
+    async def main():
+        first = engine.generate("same", prompt, greedy(30))
+        tokens = (await first.__anext__()).new_token_ids
+        with pytest.raises(ValueError, match="already in use"):
+            async for _ in engine.generate("same", [1, 2], greedy(5)):
+                pass
+        async for output in first:
+            tokens += output.new_token_ids
+        return tokens, output.finish_reason
+
+    assert asyncio.run(main()) == (reference_greedy(reference_model, prompt, 30), "length")
+    _wait_idle(engine)
+
+
 def test_abort_ends_the_stream_and_frees_blocks(async_engine):
     engine, _ = async_engine
 
