@@ -116,6 +116,19 @@ class HTTPClient:
     def generate(self, payload: Mapping) -> str:
         return "".join(self.stream(payload))
 
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a running request by its ``request_id`` or ``x-request-id`` (async worker mode)."""
+        req = urllib.request.Request(
+            self.url,
+            data=json.dumps({"cancel": request_id}).encode("utf-8"),
+            headers={"Content-Type": "application/json", **_headers(self.key)},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return bool(json.loads(resp.read())["cancelled"])
+        except urllib.error.HTTPError as err:
+            raise RequestRefused(err.code, err.read()) from None
+
 
 class AsyncHTTPClient:
     """aiohttp client; pass an existing ``aiohttp.ClientSession`` or let it open one per call."""

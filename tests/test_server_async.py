@@ -71,7 +71,8 @@ def test_cancel_ends_stream_and_frees_blocks(async_server):
 def test_cancel_by_torchserve_request_id(async_server):
     resp = open_stream(async_server, LONG)
     resp.read1(1)
-    assert post_json(async_server, {"cancel": resp.headers["x-request-id"]})["cancelled"] is True
+    http = HTTPClient(async_server.http, "smollm2", async_server.key())
+    assert http.cancel(resp.headers["x-request-id"]) is True
     assert json.loads(read_rest(resp).strip().splitlines()[-1])["type"] == "cancelled"
 
 
