@@ -3,13 +3,16 @@
 ``step()`` is the whole algorithm: the scheduler picks this step's tokens, the model runner computes
 logits at the last token of each request that is due a new token, the sampler picks those tokens, and
 the scheduler appends them, finishes requests (EOS, max_new_tokens, length limit) and frees their blocks.
-The engine is single-threaded; ``AsyncLLMEngine`` drives it from one thread.
+One thread steps the engine (``AsyncLLMEngine`` keeps it on its own thread). ``add_request``,
+``abort_request`` and ``step`` hold one lock, so an abort from another thread waits for the step in
+flight to end and then frees the request's blocks at once, never mid-step.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -96,6 +99,7 @@ class LLMEngine:
         self._arrival_counter = itertools.count()
         self._pending_outputs: list[RequestOutput] = []  # abort notices, reported by the next step()
         self._num_steps = 0
+        self._lock = threading.RLock()  # the scheduler is not thread-safe; see the module docstring
         logger.info("paged KV cache: %d blocks x %d tokens (%d tokens, %.1f MiB), max_model_len %d",
                     num_blocks, config.block_size, self.kv_cache.max_num_tokens, self.kv_cache.num_bytes / 2**20,
                     self.max_model_len)
@@ -104,6 +108,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None, params: SamplingParams,
                     prompt_embeds: torch.Tensor | None = None) -> None:
+        request = self._build_request(request_id, prompt_token_ids, params, prompt_embeds)
+        with self._lock:
+            self.scheduler.add(request)
+        logger.debug("request %s added: %d prompt tokens", request_id, request.num_prompt_tokens)
+
+    def _build_request(self, request_id, prompt_token_ids, params, prompt_embeds) -> Request:
         if prompt_embeds is not None:
             if prompt_token_ids:
                 raise ValueError("give prompt_token_ids or prompt_embeds, not both")
@@ -123,7 +133,7 @@ class LLMEngine:
             if prompt_token_ids and not all(isinstance(t, int) and 0 <= t < self.vocab_size
                                             for t in prompt_token_ids):
                 raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        request = Request(
+        return Request(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             params=params,
@@ -131,12 +141,11 @@ class LLMEngine:
             sampling_state=SamplingState.for_params(params, self.runner.logits_device),
             prompt_embeds=prompt_embeds,
         )
-        self.scheduler.add(request)
-        logger.debug("request %s added: %d prompt tokens", request_id, request.num_prompt_tokens)
 
     def abort_request(self, request_id: str) -> None:
-        if self.scheduler.abort(request_id) is not None:
-            self._pending_outputs.append(RequestOutput(request_id, [], True, FinishReason.ABORT.value))
+        with self._lock:
+            if self.scheduler.abort(request_id) is not None:
+                self._pending_outputs.append(RequestOutput(request_id, [], True, FinishReason.ABORT.value))
 
     def has_unfinished_requests(self) -> bool:
         """True while ``step()`` has work to do or outputs to report."""
@@ -145,6 +154,10 @@ class LLMEngine:
     # ----------------------------------------------------------------- one step
 
     def step(self) -> list[RequestOutput]:
+        with self._lock:
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
@@ -182,9 +195,11 @@ class LLMEngine:
                 if outputs:
                     yield outputs
         finally:
-            for request_id in unfinished:
-                self.abort_request(request_id)
-            self._pending_outputs = [o for o in self._pending_outputs if o.request_id not in unfinished]
+            with self._lock:
+                for request_id in unfinished:
+                    self.abort_request(request_id)
+                # Nobody will read these requests' abort notices: the caller closed the stream.
+                self._pending_outputs = [o for o in self._pending_outputs if o.request_id not in unfinished]
 
     def stats(self) -> EngineStats:
         counters = self.scheduler.counters

@@ -168,3 +168,21 @@ def test_engine_config_from_settings():
     config = EngineConfig.from_settings(settings)
     assert (config.block_size, config.max_num_seqs, config.max_num_batched_tokens) == (32, 8, 512)
     assert (config.kv_cache_memory_mib, config.max_model_len) == (64, 120)
+
+
+def test_abort_from_another_thread_waits_for_the_step_and_frees_blocks(tiny_models):
+    import threading
+
+    model, _ = get_model(tiny_models, "llama")
+    engine = make_engine(model)
+    outputs = []
+    stream = engine.generate_batch_stream([("a", [1, 2, 3], greedy(200), None), ("b", [4, 5], greedy(6), None)])
+    for step_outputs in stream:
+        outputs += step_outputs
+        if len(outputs) == 4:
+            aborter = threading.Thread(target=engine.abort_request, args=("a",))
+            aborter.start()
+            aborter.join()
+    assert sorted((o.request_id, o.finish_reason) for o in outputs if o.finished) == [("a", "abort"), ("b", "length")]
+    assert sum(len(o.new_token_ids) for o in outputs if o.request_id == "b") == 6
+    assert_engine_idle(engine)
