@@ -10,8 +10,10 @@ logit softcap). It returns ``(out[1,T,Hq,D], None)``.
 
 Packing contract (the model runner builds it): the first ``num_decode_seqs`` sequences have exactly one
 query token each (decode steps), the rest several (prefill chunks). Single-query sequences are attended
-in one batched gather + SDPA; the others one by one (``attend_one_sequence``). ``reference_paged_attention``
-is the plain per-sequence oracle that tests (and future GPU kernels) compare against.
+in one batched gather (into a ``GatherWorkspace`` reused across layers and steps) + one masked SDPA; the
+others one by one (``attend_one_sequence``). ``reference_paged_attention`` is the plain per-sequence
+oracle that tests (and future GPU kernels) compare against. The gather copies each sequence's context
+once per layer: a fused paged kernel would read the blocks in place (see bench/engine_overhead.py).
 """
 
 from __future__ import annotations
