@@ -163,7 +163,7 @@ def main() -> int:
     parser.add_argument("--num-requests", type=int, default=96)
     parser.add_argument("--in-flight", type=int, default=32)
     parser.add_argument("--think", type=float, default=0.5, help="mean pause (s) before each client's next request")
-    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(16, 512))
+    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(16, 256))
     parser.add_argument("--min-out", type=int, default=16)
     parser.add_argument("--max-out", type=int, default=256)
     parser.add_argument("--batch-sizes", default="4,8,16,32")
