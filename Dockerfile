@@ -10,12 +10,16 @@
 FROM python:3.11-slim
 
 ARG TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+# Unpinned on purpose: Debian replaces package versions with security updates, so pins break builds;
+# the base image tag fixes the Debian release.
+# hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends openjdk-17-jre-headless make \
     && rm -rf /var/lib/apt/lists/*
 
 RUN useradd --create-home --uid 1000 llm
-USER llm
+# Numeric, so a runtime (and Kubernetes runAsNonRoot) can verify it is not root.
+USER 1000
 WORKDIR /home/llm/app
 ENV LLM_API_CACHE=/home/llm/.cache/llm_api \
     MODEL_NAME=smollm2 \
