@@ -90,8 +90,10 @@ class CancelRequest:
     target_id: str
 
 
-def parse_request(row: Mapping[str, Any], limits: Limits) -> GenerateRequest | CancelRequest:
-    """Validate one TorchServe batch row; raise ``RequestError`` naming the first problem found."""
+def parse_request(row: Mapping[str, Any], limits: Limits, default_stream: bool = True) -> GenerateRequest | CancelRequest:
+    """Validate one TorchServe batch row; raise ``RequestError`` naming the first problem found.
+
+    ``default_stream``: whether the answer streams when the request does not say (False for gRPC)."""
     fields_ = _fields_of(row)
     if "cancel" in fields_:
         if set(fields_) - {"cancel"}:
@@ -121,7 +123,7 @@ def parse_request(row: Mapping[str, Any], limits: Limits) -> GenerateRequest | C
         req.messages = _messages(fields_["messages"])
     else:
         req.inputs_embeds = _embeds(fields_["inputs_embeds"], limits)
-    req.stream = _bool(fields_, "stream", True)
+    req.stream = _bool(fields_, "stream", default_stream)
     if fields_.get("request_id") is not None:
         req.client_request_id = _text(fields_["request_id"], "request_id")[:128]
     if fields_.get("timeout") is not None:
