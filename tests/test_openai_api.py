@@ -1,0 +1,103 @@
+"""OpenAI request translation and response encoding, without a server."""
+
+import json
+
+import pytest
+
+from llm_api.openai_api import OpenAIError, OpenAICall, models_list, parse_call, route
+from llm_api.protocol import Limits
+
+LIMITS = Limits(max_input_tokens=2048, max_new_tokens=2048, hidden_size=576)
+
+
+def parse(kind, body):
+    return parse_call(kind, json.dumps(body).encode(), "smollm2", LIMITS)
+
+
+def test_route():
+    assert route(None) is None and route("") is None and route("/") is None
+    assert route("v1/chat/completions") == "chat" and route("/v1/completions/") == "completions"
+    assert route("v1/models") == "models" and route("v1/health") == "health"
+    with pytest.raises(OpenAIError) as err:
+        route("v2/nothing")
+    assert err.value.status == 404
+
+
+def test_chat_translation():
+    req, call = parse("chat", {"model": "smollm2", "messages": [{"role": "developer", "content": "Be brief."},
+                                                                {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+                               "max_tokens": 7, "temperature": 0, "seed": 3, "stop": ["\n"], "n": 1})
+    assert req.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    p = req.params
+    assert (p.max_new_tokens, p.do_sample, p.seed, p.stop) == (7, False, 3, ("\n",))
+    assert call.kind == "chat" and not call.stream
+
+
+def test_completion_defaults_follow_openai():
+    req, call = parse("completions", {"model": "smollm2", "prompt": ["Once"], "stream": True,
+                                      "stream_options": {"include_usage": True}})
+    assert req.text == "Once" and req.params.max_new_tokens == 16
+    assert req.params.do_sample and req.params.temperature == 1.0
+    assert call.stream and call.include_usage
+
+
+@pytest.mark.parametrize("body, param, status", [
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature", 400),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n", 400),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p", 400),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5}, "stop", 400),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1}, "presence_penalty", 400),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "frobnicate": 1}, "frobnicate", 400),
+    ({"model": "smollm2", "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", 400),
+    ({"model": "other", "messages": [{"role": "user", "content": "x"}]}, "model", 404),
+    ({"messages": [{"role": "user", "content": "x"}]}, "model", 400),
+    ({"model": "smollm2", "messages": []}, "messages", 400),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens", 400),
+])
+def test_errors_name_the_parameter(body, param, status):
+    with pytest.raises(OpenAIError) as err:
+        parse("chat", body)
+    assert err.value.param == param and err.value.status == status
+    shape = err.value.to_json()["error"]
+    assert set(shape) == {"message", "type", "param", "code"} and shape["type"] == "invalid_request_error"
+
+
+def test_bad_json():
+    with pytest.raises(OpenAIError):
+        parse_call("chat", b"{nope", "smollm2", LIMITS)
+    with pytest.raises(OpenAIError):
+        parse_call("chat", b"[1]", "smollm2", LIMITS)
+
+
+def events(text):
+    assert text.endswith("\n\n")
+    return [block[len("data: "):] for block in text.split("\n\n") if block]
+
+
+def test_chat_stream_encoding():
+    call = OpenAICall("chat", "smollm2", stream=True, include_usage=True)
+    out = call.delta("Hel") + call.delta("") + call.delta("lo") + call.finish("!", "stop", 5, 3)
+    data = events(out)
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "Hello!"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert all(c["object"] == "chat.completion.chunk" and c["id"].startswith("chatcmpl-") for c in chunks)
+
+
+def test_completion_json_encoding():
+    call = OpenAICall("completions", "smollm2", stream=False, include_usage=False)
+    assert call.delta("a") == ""
+    body = json.loads(call.finish("b", "length", 2, 2))
+    assert body["object"] == "text_completion" and body["choices"][0] == {"index": 0, "text": "ab", "logprobs": None, "finish_reason": "length"}
+    assert body["usage"]["total_tokens"] == 4
+
+
+def test_error_event_and_models():
+    call = OpenAICall("chat", "smollm2", stream=True, include_usage=False)
+    data = events(call.error_event(OpenAIError("late", 408, None, "timeout")))
+    assert json.loads(data[0])["error"]["code"] == "timeout" and data[-1] == "[DONE]"
+    assert json.loads(models_list("smollm2", 1))["data"][0]["id"] == "smollm2"
