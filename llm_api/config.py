@@ -15,6 +15,7 @@ from typing import Mapping
 
 DTYPES = ("bfloat16", "float16", "float32", "auto")
 QUANTIZATIONS = ("none", "8bit", "4bit")
+BNB_4BIT_QUANT_TYPES = ("nf4", "fp4")
 ENGINES = ("paged", "generate")
 DEFAULT_MODEL_DIR_NAME = "SmolLM2-135M-Instruct"
 
@@ -43,6 +44,8 @@ class Settings:
     max_new_tokens: int = 2048
     dtype: str = "bfloat16"
     quantization: str = "none"
+    bnb_4bit_quant_type: str = "nf4"  # the 4-bit data type of QUANTIZATION=4bit
+    offload_folder: str = ""  # where DEVICE_MAP "disk" entries put weights; empty: <cache dir>/offload/<model>
     end_of_stream_token: str = "<|endoftext|>"
     # Generation path: the paged engine, or transformers' generate() (the reference).
     engine: str = "paged"
@@ -65,6 +68,9 @@ class Settings:
             "max_new_tokens": _int(env, "MAX_NEW_TOKENS", cls.max_new_tokens, minimum=1),
             "dtype": _choice(env, "DTYPE", cls.dtype, DTYPES),
             "quantization": _choice(env, "QUANTIZATION", cls.quantization, QUANTIZATIONS),
+            "bnb_4bit_quant_type": _choice(env, "BNB_4BIT_QUANT_TYPE", cls.bnb_4bit_quant_type, BNB_4BIT_QUANT_TYPES),
+            "offload_folder": env.get("OFFLOAD_FOLDER", "")
+            or str(default_cache_dir(env) / "offload" / _nonempty(env, "MODEL_NAME", cls.model_name)),
             "end_of_stream_token": _nonempty(env, "END_OF_STREAM_TOKEN", cls.end_of_stream_token),
             "engine": _choice(env, "ENGINE", cls.engine, ENGINES),
             "kv_block_size": _int(env, "KV_BLOCK_SIZE", cls.kv_block_size, minimum=1),
@@ -147,8 +153,21 @@ def _device_map(raw: str) -> str:
         except json.JSONDecodeError:
             raise ConfigError(f"DEVICE_MAP={raw!r} is not valid JSON; allowed values: {allowed}") from None
         if isinstance(parsed, dict) and parsed:
+            bad = {k: d for k, d in parsed.items() if not _is_device(d)}
+            if bad:
+                raise ConfigError(f"DEVICE_MAP={raw!r} maps modules to unknown devices {bad}; a module's device "
+                                  f"is cpu, disk, cuda, cuda:N, mps or a GPU index")
             return value
     raise ConfigError(f"DEVICE_MAP={raw!r} is not supported; allowed values: {allowed}")
+
+
+def _is_device(device) -> bool:
+    """One value of a JSON device map, as accelerate takes it ("disk": offloaded to OFFLOAD_FOLDER)."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return device >= 0
+    if not isinstance(device, str):
+        return False
+    return device in ("cpu", "disk", "cuda", "mps") or (device.startswith("cuda:") and device[5:].isdigit())
 
 
 def parse_device_map(value: str) -> str | int | dict:
