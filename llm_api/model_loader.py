@@ -1,8 +1,11 @@
 """Load the tokenizer and causal LM that ``Settings`` describe.
 
-Turns DTYPE, DEVICE_MAP and QUANTIZATION into ``from_pretrained`` arguments, and fails with a
-``ConfigError`` naming the variable when a combination cannot work on this machine. The tokenizer gets
-a pad token (falling back to EOS) and left padding, which batched ``generate()`` needs.
+Turns DTYPE, DEVICE_MAP, QUANTIZATION (with BNB_4BIT_QUANT_TYPE) and OFFLOAD_FOLDER into
+``from_pretrained`` arguments, and fails with a ``ConfigError`` naming the variables when a combination
+cannot work on this machine (checked before loading, by trying the operation where that is the only
+honest test). The tokenizer gets a pad token (falling back to EOS) and left padding, which batched
+``generate()`` needs. ``LoadedModel.device`` is where input ids go: the input embedding's execution
+device, which differs from its weight's device when accelerate offloads it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 import torch
 
 from llm_api.config import ConfigError, Settings, parse_device_map
+from llm_api.engine.kv_cache import execution_device
 
 logger = logging.getLogger(__name__)
 
@@ -29,16 +33,34 @@ class LoadedModel:
     device: torch.device  # where input ids and embeddings go (the input embedding's device)
 
 
-def resolve_dtype(settings: Settings, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+def resolve_dtype(settings: Settings, checkpoint_dtype: torch.dtype | str | None, on_gpu: bool) -> torch.dtype:
+    """DTYPE -> torch dtype; ``auto``: the checkpoint's, but float32 on CPU for float16 checkpoints."""
     if settings.dtype != "auto":
         return _DTYPES[settings.dtype]
-    dtype = checkpoint_dtype or torch.float32
-    if not torch.cuda.is_available() and dtype == torch.float16:
-        return torch.float32  # float16 matmuls are slow (or missing) on CPU
+    if isinstance(checkpoint_dtype, str):
+        checkpoint_dtype = _DTYPES.get(checkpoint_dtype.removeprefix("torch."))
+    dtype = checkpoint_dtype if checkpoint_dtype in _DTYPES.values() else torch.float32
+    if not on_gpu and dtype == torch.float16:
+        return torch.float32  # CPUs have no float16 arithmetic: every op converts (see docs/model-options.md)
     return dtype
 
 
-def quantization_config(settings: Settings, compute_dtype: torch.dtype):
+def check_cpu_dtype(dtype: torch.dtype) -> None:
+    """Fail with a ConfigError when this CPU build cannot run a decoder's ops in ``dtype``: try them."""
+    try:
+        x = torch.randn(2, 4, 8).to(dtype)
+        w = torch.randn(8, 8).to(dtype)
+        y = torch.nn.functional.linear(x, w)
+        torch.nn.functional.scaled_dot_product_attention(y[None], y[None], y[None], is_causal=True)
+        torch.nn.functional.silu(y).softmax(-1).pow(2).mean(-1, keepdim=True).rsqrt()
+        torch.nn.functional.embedding(torch.tensor([0, 1]), w)
+    except RuntimeError as exc:
+        raise ConfigError(f"DTYPE={_name(dtype)} does not run on this CPU build of torch ({exc}); "
+                          f"use DTYPE=float32 or bfloat16, or a GPU (DEVICE_MAP)") from None
+
+
+def quantization_config(settings: Settings, compute_dtype: torch.dtype, on_gpu: bool, device_map=None):
+    """QUANTIZATION -> a BitsAndBytesConfig (None for none); ConfigError for what bitsandbytes rejects."""
     if settings.quantization == "none":
         return None
     try:
@@ -48,14 +70,24 @@ def quantization_config(settings: Settings, compute_dtype: torch.dtype):
         raise ConfigError(
             f"QUANTIZATION={settings.quantization} needs bitsandbytes: pip install 'llm_api[quant]'"
         ) from None
+    if isinstance(device_map, dict) and "disk" in device_map.values():
+        raise ConfigError(f"QUANTIZATION={settings.quantization} cannot offload to disk: remove the \"disk\" "
+                          f"entries of DEVICE_MAP or set QUANTIZATION=None")
     if settings.quantization == "8bit":
-        return BitsAndBytesConfig(load_in_8bit=True)
+        # (bitsandbytes 0.50 runs int8 on CPU with float16, bfloat16 and float32 activations: nothing to refuse.)
+        # A JSON map that keeps some modules on the CPU of a GPU machine: those stay unquantized float32.
+        cpu_offload = on_gpu and isinstance(device_map, dict) and "cpu" in device_map.values()
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_enable_fp32_cpu_offload=cpu_offload)
     return BitsAndBytesConfig(
         load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
+        bnb_4bit_quant_type=settings.bnb_4bit_quant_type,
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=compute_dtype,
     )
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def load(settings: Settings) -> LoadedModel:
@@ -65,12 +97,18 @@ def load(settings: Settings) -> LoadedModel:
     if not (path / "config.json").is_file():
         raise ConfigError(f"MODEL_PATH={settings.model_path!r} is not a Hugging Face checkpoint folder (no config.json)")
     config = AutoConfig.from_pretrained(path)
-    dtype = resolve_dtype(settings, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
     device_map = parse_device_map(settings.device_map)
     if not torch.cuda.is_available() and _wants_cuda(device_map):
         raise ConfigError(f"DEVICE_MAP={settings.device_map!r} asks for CUDA, but no CUDA device is available")
+    on_gpu = torch.cuda.is_available() and device_map != "cpu"
+    dtype = resolve_dtype(settings, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None), on_gpu)
+    if not on_gpu:
+        check_cpu_dtype(dtype)
     kwargs = {"dtype": dtype, "device_map": device_map}
-    quant = quantization_config(settings, dtype)
+    if isinstance(device_map, dict) and "disk" in device_map.values():
+        Path(settings.offload_folder).mkdir(parents=True, exist_ok=True)
+        kwargs["offload_folder"] = settings.offload_folder
+    quant = quantization_config(settings, dtype, on_gpu, device_map)
     if quant is not None:
         kwargs["quantization_config"] = quant
 
@@ -81,14 +119,15 @@ def load(settings: Settings) -> LoadedModel:
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model.eval()
     logger.info(
-        "loaded %s: dtype=%s device_map=%s quantization=%s", path.name, dtype, settings.device_map, settings.quantization
+        "loaded %s: dtype=%s device_map=%s quantization=%s%s", path.name, dtype, settings.device_map,
+        settings.quantization, f" ({settings.bnb_4bit_quant_type})" if settings.quantization == "4bit" else "",
     )
     return LoadedModel(
         tokenizer=tokenizer,
         model=model,
         eos_token_ids=eos_token_ids(model, tokenizer),
         hidden_size=model.get_input_embeddings().embedding_dim,
-        device=model.get_input_embeddings().weight.device,
+        device=execution_device(model, model.get_input_embeddings()),
     )
 
 

@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
+from llm_api.engine.kv_cache import execution_device
 from llm_api.generation import GenerationJob, OnStep, RequestOutput
 from llm_api.sampling import Sampler, SamplerBatch, SamplingState
 
@@ -33,7 +34,8 @@ class ReferenceGenerator:
         self._model = model
         self._eos = eos_token_ids
         self._pad = pad_token_id
-        self._device = model.get_input_embeddings().weight.device
+        # Where input ids go: not the weight's device, which is "meta" for an offloaded embedding.
+        self._device = execution_device(model, model.get_input_embeddings())
         self._reporter: StepReporter | None = None
 
     def abort(self, request_id: str) -> None:

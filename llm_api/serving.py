@@ -23,6 +23,7 @@ from llm_api.config import Settings
 from llm_api.detokenizer import TextStream
 from llm_api.engine.async_engine import AsyncLLMEngine
 from llm_api.engine.engine import EngineConfig, LLMEngine, PromptTooLongError
+from llm_api.engine.support import unsupported_reason
 from llm_api.generation import EnginePath, GenerationJob, GenerationPath, RequestOutput, stream_async
 from llm_api.protocol import GenerateRequest, Limits, RequestError
 from llm_api.reference import ReferenceGenerator
@@ -63,11 +64,13 @@ class ModelService:
         return "paged engine" if self.engine is not None else "generate() reference"
 
     def _build_engine(self) -> LLMEngine | None:
-        try:
-            engine = LLMEngine(self.lm.model, EngineConfig.from_settings(self.settings), set(self.lm.eos_token_ids))
-        except (NotImplementedError, ValueError, TypeError, AttributeError) as exc:
-            logger.warning("the paged engine cannot drive this model (%s); using the generate() reference path", exc)
+        # Decided from the model before building (llm_api.engine.support); any other error building the
+        # engine for a model it supports is a bug to surface, not a reason to serve silently slower.
+        reason = unsupported_reason(self.lm.model)
+        if reason is not None:
+            logger.warning("the paged engine cannot drive this model: %s; using the generate() reference path", reason)
             return None
+        engine = LLMEngine(self.lm.model, EngineConfig.from_settings(self.settings), set(self.lm.eos_token_ids))
         stats = engine.stats()
         logger.info(
             "paged engine: %d KV blocks of %d tokens (%d tokens in flight at most), max_model_len %d",

@@ -174,6 +174,8 @@ def paged_attention_forward(module, query, key, value, attention_mask=None, scal
         raise RuntimeError(f"{ATTENTION_NAME} attention needs `{METADATA_KWARG}=` in the model call")
     if query.shape[0] != 1:
         raise ValueError(f"{ATTENTION_NAME} expects a packed batch of 1 row, got {query.shape[0]}")
+    if kwargs.get("s_aux") is not None:  # engine.support refuses such models; never ignore sinks silently
+        raise NotImplementedError(f"{ATTENTION_NAME} attention has no attention sinks (s_aux)")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     key_cache = metadata.key_caches[module.layer_idx]

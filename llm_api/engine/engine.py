@@ -24,6 +24,7 @@ from llm_api.engine.kv_cache import PagedKVCache, choose_num_blocks, layout_for_
 from llm_api.engine.model_runner import ModelRunner
 from llm_api.engine.request import FinishReason, Request, RequestOutput
 from llm_api.engine.scheduler import PromptTooLongError, Scheduler, SchedulerConfig
+from llm_api.engine.support import check_supported
 from llm_api.sampling import Sampler, SamplerBatch, SamplingParams, SamplingState
 
 __all__ = ["LLMEngine", "EngineConfig", "EngineStats", "RequestOutput", "PromptTooLongError"]
@@ -73,6 +74,7 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, model: nn.Module, config: EngineConfig, eos_token_ids: set[int]):
+        check_supported(model)  # UnsupportedModelError before any memory is taken
         self.config = config
         self.model = model
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -122,8 +124,8 @@ class LLMEngine:
             if prompt_embeds.ndim != 2 or prompt_embeds.shape[1] != self.hidden_size:
                 raise ValueError(f"prompt_embeds must be [num_tokens, {self.hidden_size}], "
                                  f"got {list(prompt_embeds.shape)}")
-            weight = self.runner.input_embeddings.weight
-            prompt_embeds = prompt_embeds.detach().to(weight.device, weight.dtype)
+            dtype = self.runner.input_embeddings.weight.dtype  # (an offloaded weight on "meta" keeps its dtype)
+            prompt_embeds = prompt_embeds.detach().to(self.runner.input_device, dtype)
             # Placeholder ids: only their count matters; such requests never use the prefix cache.
             prompt_token_ids = [0] * prompt_embeds.shape[0]
         elif prompt_token_ids is None:

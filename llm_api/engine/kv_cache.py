@@ -5,6 +5,11 @@ num_kv_heads, head_dim]`` on the device and in the dtype of that layer's attenti
 split across devices keeps each layer's cache beside the layer. Block ``b``'s slot ``s`` is the flat
 row ``b * block_size + s`` of ``key_caches[i].view(-1, num_kv_heads, head_dim)`` (the slot mapping).
 
+A layer's device is where its attention *runs*: for a module that accelerate offloads (DEVICE_MAP "cpu"
+entries on a GPU machine, or "disk" entries), whose weights sit on ``meta`` or in CPU memory and are
+moved in by a hook for each forward, that is the hook's ``execution_device``, not the weights' device
+(``execution_device``). The same rule gives the device input ids and logits live on.
+
 Sizing (``choose_num_blocks``): an explicit block count wins; else ``kv_cache_memory_mib``; else on
 CUDA the free memory times ``gpu_memory_utilization``; else (CPU) enough blocks for ``max_num_seqs``
 sequences of ``max_model_len`` tokens, capped at ``CPU_DEFAULT_CAP_BYTES``.
@@ -44,6 +49,41 @@ def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
     return found
 
 
+def _hook_execution_device(module: nn.Module) -> torch.device | None:
+    hook = getattr(module, "_hf_hook", None)
+    # accelerate chains several hooks in a SequentialHook; any of them may move the inputs.
+    for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
+        device = getattr(h, "execution_device", None)
+        if device is not None:
+            return torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+    return None
+
+
+def execution_device(model: nn.Module, module: nn.Module) -> torch.device:
+    """Where ``module`` (a submodule of ``model``) computes: the nearest accelerate hook's execution device
+    on the path from ``model`` down to ``module``, else the device of its first parameter or buffer."""
+    path = [model]
+    for name, candidate in model.named_modules():
+        if candidate is module:
+            parent = model
+            for part in name.split(".") if name else []:
+                parent = getattr(parent, part)
+                path.append(parent)
+            break
+    for candidate in reversed(path):
+        device = _hook_execution_device(candidate)
+        if device is not None:
+            return device
+    tensor = next(module.parameters(), None)
+    if tensor is None:
+        tensor = next(module.buffers(), None)
+    device = tensor.device if tensor is not None else torch.device("cpu")
+    if device.type == "meta":
+        raise NotImplementedError(f"{type(module).__name__} has its weights on 'meta' with no accelerate hook to "
+                                  f"move them in: the engine cannot tell where it runs")
+    return device
+
+
 def layout_for_model(model: nn.Module) -> KVCacheLayout:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     num_heads = config.num_attention_heads
@@ -59,8 +99,9 @@ def layout_for_model(model: nn.Module) -> KVCacheLayout:
     devices, dtypes = [], []
     for i in range(num_layers):
         weight = next(modules[i].parameters())
-        devices.append(weight.device)
+        devices.append(execution_device(model, modules[i]))
         # Quantized weights are integers; the activations (and so K/V) are in the model's float dtype.
+        # (An offloaded weight on "meta" keeps its dtype.)
         dtypes.append(weight.dtype if weight.dtype.is_floating_point else model.dtype)
     return KVCacheLayout(num_layers, num_kv_heads, head_dim, tuple(devices), tuple(dtypes))
 

@@ -25,7 +25,7 @@ from llm_api.engine.attention import (
     PagedAttentionMetadata,
     register_paged_attention,
 )
-from llm_api.engine.kv_cache import PagedKVCache
+from llm_api.engine.kv_cache import PagedKVCache, execution_device
 from llm_api.engine.request import Request
 from llm_api.engine.scheduler import ScheduledRequest
 
@@ -43,13 +43,12 @@ class ModelRunner:
                 f"{type(model).__name__} does not take a pluggable attention function (AttentionInterface)"
             )
         self.input_embeddings = model.get_input_embeddings()
-        self.input_device = self.input_embeddings.weight.device
+        # Not the weight's device: an offloaded embedding's weight is on "meta" until its hook runs.
+        self.input_device = execution_device(model, self.input_embeddings)
+        output_embeddings = model.get_output_embeddings()
+        self.logits_device = (execution_device(model, output_embeddings) if output_embeddings is not None
+                              else self.input_device)
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-
-    @property
-    def logits_device(self) -> torch.device:
-        output_embeddings = self.model.get_output_embeddings()
-        return output_embeddings.weight.device if output_embeddings is not None else self.input_device
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[Request]]:
