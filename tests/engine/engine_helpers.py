@@ -9,11 +9,19 @@ from __future__ import annotations
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     GPT2Config,
+    GPTNeoXConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    Olmo2Config,
+    Phi3Config,
+    PhiConfig,
     Qwen2Config,
     Qwen3Config,
+    Starcoder2Config,
 )
 
 from llm_api.engine.engine import EngineConfig, LLMEngine
@@ -30,6 +38,24 @@ TINY_CONFIGS = {
     "qwen2": lambda: Qwen2Config(**_COMMON),
     "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=16),
     "gpt2": lambda: GPT2Config(n_embd=64, n_layer=2, n_head=4, n_inner=128, vocab_size=VOCAB_SIZE, n_positions=512),
+    # Gemma-2: alternating sliding/full layers, attention and final logit softcapping, its own query scale.
+    "gemma2": lambda: Gemma2Config(**_COMMON, head_dim=16, sliding_window=24, attn_logit_softcapping=50.0,
+                                   final_logit_softcapping=30.0, query_pre_attn_scalar=16, pad_token_id=0),
+    # Gemma-3: q/k norms, a sliding layer pattern (5 local : 1 global, here 3 layers: 2 sliding + 1 full).
+    "gemma3": lambda: Gemma3TextConfig(**{**_COMMON, "num_hidden_layers": 3}, head_dim=16, sliding_window=24,
+                                       query_pre_attn_scalar=16, pad_token_id=0,
+                                       layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    # Phi-3: fused qkv and gate_up projections. (Its default pad id is outside the tiny vocabulary.)
+    "phi3": lambda: Phi3Config(**_COMMON, pad_token_id=0),
+    # Phi-1/2: partial rotary embedding, parallel attention and MLP.
+    "phi": lambda: PhiConfig(**_COMMON, partial_rotary_factor=0.5, pad_token_id=0),
+    "gpt_neox": lambda: GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                      vocab_size=VOCAB_SIZE, max_position_embeddings=512, rotary_pct=0.5),
+    # Granite: scaled embeddings, residuals, attention and logits (attention_multiplier is the scaling).
+    "granite": lambda: GraniteConfig(**_COMMON, embedding_multiplier=2.0, residual_multiplier=0.5,
+                                     attention_multiplier=0.2, logits_scaling=4.0, pad_token_id=0),
+    "olmo2": lambda: Olmo2Config(**_COMMON, pad_token_id=0),
+    "starcoder2": lambda: Starcoder2Config(**_COMMON, sliding_window=24),
 }
 
 

@@ -1,5 +1,5 @@
 """Greedy parity: the engine's tokens equal generate()'s, request by request, for tiny random models of
-several architectures, with staggered arrivals, EOS, forced preemption, chunked prefill and prompt
+every supported family, with staggered arrivals, EOS, forced preemption, chunked prefill and prompt
 embeddings."""
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from engine_helpers import (
     run_engine,
 )
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gpt2"]
+# Every family listed as supported in docs/model-options.md (tiny random configs in engine_helpers.py).
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3", "phi3", "phi", "gpt_neox", "granite",
+         "olmo2", "starcoder2"]
 MAX_NEW_TOKENS = 16
 
 
@@ -64,7 +66,7 @@ def test_preemption_keeps_outputs(tiny_models, arch):
     _check_against_generate(reference_model, arrivals, results)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gpt2", "gemma2"])
 def test_chunked_prefill_keeps_outputs(tiny_models, arch):
     model, reference_model = get_model(tiny_models, arch)
     arrivals = _workload(seed=3)

@@ -1,0 +1,118 @@
+"""Model options end to end on CPU: quantization, dtypes and inputs_embeds through the engine.
+
+* The embedded model loaded with QUANTIZATION=8bit and 4bit (bitsandbytes on CPU) answers "What is the
+  capital of France?" with Paris, through the paged engine and through the generate() reference path.
+* Settings for the options (BNB_4BIT_QUANT_TYPE, OFFLOAD_FOLDER, device-map values) and the combinations
+  that cannot work here fail with a ConfigError naming the variables.
+* A request with ``inputs_embeds`` equal to the model's own input embeddings of a text runs in the
+  engine and generates the same tokens as the text.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llm_api import model_loader
+from llm_api.config import ConfigError, Settings
+from llm_api.protocol import parse_request
+from llm_api.serving import ModelService
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _run(service: ModelService, jobs) -> dict[str, list[int]]:
+    """Run jobs through the service's path as a classic batch: request id -> generated token ids."""
+    tokens = {job.request_id: [] for job in jobs}
+    service.path.run(jobs, lambda outputs: [tokens[o.request_id].extend(o.new_token_ids) for o in outputs])
+    return tokens
+
+
+# ------------------------------------------------------------------------------------------ settings
+
+
+def test_4bit_quant_type_setting():
+    assert Settings.from_env({}).bnb_4bit_quant_type == "nf4"
+    assert Settings.from_env({"BNB_4BIT_QUANT_TYPE": "FP4"}).bnb_4bit_quant_type == "fp4"
+    with pytest.raises(ConfigError, match="BNB_4BIT_QUANT_TYPE='int4' is not supported; allowed values: nf4, fp4"):
+        Settings.from_env({"BNB_4BIT_QUANT_TYPE": "int4"})
+    settings = Settings.from_env({"QUANTIZATION": "4bit", "BNB_4BIT_QUANT_TYPE": "fp4"})
+    config = model_loader.quantization_config(settings, torch.bfloat16, on_gpu=False)
+    assert (config.load_in_4bit, config.bnb_4bit_quant_type, config.bnb_4bit_use_double_quant) == (True, "fp4", True)
+    assert config.bnb_4bit_compute_dtype == torch.bfloat16
+
+
+def test_offload_folder_and_device_map_values():
+    assert Settings.from_env({"HOME": "/h", "MODEL_NAME": "m"}).offload_folder == "/h/.cache/llm_api/offload/m"
+    assert Settings.from_env({"OFFLOAD_FOLDER": "/x"}).offload_folder == "/x"
+    Settings.from_env({"DEVICE_MAP": '{"model.layers.0": "disk", "model.layers.1": "cuda:1", "lm_head": 0}'})
+    with pytest.raises(ConfigError, match="DEVICE_MAP=.*unknown devices {'lm_head': 'gpu'}"):
+        Settings.from_env({"DEVICE_MAP": '{"model.layers.0": "cpu", "lm_head": "gpu"}'})
+
+
+def test_auto_dtype_is_the_checkpoints_but_float32_for_float16_on_cpu():
+    auto = Settings.from_env({"DTYPE": "auto"})
+    assert model_loader.resolve_dtype(auto, torch.bfloat16, on_gpu=False) == torch.bfloat16
+    assert model_loader.resolve_dtype(auto, "float16", on_gpu=False) == torch.float32
+    assert model_loader.resolve_dtype(auto, torch.float16, on_gpu=True) == torch.float16
+    assert model_loader.resolve_dtype(auto, None, on_gpu=False) == torch.float32
+    assert model_loader.resolve_dtype(Settings.from_env({"DTYPE": "float16"}), None, on_gpu=False) == torch.float16
+
+
+@pytest.mark.parametrize(
+    "env, needle",
+    [
+        ({"QUANTIZATION": "4bit", "DEVICE_MAP": '{"model": "cpu", "lm_head": "disk"}'},
+         "QUANTIZATION=4bit cannot offload to disk"),
+        ({"DEVICE_MAP": "cuda:0"}, "DEVICE_MAP='cuda:0' asks for CUDA"),
+    ],
+)
+def test_combinations_that_cannot_work_here_name_the_variables(embedded_model_path, env, needle):
+    if torch.cuda.is_available():
+        pytest.skip("these combinations are CPU-only failures")
+    with pytest.raises(ConfigError, match=needle):
+        model_loader.load(Settings.from_env({"MODEL_PATH": str(embedded_model_path), **env}))
+
+
+# ------------------------------------------------------------------------------------------ quantized
+
+
+@pytest.mark.parametrize("quantization", ["8bit", "4bit"])
+def test_quantized_embedded_model_answers_paris(embedded_model_path, quantization):
+    env = {"MODEL_PATH": str(embedded_model_path), "QUANTIZATION": quantization, "KV_CACHE_MEMORY_MIB": "16"}
+    lm = model_loader.load(Settings.from_env(env))
+    assert lm.model.is_quantized
+    answers = {}
+    # The reference path first: building the engine switches the model's attention to the paged one.
+    for engine in ("generate", "paged"):
+        service = ModelService(Settings.from_env({**env, "ENGINE": engine}), lm)
+        request = parse_request({"messages": QUESTION, "max_new_tokens": 24}, service.limits)
+        tokens = _run(service, [service.prepare(request, "q").job])["q"]
+        answers[service.path_name] = lm.tokenizer.decode(tokens, skip_special_tokens=True)
+    assert set(answers) == {"generate() reference", "paged engine"}
+    for path_name, answer in answers.items():
+        assert "Paris" in answer, (quantization, path_name, answer)
+
+
+# ------------------------------------------------------------------------------------------ inputs_embeds
+
+
+def test_inputs_embeds_through_the_engine_equal_the_text(embedded_lm):
+    service = ModelService(Settings.from_env({"KV_CACHE_MEMORY_MIB": "16"}), embedded_lm)
+    assert service.path_name == "paged engine"
+    text = "The three primary colours are"
+    token_ids = embedded_lm.tokenizer(text)["input_ids"]
+    with torch.inference_mode():
+        embeds = embedded_lm.model.get_input_embeddings()(torch.tensor(token_ids))  # [T, H], the model's dtype
+    rows = [{"text": text, "max_new_tokens": 20},
+            {"inputs_embeds": embeds.float().tolist(), "max_new_tokens": 20}]  # bf16 -> float is exact
+    jobs = []
+    for i, row in enumerate(rows):
+        prepared = service.prepare(parse_request(row, service.limits), f"r{i}")
+        jobs.append(prepared.job)
+    assert jobs[1].prompt_token_ids is None and jobs[1].prompt_embeds is not None
+    # In the same batch and each alone: the embeddings request matches the text request token for token.
+    together = _run(service, jobs)
+    alone = _run(service, [jobs[1]])
+    assert together["r1"] == together["r0"] == alone["r1"]
+    assert len(together["r0"]) > 0
