@@ -140,7 +140,7 @@ def test_disk_and_cpu_offload_device_map_matches_model_in_one_piece(tiny_checkpo
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_model_split_over_gpu_and_cpu_matches_model_in_one_piece(tiny_checkpoint):
-    whole = _load(tiny_checkpoint, DEVICE_MAP="cpu")
+    whole = _load(tiny_checkpoint, DEVICE_MAP="cuda:0")  # the same device's arithmetic as the split model
     device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 0,
                   "model.layers.2": "cpu", "model.layers.3": "cpu", "model.norm": 0, "lm_head": 0}
     split = _load(tiny_checkpoint, DEVICE_MAP=json.dumps(device_map))

@@ -1,0 +1,122 @@
+"""Model options benchmark: the embedded model in bf16, 8-bit and 4-bit through the paged engine.
+
+For each option a fresh Python process (so resident memory is its own) loads the model the way the
+server does (``model_loader.load`` with DTYPE / QUANTIZATION), then through the engine
+(``ModelService``, classic-batch path):
+
+* greedy answer to "What is the capital of France?" (chat template, 32 new tokens at most);
+* memory: ``model.get_memory_footprint()`` (weights and buffers) and the process's resident set size
+  (RSS) growth from before the load to after generating (weights, KV pool, activations, allocator);
+* tokens/s: one request of 128 new tokens (``ignore_eos``) after a warm-up, and 8 such requests decoded
+  together, wall time from adding them to the last token.
+
+Prints a Markdown table (the one in docs/model-options.md) and writes JSON.
+
+    .venv/bin/python bench/model_options.py --out bench/results/model_options.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+OPTIONS = {  # name -> environment for Settings
+    "bf16": {"DTYPE": "bfloat16"},
+    "8bit": {"DTYPE": "bfloat16", "QUANTIZATION": "8bit"},
+    "4bit-nf4": {"DTYPE": "bfloat16", "QUANTIZATION": "4bit", "BNB_4BIT_QUANT_TYPE": "nf4"},
+}
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+DECODE_TOKENS = 128
+BATCH = 8
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def measure(option: str) -> dict:
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    from llm_api import model_loader
+    from llm_api.config import Settings, default_model_path
+    from llm_api.embedded_model import prepare
+    from llm_api.protocol import parse_request
+    from llm_api.serving import ModelService
+
+    model_path = prepare(Path(os.environ.get("MODEL_PATH") or default_model_path(os.environ)))
+    env = {"MODEL_PATH": str(model_path), "KV_CACHE_MEMORY_MIB": "64", **OPTIONS[option]}
+    rss_before = _rss_mib()
+    lm = model_loader.load(Settings.from_env(env))
+    service = ModelService(Settings.from_env(env), lm)
+    assert service.path_name == "paged engine"
+
+    def run(rows: list[dict]) -> tuple[list[list[int]], float]:
+        jobs = [service.prepare(parse_request(row, service.limits), f"r{i}").job for i, row in enumerate(rows)]
+        tokens = {job.request_id: [] for job in jobs}
+        start = time.perf_counter()
+        service.path.run(jobs, lambda outs: [tokens[o.request_id].extend(o.new_token_ids) for o in outs])
+        return [tokens[job.request_id] for job in jobs], time.perf_counter() - start
+
+    (answer_ids,), _ = run([{"messages": QUESTION, "max_new_tokens": 32}])
+    long_row = {"text": "Once upon a time", "max_new_tokens": DECODE_TOKENS, "ignore_eos": True}
+    run([{**long_row, "max_new_tokens": 8}])  # warm-up
+    (single,), single_s = run([long_row])
+    batch, batch_s = run([long_row] * BATCH)
+    return {
+        "option": option,
+        "settings": OPTIONS[option],
+        "answer": lm.tokenizer.decode(answer_ids, skip_special_tokens=True),
+        "memory_footprint_mib": lm.model.get_memory_footprint() / 2**20,
+        "rss_growth_mib": _rss_mib() - rss_before,
+        "kv_pool_mib": service.engine.kv_cache.num_bytes / 2**20,
+        "tokens_per_s_batch1": len(single) / single_s,
+        f"tokens_per_s_batch{BATCH}": sum(len(t) for t in batch) / batch_s,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--options", default=",".join(OPTIONS), help="comma-separated: " + ", ".join(OPTIONS))
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # child mode: measure one option, print JSON
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(args.one)))
+        return 0
+    results = []
+    for option in args.options.split(","):
+        child = subprocess.run([sys.executable, __file__, "--one", option], capture_output=True, text=True, check=False)
+        if child.returncode != 0:
+            print(child.stderr, file=sys.stderr)
+            return child.returncode
+        results.append(json.loads(child.stdout.strip().splitlines()[-1]))
+    print(f"| option | greedy answer | get_memory_footprint | RSS growth (incl. {results[0]['kv_pool_mib']:.0f} MiB "
+          f"KV pool) | tokens/s, 1 request | tokens/s, {BATCH} requests |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['option']} | {r['answer']!r} | {r['memory_footprint_mib']:.0f} MiB | {r['rss_growth_mib']:.0f} MiB "
+              f"| {r['tokens_per_s_batch1']:.1f} | {r[f'tokens_per_s_batch{BATCH}']:.1f} |")
+    if args.out:
+        machine = f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.processor() or 'cpu'}"
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"date": datetime.datetime.now().isoformat(timespec="seconds"),
+                                        "machine": machine, "results": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
