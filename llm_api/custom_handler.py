@@ -19,7 +19,11 @@ TorchServe 0.12 behaviours this is shaped by (see the project's torchserve-facts
   connection after its head), so refused requests are the one exception;
 * a non-200 code for the whole batch fails every request in flight: errors are set per request
   with ``context.set_response_status``, never raised;
-* the module may define only one class.
+* the module may define only one class;
+* everything after ``/predictions/<model>/<version>/`` arrives in the ``url_path`` header: the
+  OpenAI-compatible paths (``v1/...``, ``llm_api.openai_api``) are routed on it, async mode only.
+
+Metrics (``llm_api.metrics``) are written as TorchServe ``[METRICS]`` lines through ``_metric_sink``.
 """
 
 from __future__ import annotations
@@ -33,9 +37,14 @@ import uuid
 from contextlib import aclosing
 
 from ts.handler_utils.utils import send_intermediate_predict_response
+from ts.metrics.caching_metric import CachingMetric
+from ts.metrics.metric_type_enum import MetricTypes
 from ts.torch_handler.base_handler import BaseHandler
 
+from llm_api import openai_api
 from llm_api.config import Settings
+from llm_api.metrics import ServingMetrics
+from llm_api.openai_api import OpenAIError
 from llm_api.protocol import CancelRequest, RequestError, parse_request
 from llm_api.serving import ModelService, Prepared
 
@@ -50,6 +59,10 @@ class LLMHandler(BaseHandler):
         super().__init__()
         self.service: ModelService | None = None
         self.async_mode = False
+        self.metrics: ServingMetrics | None = None
+        self._ts_metrics: dict[str, CachingMetric] = {}
+        self._model_name = ""
+        self._created = int(time.time())
 
     def initialize(self, context):
         settings = Settings.from_env()  # a bad value raises here and the model does not load
@@ -60,6 +73,10 @@ class LLMHandler(BaseHandler):
         yaml_config = getattr(context, "model_yaml_config", None) or {}
         self.async_mode = bool(yaml_config.get("asyncCommunication", False))
         self.service = ModelService.load(settings)
+        self._model_name = settings.model_name
+        engine = self.service.engine
+        self.metrics = ServingMetrics(self._metric_sink, engine.stats if engine is not None else None)
+        self.metrics.announce()
         self.initialized = True
         logger.info(
             "LLMHandler ready: model=%s path=%s mode=%s batch_size=%s",
@@ -79,7 +96,12 @@ class LLMHandler(BaseHandler):
         started = time.monotonic()
         results: dict[int, str | bytes] = {}
         live: dict[str, tuple[int, Prepared]] = {}
+        timers = {}
         for idx, row in enumerate(data):
+            if self._url_path(context, idx):
+                err = OpenAIError("the OpenAI-compatible paths need the async worker mode (asyncCommunication: true)", 404, None, "not_found")
+                results[idx] = self._openai_refuse(context, idx, err)
+                continue
             try:
                 prepared = self._prepare(idx, row, context)
             except RequestError as err:
@@ -89,6 +111,7 @@ class LLMHandler(BaseHandler):
                 results[idx] = prepared
                 continue
             live[prepared.job.request_id] = (idx, prepared)
+            timers[prepared.job.request_id] = self.metrics.start(prepared.job.prompt_len, started)
             context.set_response_content_type(idx, STREAM_CONTENT_TYPE)
         jobs = [p.job for _, p in live.values()]
         logger.info("handle: batch of %d requests (%d valid), prompt tokens %s", len(data), len(jobs), [j.prompt_len for j in jobs])
@@ -101,6 +124,7 @@ class LLMHandler(BaseHandler):
                 stream = prepared.stream
                 if stream.finished:  # ended here already (stop string, deadline); its abort is under way
                     continue
+                timers[out.request_id].tokens(len(out.new_token_ids))
                 chunk, stopped = stream.push(out.new_token_ids)
                 if chunk:
                     chunks[idx] = chunk
@@ -125,6 +149,7 @@ class LLMHandler(BaseHandler):
                 if not prepared.stream.finished:
                     results[idx] = self._fail(context, idx, prepared, 500, "internal_error", "generation failed")
         for idx, prepared in live.values():
+            timers[prepared.job.request_id].finish()
             if idx not in results:
                 results[idx] = prepared.stream.finish(prepared.stream.finish_reason or "length")
         for idx in range(len(data)):
@@ -143,9 +168,19 @@ class LLMHandler(BaseHandler):
         return results
 
     async def _serve_one(self, idx: int, row, context):
+        arrival = time.monotonic()
         grpc = self._is_grpc(context, idx)
+        if not grpc:
+            try:
+                api = openai_api.route(self._url_path(context, idx))
+            except OpenAIError as err:
+                return self._openai_refuse(context, idx, err)
+            if api is not None:
+                return await self._serve_openai(api, idx, row, context, arrival)
         try:
             prepared = self._prepare(idx, row, context)
+            if not isinstance(prepared, str):
+                self.service.register(prepared)  # 503 when the server is full
         except RequestError as err:
             return self._async_final(context, idx, self._error(context, idx, err), streamed=False, grpc=grpc)
         if isinstance(prepared, str):
@@ -154,12 +189,13 @@ class LLMHandler(BaseHandler):
         context.set_response_content_type(idx, STREAM_CONTENT_TYPE)
         stream = prepared.stream
         final = None
-        self.service.register(prepared)
+        timer = self.metrics.start(prepared.job.prompt_len, arrival)
         try:
             async with asyncio.timeout(max(0.0, prepared.deadline - time.monotonic())), aclosing(
                 self.service.stream(prepared.job)
             ) as outputs:
                 async for out in outputs:
+                    timer.tokens(len(out.new_token_ids))
                     chunk, stopped = stream.push(out.new_token_ids)
                     if chunk:
                         send_intermediate_predict_response([chunk], {idx: context.get_request_id(idx)}, "Intermediate", 200, context)
@@ -180,6 +216,7 @@ class LLMHandler(BaseHandler):
             final = self._fail(context, idx, prepared, 500, "internal_error", "generation failed")
         finally:
             self.service.unregister(prepared)
+            timer.finish()
         if final is None:
             final = self._fail(context, idx, prepared, 500, "internal_error", "generation ended without a result")
         logger.info(
@@ -203,14 +240,104 @@ class LLMHandler(BaseHandler):
         return ""
 
     # -------------------------------------------------------------------------------------------
+    # OpenAI-compatible paths (async mode): same engine stream, OpenAI's encoding and errors
+
+    async def _serve_openai(self, api: str, idx: int, row, context, arrival: float):
+        if api == "models":
+            return self._openai_answer(context, idx, openai_api.models_list(self._model_name, self._created), JSON_CONTENT_TYPE)
+        if api == "health":
+            health = self.metrics.health()
+            if not health.ready:  # sent like a 4xx: a plain final response, for this request only
+                context.set_response_status(503, "the engine is not making progress", idx)
+                context.set_response_content_type(idx, JSON_CONTENT_TYPE)
+                return json.dumps(health.to_json())
+            return self._openai_answer(context, idx, json.dumps(health.to_json()), JSON_CONTENT_TYPE)
+        body = row.get("body") if hasattr(row, "get") else None
+        try:
+            if body is None:
+                raise OpenAIError("send a JSON body (Content-Type: application/json)", 400, None, "invalid_json")
+            request, call = openai_api.parse_call(api, body, self._model_name, self.service.limits)
+            prepared = self.service.prepare(request, context.get_request_id(idx) or uuid.uuid4().hex)
+        except RequestError as err:
+            return self._openai_refuse(context, idx, OpenAIError.from_request_error(err))
+        except OpenAIError as err:
+            return self._openai_refuse(context, idx, err)
+        logger.info("request %s: openai %s, %d prompt tokens", prepared.job.request_id, api, prepared.job.prompt_len)
+        prepared.stream.marker = ""  # SSE ends with [DONE], JSON with its closing brace
+        context.set_response_content_type(idx, call.content_type)
+        stream, reason, error, sent = prepared.stream, None, None, False
+
+        def send(payload: str) -> None:
+            nonlocal sent
+            if payload:
+                send_intermediate_predict_response([payload], {idx: context.get_request_id(idx)}, "Intermediate", 200, context)
+                sent = True
+
+        timer = self.metrics.start(prepared.job.prompt_len, arrival)
+        self.service.register(prepared)
+        try:
+            async with asyncio.timeout(max(0.0, prepared.deadline - time.monotonic())), aclosing(
+                self.service.stream(prepared.job)
+            ) as outputs:
+                async for out in outputs:
+                    timer.tokens(len(out.new_token_ids))
+                    chunk, stopped = stream.push(out.new_token_ids)
+                    send(call.delta(chunk))
+                    if stopped:
+                        reason = "stop"
+                    elif out.finished and out.finish_reason == "abort":
+                        error = OpenAIError("the request was cancelled", 499, None, "cancelled")
+                    elif out.finished:
+                        reason = out.finish_reason
+                    if reason is not None or error is not None:
+                        break  # closing the iterator aborts the request if it is still running
+        except TimeoutError:
+            error = OpenAIError("the request exceeded its deadline", 408, None, "timeout")
+        except RequestError as err:
+            error = OpenAIError.from_request_error(err)
+        except Exception:  # an engine failure ends this call with an error, never a hang
+            logger.exception("request %s failed", prepared.job.request_id)
+            error = OpenAIError("generation failed", 500, None, "internal_error")
+        finally:
+            self.service.unregister(prepared)
+            timer.finish()
+        if reason is None and error is None:
+            error = OpenAIError("generation ended without a result", 500, None, "internal_error")
+        logger.info("request %s ended: %s after %d tokens", prepared.job.request_id, reason or error.code, stream.num_generated_tokens)
+        if error is not None:
+            if not sent:
+                return self._openai_refuse(context, idx, error)
+            send(call.error_event(error))
+            return ""
+        send(call.finish(stream.finish(reason), reason, prepared.job.prompt_len, stream.num_generated_tokens))
+        return ""
+
+    def _openai_answer(self, context, idx: int, payload: str, content_type: str) -> str:
+        # Async mode: a 200 answer goes out as a chunk; the final message only closes the stream.
+        context.set_response_content_type(idx, content_type)
+        send_intermediate_predict_response([payload], {idx: context.get_request_id(idx)}, "Intermediate", 200, context)
+        return ""
+
+    def _openai_refuse(self, context, idx: int, err: OpenAIError) -> bytes:
+        logger.info("request %s refused: %s (%s)", context.get_request_id(idx), err.code, err.message)
+        context.set_response_status(err.status, err.message[:200], idx)
+        context.set_response_content_type(idx, JSON_CONTENT_TYPE)
+        return err.to_bytes()
+
+    def _metric_sink(self, name: str, value: float, unit: str, kind: str) -> None:
+        """One observation -> a ``[METRICS]`` line on the worker's stdout, which the frontend parses."""
+        metric = self._ts_metrics.get(name)
+        if metric is None:
+            metric = self._ts_metrics[name] = CachingMetric(name, unit, ["model_name"], MetricTypes[kind.upper()])
+        metric.add_or_update(value, [self._model_name])
+
+    # -------------------------------------------------------------------------------------------
     # shared
 
     def _prepare(self, idx: int, row, context) -> Prepared | str:
         """A row -> a prepared job, or the JSON answer of a cancel call; RequestError if refused."""
-        fields = dict(row) if hasattr(row, "keys") else row
-        if self._is_grpc(context, idx) and isinstance(fields, dict) and not ({"stream", "body", "data"} & set(fields)):
-            fields = {**fields, "stream": "false"}  # unary Predictions looks the same as StreamPredictions here
-        request = parse_request(fields, self.service.limits)
+        # gRPC streams only when asked: a unary Predictions call looks the same as StreamPredictions here.
+        request = parse_request(row, self.service.limits, default_stream=not self._is_grpc(context, idx))
         if isinstance(request, CancelRequest):
             found = self.service.cancel(request.target_id)
             logger.info("cancel %s: %s", request.target_id, "found" if found else "not running")
@@ -242,6 +369,13 @@ class LLMHandler(BaseHandler):
         """
         if not streamed and self._is_grpc(context, idx):
             context.set_response_header(idx, "ts_stream_next", "false")
+
+    @staticmethod
+    def _url_path(context, idx: int) -> str | None:
+        """What followed ``/predictions/<model>/<version>/`` in an HTTP request's path (None over gRPC)."""
+        headers = context.request_processor[idx].get_request_properties() if context.request_processor else {}
+        value = headers.get("url_path")
+        return value if isinstance(value, str) and value.strip("/") else None
 
     @staticmethod
     def _is_grpc(context, idx: int) -> bool:

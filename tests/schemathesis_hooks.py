@@ -1,0 +1,30 @@
+"""Schemathesis hooks for tests/test_server_fuzz.py: keep every generated request cheap on a CPU.
+
+The spec allows up to 2048 new tokens (and defaults of 16 to 256); a fuzzed request asking for that
+many would take minutes here. Token counts are capped at 4 before sending; everything else (types,
+ranges, unknown fields, bad JSON) is sent as generated, except one known sampler bug: positive
+temperature, top_p and repetition_penalty below 1e-3 are raised to 1e-3 (see tests/test_fuzz_findings.py).
+"""
+
+import schemathesis
+
+CAP = 4
+SAMPLER_FLOOR = 1e-3
+TOKEN_FIELDS = ("max_new_tokens", "max_tokens", "max_completion_tokens")
+
+
+@schemathesis.hook
+def before_call(context, case, kwargs):
+    body = case.body
+    if not isinstance(body, dict) or "cancel" in body:
+        return
+    for key in TOKEN_FIELDS:
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > CAP:
+            body[key] = CAP
+    for key in ("temperature", "top_p", "repetition_penalty"):
+        value = body.get(key)
+        if isinstance(value, float) and 0 < value < SAMPLER_FLOOR:
+            body[key] = SAMPLER_FLOOR
+    if not any(k in body for k in TOKEN_FIELDS):
+        body["max_tokens" if "model" in body else "max_new_tokens"] = CAP

@@ -1,0 +1,138 @@
+"""The OpenAI-compatible API, the metrics and the readiness path against the shipped async server."""
+
+import asyncio
+import json
+import re
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytestmark = pytest.mark.server
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def base_url(async_server):
+    return f"{async_server.http}/predictions/smollm2/1.0/v1"
+
+
+def call(async_server, path, body=None, method=None):
+    req = urllib.request.Request(
+        f"{async_server.http}/predictions/smollm2/1.0/{path}", data=None if body is None else json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {async_server.key()}", "Content-Type": "application/json"}, method=method,
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, resp.headers, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers, err.read().decode()
+
+
+def test_openai_client_streams_a_chat_answer_and_raises_bad_request(async_server, base_url):
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key=async_server.key(), max_retries=0)
+    stream = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=24, temperature=0, stream=True)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text and len(chunks) > 3
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="smollm2", messages=CHAT, temperature=5)
+    assert err.value.body["param"] == "temperature" and err.value.status_code == 400
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        client.chat.completions.create(model="smollm2", messages=CHAT, n=2)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=CHAT)
+    assert async_server.worker_status() == "READY"
+
+
+def test_openai_async_client_usage_stop_seed_and_finish_reasons(async_server, base_url):
+    import openai
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=async_server.key(), max_retries=0)
+        chat = await client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=24, temperature=0)
+        short = await client.completions.create(model="smollm2", prompt="One, two, three,", max_tokens=3, temperature=0)
+        stopped = await client.completions.create(model="smollm2", prompt="One, two, three,", max_tokens=20, temperature=0, stop=[","])
+        seeded = [await client.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=8, seed=7, temperature=1.0)
+                  for _ in range(2)]
+        events = [e async for e in await client.completions.create(
+            model="smollm2", prompt="Hello", max_tokens=5, temperature=0, stream=True, stream_options={"include_usage": True})]
+        models = await client.models.list()
+        return chat, short, stopped, seeded, events, models
+
+    chat, short, stopped, seeded, events, models = asyncio.run(main())
+    assert "Paris" in chat.choices[0].message.content and chat.choices[0].finish_reason == "stop"
+    assert chat.usage.prompt_tokens > 5 and chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 3
+    assert stopped.choices[0].finish_reason == "stop" and "," not in stopped.choices[0].text
+    assert seeded[0].choices[0].text == seeded[1].choices[0].text
+    assert events[-1].usage.completion_tokens == 5 and events[-1].choices == []
+    assert [m.id for m in models.data] == ["smollm2"]
+
+
+def test_sse_wire_format_and_errors(async_server):
+    status, headers, body = call(async_server, "v1/chat/completions", {"model": "smollm2", "messages": CHAT, "max_tokens": 4, "stream": True})
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    blocks = [b for b in body.split("\n\n") if b]
+    assert all(b.startswith("data: ") for b in blocks) and blocks[-1] == "data: [DONE]"
+    status, headers, body = call(async_server, "v1/completions", {"model": "smollm2", "prompt": "Hi", "max_tokens": 2})
+    assert status == 200 and headers["Content-Type"].startswith("application/json")
+    assert json.loads(body)["object"] == "text_completion"
+    for path, payload, code in (("v1/chat/completions", {"model": "smollm2", "messages": CHAT, "top_p": 2}, 400),
+                                ("v1/completions", {"model": "smollm2"}, 400),
+                                ("v1/nothing", {}, 404)):
+        status, headers, body = call(async_server, path, payload)
+        assert status == code and set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
+
+
+def test_health_is_ready_while_tokens_flow(async_server):
+    status, _, body = call(async_server, "v1/health")
+    assert status == 200 and json.loads(body)["ready"] is True
+    long = {"text": "Write a long story.", "max_new_tokens": 200, "ignore_eos": True}
+    req = urllib.request.Request(f"{async_server.http}/predictions/smollm2", data=json.dumps(long).encode(),
+                                 headers={"Authorization": f"Bearer {async_server.key()}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        resp.read1(1)
+        status, _, body = call(async_server, "v1/health")
+        health = json.loads(body)
+        resp.read()
+    assert status == 200 and health["status"] == "ok" and health["num_active_requests"] >= 1
+    assert health["tokens_per_second"] > 0
+
+
+def scrape(async_server) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{async_server.ports['metrics']}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    values = {}
+    for line in text.splitlines():
+        m = re.match(r"^(llm_\w+?)(\{[^}]*\})? ([-+0-9.eE]+|NaN)$", line)
+        if m:
+            key = m.group(1) + ("" if "le=" not in (m.group(2) or "") else "{" + re.search(r'le="([^"]+)"', m.group(2)).group(1) + "}")
+            values[key] = values.get(key, 0.0) + float(m.group(3))
+    return values
+
+
+def test_metrics_endpoint_shows_each_metric(async_server):
+    from llm_api.client import HTTPClient
+    from llm_api.metrics import METRICS
+
+    http = HTTPClient(async_server.http, "smollm2", async_server.key())
+    system = "You are a helpful assistant who answers in one short sentence. " * 4
+    for question in ("What is the capital of France?", "What is the capital of Spain?"):
+        http.generate({"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}], "max_new_tokens": 16})
+    values = scrape(async_server)
+    for name, (kind, _, _) in METRICS.items():
+        if kind == "histogram":
+            assert values.get(f"{name}_count", 0) >= 2, name
+            assert values[f"{name}_sum"] > 0 and f"{name}_bucket{{+Inf}}" in values, name
+        else:
+            assert name in values, name
+    assert values["llm_time_to_first_token_seconds_sum"] / values["llm_time_to_first_token_seconds_count"] < 30
+    assert 0 < values["llm_inter_token_latency_seconds_sum"] / values["llm_inter_token_latency_seconds_count"] < 5
+    assert values["llm_prompt_tokens_total"] >= 100 and values["llm_generation_tokens_total"] >= 16
+    assert values["llm_prefix_cache_hits_total"] > 0 and 0 < values["llm_prefix_cache_hit_rate"] <= 1
+    assert values["llm_num_requests_running"] >= 0 and values["llm_num_requests_waiting"] >= 0
+    assert 0 <= values["llm_kv_cache_usage_ratio"] <= 1 and values["llm_num_preemptions_total"] >= 0
