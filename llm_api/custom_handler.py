@@ -258,6 +258,7 @@ class LLMHandler(BaseHandler):
                 raise OpenAIError("send a JSON body (Content-Type: application/json)", 400, None, "invalid_json")
             request, call = openai_api.parse_call(api, body, self._model_name, self.service.limits)
             prepared = self.service.prepare(request, context.get_request_id(idx) or uuid.uuid4().hex)
+            self.service.register(prepared)  # 503 when the server is full
         except RequestError as err:
             return self._openai_refuse(context, idx, OpenAIError.from_request_error(err))
         except OpenAIError as err:
@@ -274,7 +275,6 @@ class LLMHandler(BaseHandler):
                 sent = True
 
         timer = self.metrics.start(prepared.job.prompt_len, arrival)
-        self.service.register(prepared)
         try:
             async with asyncio.timeout(max(0.0, prepared.deadline - time.monotonic())), aclosing(
                 self.service.stream(prepared.job)
