@@ -56,6 +56,9 @@ class Settings:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     request_timeout_s: float = 600.0
+    # Backpressure (async mode): requests beyond these get 503 at once instead of queueing unbounded.
+    max_waiting_requests: int = 256  # accepted but not yet running, on top of MAX_NUM_SEQS
+    max_tokens_in_flight: int = 1_048_576  # sum over live requests of prompt + max_new_tokens
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -83,6 +86,8 @@ class Settings:
                 env, "MAX_NUM_BATCHED_TOKENS", cls.max_num_batched_tokens, minimum=1
             ),
             "request_timeout_s": _float(env, "REQUEST_TIMEOUT_S", cls.request_timeout_s, 0.0, None),
+            "max_waiting_requests": _int(env, "MAX_WAITING_REQUESTS", cls.max_waiting_requests, minimum=0),
+            "max_tokens_in_flight": _int(env, "MAX_TOKENS_IN_FLIGHT", cls.max_tokens_in_flight, minimum=1),
         }
         return cls(**values)
 

@@ -54,6 +54,8 @@ class ModelService:
         self._async_engine: AsyncLLMEngine | None = None
         self._reference_lock = threading.Lock()
         self._live: dict[str, str] = {}  # alias -> request id of a running request
+        self._requests: dict[str, int] = {}  # request id -> tokens it may hold (async mode)
+        self._tokens_in_flight = 0
 
     @classmethod
     def load(cls, settings: Settings) -> "ModelService":
@@ -135,13 +137,35 @@ class ModelService:
     # live requests: cancel calls by id
 
     def register(self, prepared: Prepared) -> None:
+        """Admit a request (async mode), or refuse it with 503 when the server is full."""
+        cost = prepared.job.prompt_len + prepared.job.params.max_new_tokens
+        max_live = self.settings.max_num_seqs + self.settings.max_waiting_requests
+        if len(self._requests) >= max_live:
+            raise RequestError(
+                f"the server is busy: {len(self._requests)} requests in flight (MAX_NUM_SEQS + MAX_WAITING_REQUESTS = "
+                f"{max_live}); retry later", "overloaded", 503,
+            )
+        if self._tokens_in_flight + cost > self.settings.max_tokens_in_flight:
+            raise RequestError(
+                f"the server is busy: {self._tokens_in_flight} tokens in flight, this request needs {cost} more "
+                f"(MAX_TOKENS_IN_FLIGHT={self.settings.max_tokens_in_flight}); retry later", "overloaded", 503,
+            )
+        self._requests[prepared.job.request_id] = cost
+        self._tokens_in_flight += cost
         for alias in prepared.aliases:
             self._live[alias] = prepared.job.request_id
 
     def unregister(self, prepared: Prepared) -> None:
+        cost = self._requests.pop(prepared.job.request_id, None)
+        if cost is not None:
+            self._tokens_in_flight -= cost
         for alias in prepared.aliases:
             if self._live.get(alias) == prepared.job.request_id:
                 del self._live[alias]
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._requests)
 
     def cancel(self, alias: str) -> bool:
         request_id = self._live.get(alias)
@@ -176,7 +200,8 @@ class ModelService:
         if self.engine is None:
             return "no paged KV cache"
         stats = self.engine.stats()
-        return f"KV blocks free {stats.num_free_blocks}/{stats.num_total_blocks}"
+        return (f"KV blocks free {stats.num_free_blocks}/{stats.num_total_blocks}; "
+                f"live requests {self.num_live_requests}")
 
     def abort(self, request_id: str) -> None:
         if self._async_engine is not None:
