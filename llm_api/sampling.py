@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 
 MAX_STOP_STRINGS = 16
+MIN_SAMPLING_TEMPERATURE = 1e-5
 MAX_STOP_STRING_CHARS = 256
 
 
@@ -34,7 +35,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return not self.do_sample or self.temperature == 0.0
+        # A temperature this close to 0 is argmax in all but name, and dividing by it overflows.
+        return not self.do_sample or self.temperature < MIN_SAMPLING_TEMPERATURE
 
     @property
     def needs_penalty(self) -> bool:
@@ -93,11 +95,15 @@ def _apply_repetition_penalty(row_logits: torch.Tensor, seen, penalty: float) ->
     ids = seen if torch.is_tensor(seen) else torch.tensor(list(seen), dtype=torch.long)
     ids = ids.to(row_logits.device).unique()
     scores = row_logits[ids]
-    row_logits[ids] = torch.where(scores < 0, scores * penalty, scores / penalty)
+    penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
+    # An extreme (but valid) penalty overflows float32: keep scores finite so softmax stays a distribution.
+    limit = torch.finfo(row_logits.dtype).max
+    row_logits[ids] = penalized.clamp(-limit, limit)
 
 
 def _sample_row(row_logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    row = row_logits / p.temperature
+    limit = torch.finfo(row_logits.dtype).max
+    row = (row_logits / p.temperature).clamp(max=limit)  # masked -inf entries stay -inf
     if p.top_k > 0 and p.top_k < row.numel():
         kth = torch.topk(row, p.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
@@ -106,6 +112,7 @@ def _sample_row(row_logits: torch.Tensor, p: SamplingParams, generator: torch.Ge
         probs = sorted_logits.softmax(dim=-1)
         # Drop a token when the mass before it already reaches top_p; the top token always stays.
         drop = (probs.cumsum(dim=-1) - probs) >= p.top_p
+        drop[0] = False  # a top_p that rounds to 0 in float32 would otherwise drop every token
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         row = torch.full_like(row, float("-inf")).scatter(0, order, sorted_logits)
     probs = row.softmax(dim=-1)

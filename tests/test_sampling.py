@@ -1,5 +1,6 @@
 """The batched sampler: greedy rows are argmax, seeded rows are reproducible whatever shares the batch."""
 
+import pytest
 import torch
 
 from llm_api.sampling import Sampler, SamplerBatch, SamplingParams, SamplingState
@@ -47,3 +48,16 @@ def test_repetition_penalty_matches_transformers():
     seen = [3, 5, 5, 7]
     expected = RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([seen]), logits.clone()).argmax(-1).tolist()
     assert run(logits, [SamplingParams(repetition_penalty=1.5)], seen=[seen]) == expected
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(do_sample=True, temperature=1.2e-296),
+    SamplingParams(do_sample=True, top_p=5e-324),
+    SamplingParams(do_sample=True, repetition_penalty=4.6e-197),
+    SamplingParams(do_sample=True, repetition_penalty=100.0, temperature=1e-4),
+], ids=["temperature", "top_p", "repetition_penalty", "both"])
+def test_extreme_valid_parameters_still_pick_a_token(params):
+    # Found by the schemathesis run: these used to give inf/NaN probabilities (a 500 for the request).
+    logits = torch.randn(1, 64) * 30
+    token = Sampler()(logits, SamplerBatch([params], [SamplingState.for_params(params)], [[1, 2, 3]]))
+    assert 0 <= int(token[0]) < 64
