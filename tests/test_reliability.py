@@ -8,36 +8,24 @@
 * killing the worker with streams in flight ends each stream, TorchServe starts a new worker, and
   the next request succeeds.
 
-float32, so that a greedy answer does not depend on which other requests share its steps.
+float32, so that a greedy answer does not depend on which other requests share its steps. The load
+itself is bench/soak.py's (run that file for a longer soak).
 """
 
 import json
 import os
-import re
 import signal
 import threading
 import time
-import urllib.error
 import urllib.request
 
 import pytest
 
+from bench.soak import MARKER, PROMPTS, last_usage, post, run_load
 from llm_api.local_server import REPO
 
 pytestmark = pytest.mark.server
-MARKER = "<|endoftext|>"
 LOAD_SECONDS = float(os.environ.get("LLM_API_LOAD_SECONDS", "60"))
-
-PROMPTS = [
-    "The history of the Roman empire",
-    "A recipe for bread:",
-    "def fibonacci(n):",
-    "The three primary colors are",
-    "Once upon a time, in a small village,",
-    "The capital of Japan is",
-    "List of planets in the solar system:",
-    "Photosynthesis is the process",
-]
 
 
 def start(tmp_path_factory, embedded_model_path, name, env):
@@ -61,73 +49,10 @@ def server(tmp_path_factory, embedded_model_path):
     srv.stop()
 
 
-def post(server, payload, timeout=300):
-    """-> (status, body text, seconds)."""
-    req = urllib.request.Request(
-        f"{server.http}/predictions/smollm2", data=json.dumps(payload).encode(),
-        headers={"Authorization": f"Bearer {server.key()}", "Content-Type": "application/json"},
-    )
-    t0 = time.monotonic()
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, resp.read().decode(), time.monotonic() - t0
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode(), time.monotonic() - t0
-
-
-def last_usage(server) -> tuple[int, int, int]:
-    line = [l for l in server.model_log().splitlines() if "KV blocks free" in l][-1]
-    free, total, live = map(int, re.search(r"KV blocks free (\d+)/(\d+); live requests (\d+)", line).groups())
-    return free, total, live
-
-
 def test_load_without_loss(server):
-    greedy = [{"text": p, "max_new_tokens": 16 + 8 * (i % 4)} for i, p in enumerate(PROMPTS)]
-    solo = {}
-    for payload in greedy:
-        status, body, _ = post(server, payload)
-        assert status == 200 and body.endswith(MARKER)
-        solo[payload["text"]] = body
-    variants = [
-        lambda i: dict(greedy[i % len(greedy)]),
-        lambda i: {"text": PROMPTS[i % 8], "max_new_tokens": 24, "temperature": 0.9, "top_p": 0.9, "seed": i},
-        lambda i: {"messages": [{"role": "user", "content": PROMPTS[i % 8]}], "max_new_tokens": 32, "stop": ["."]},
-        lambda i: {"text": PROMPTS[i % 8], "max_new_tokens": 200, "ignore_eos": True, "timeout": 2},
-    ]
-    records, lock = [], threading.Lock()
-    deadline = time.monotonic() + LOAD_SECONDS
-
-    def client(worker: int):
-        i = worker
-        while time.monotonic() < deadline:
-            payload = variants[i % len(variants)](i)
-            status, body, seconds = post(server, payload)
-            with lock:
-                records.append((payload, status, body, seconds))
-            i += 32
-
-    threads = [threading.Thread(target=client, args=(w,)) for w in range(32)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(LOAD_SECONDS + 600)
-    assert not any(t.is_alive() for t in threads), "a request hung"
-    problems = []
-    for payload, status, body, seconds in records:
-        ended_by_error = not body.endswith(MARKER)
-        if status != 200 or body.count(MARKER) > 1:
-            problems.append(f"{status} {body[-200:]!r} for {payload}")
-        elif ended_by_error:
-            error = json.loads(body.strip().splitlines()[-1])
-            if error.get("type") != "timeout" or "timeout" not in payload:
-                problems.append(f"unexpected error {error} for {payload}")
-        elif payload in greedy and body != solo[payload["text"]]:
-            problems.append(f"greedy answer differs from its solo answer for {payload['text']!r}")
-        if "timeout" in payload and seconds > payload["timeout"] + 30:
-            problems.append(f"outlived its deadline by {seconds - payload['timeout']:.1f}s")
-    assert not problems, "\n".join(problems[:10])
-    assert len(records) >= 64
-    assert sum(1 for p, *_ in records if p in greedy) >= 8
+    report = run_load(server, LOAD_SECONDS, clients=32)
+    assert not report.problems, "\n".join(report.problems[:10])
+    assert report.requests >= 64 and report.completed >= 32
     post(server, {"text": "done", "max_new_tokens": 1})  # logs the tables once everything has ended
     free, total, live = last_usage(server)
     assert free == total and live == 0
