@@ -97,8 +97,12 @@ def test_quantized_embedded_model_answers_paris(embedded_model_path, quantizatio
 # ------------------------------------------------------------------------------------------ inputs_embeds
 
 
-def test_inputs_embeds_through_the_engine_equal_the_text(embedded_lm):
-    service = ModelService(Settings.from_env({"KV_CACHE_MEMORY_MIB": "16"}), embedded_lm)
+def test_inputs_embeds_through_the_engine_equal_the_text(embedded_model_path):
+    # A model of its own: the engine switches the model's attention to the paged function, which would
+    # break generate() for later tests sharing the session's `embedded_lm`.
+    settings = Settings.from_env({"KV_CACHE_MEMORY_MIB": "16", "MODEL_PATH": str(embedded_model_path)})
+    embedded_lm = model_loader.load(settings)
+    service = ModelService(settings, embedded_lm)
     assert service.path_name == "paged engine"
     text = "The three primary colours are"
     token_ids = embedded_lm.tokenizer(text)["input_ids"]
