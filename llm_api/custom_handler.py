@@ -35,6 +35,7 @@ import os
 import time
 import uuid
 from contextlib import aclosing
+from typing import AsyncIterator
 
 from ts.handler_utils.utils import send_intermediate_predict_response
 from ts.metrics.caching_metric import CachingMetric
@@ -46,7 +47,7 @@ from llm_api.config import Settings
 from llm_api.metrics import ServingMetrics
 from llm_api.openai_api import OpenAIError
 from llm_api.protocol import CancelRequest, RequestError, parse_request
-from llm_api.serving import ModelService, Prepared
+from llm_api.serving import ModelService, Prepared, StreamEnd
 
 logger = logging.getLogger(__name__)
 
@@ -188,8 +189,27 @@ class LLMHandler(BaseHandler):
             return self._async_final(context, idx, prepared, streamed=False, grpc=grpc)
         context.set_response_content_type(idx, STREAM_CONTENT_TYPE)
         stream = prepared.stream
-        final = None
+        async for item in self._generate(prepared, arrival):
+            if isinstance(item, str):
+                send_intermediate_predict_response([item], {idx: context.get_request_id(idx)}, "Intermediate", 200, context)
+            elif item.error is not None:
+                final = self._fail(context, idx, prepared, item.error.code, item.error.type, item.error.message)
+            else:
+                final = stream.finish(item.reason)
+        logger.info(
+            "request %s ended: %s after %d tokens; %s",
+            prepared.job.request_id, stream.finish_reason, stream.num_generated_tokens, self.service.kv_usage(),
+        )
+        return self._async_final(context, idx, final, streamed=stream.started, grpc=grpc)
+
+    async def _generate(self, prepared: Prepared, arrival: float) -> AsyncIterator[str | StreamEnd]:
+        """One admitted request's text chunks, then exactly one ``StreamEnd`` (native and OpenAI paths).
+
+        Ends the request at its stop string, its end, a cancel call, its deadline or an engine error;
+        leaving the engine's iterator (``aclosing``) aborts it there, and it leaves the service's tables."""
+        stream = prepared.stream
         timer = self.metrics.start(prepared.job.prompt_len, arrival)
+        end = None
         try:
             async with asyncio.timeout(max(0.0, prepared.deadline - time.monotonic())), aclosing(
                 self.service.stream(prepared.job)
@@ -198,32 +218,26 @@ class LLMHandler(BaseHandler):
                     timer.tokens(len(out.new_token_ids))
                     chunk, stopped = stream.push(out.new_token_ids)
                     if chunk:
-                        send_intermediate_predict_response([chunk], {idx: context.get_request_id(idx)}, "Intermediate", 200, context)
+                        yield chunk
                     if stopped:
-                        final = stream.finish("stop")
+                        end = StreamEnd("stop")
                     elif out.finished and out.finish_reason == "abort":
-                        final = self._fail(context, idx, prepared, 499, "cancelled", "the request was cancelled")
+                        end = StreamEnd(error=RequestError("the request was cancelled", "cancelled", 499))
                     elif out.finished:
-                        final = stream.finish(out.finish_reason)
-                    if final is not None:
-                        break  # closing the iterator aborts the request if it is still running
+                        end = StreamEnd(out.finish_reason)
+                    if end is not None:
+                        break
         except TimeoutError:
-            final = self._fail(context, idx, prepared, 408, "timeout", "the request exceeded its deadline")
+            end = StreamEnd(error=RequestError("the request exceeded its deadline", "timeout", 408))
         except RequestError as err:
-            final = self._error(context, idx, err)
+            end = StreamEnd(error=err)
         except Exception:  # an engine failure ends this stream with an error, never a hang
             logger.exception("request %s failed", prepared.job.request_id)
-            final = self._fail(context, idx, prepared, 500, "internal_error", "generation failed")
+            end = StreamEnd(error=RequestError("generation failed", "internal_error", 500))
         finally:
             self.service.unregister(prepared)
             timer.finish()
-        if final is None:
-            final = self._fail(context, idx, prepared, 500, "internal_error", "generation ended without a result")
-        logger.info(
-            "request %s ended: %s after %d tokens; %s",
-            prepared.job.request_id, stream.finish_reason, stream.num_generated_tokens, self.service.kv_usage(),
-        )
-        return self._async_final(context, idx, final, streamed=stream.started, grpc=grpc)
+        yield end or StreamEnd(error=RequestError("generation ended without a result", "internal_error", 500))
 
     def _async_final(self, context, idx: int, final, streamed: bool, grpc: bool):
         if grpc or streamed:
@@ -274,35 +288,13 @@ class LLMHandler(BaseHandler):
                 send_intermediate_predict_response([payload], {idx: context.get_request_id(idx)}, "Intermediate", 200, context)
                 sent = True
 
-        timer = self.metrics.start(prepared.job.prompt_len, arrival)
-        try:
-            async with asyncio.timeout(max(0.0, prepared.deadline - time.monotonic())), aclosing(
-                self.service.stream(prepared.job)
-            ) as outputs:
-                async for out in outputs:
-                    timer.tokens(len(out.new_token_ids))
-                    chunk, stopped = stream.push(out.new_token_ids)
-                    send(call.delta(chunk))
-                    if stopped:
-                        reason = "stop"
-                    elif out.finished and out.finish_reason == "abort":
-                        error = OpenAIError("the request was cancelled", 499, None, "cancelled")
-                    elif out.finished:
-                        reason = out.finish_reason
-                    if reason is not None or error is not None:
-                        break  # closing the iterator aborts the request if it is still running
-        except TimeoutError:
-            error = OpenAIError("the request exceeded its deadline", 408, None, "timeout")
-        except RequestError as err:
-            error = OpenAIError.from_request_error(err)
-        except Exception:  # an engine failure ends this call with an error, never a hang
-            logger.exception("request %s failed", prepared.job.request_id)
-            error = OpenAIError("generation failed", 500, None, "internal_error")
-        finally:
-            self.service.unregister(prepared)
-            timer.finish()
-        if reason is None and error is None:
-            error = OpenAIError("generation ended without a result", 500, None, "internal_error")
+        async for item in self._generate(prepared, arrival):
+            if isinstance(item, str):
+                send(call.delta(item))
+            elif item.error is not None:
+                error = OpenAIError.from_request_error(item.error)
+            else:
+                reason = item.reason
         logger.info("request %s ended: %s after %d tokens", prepared.job.request_id, reason or error.code, stream.num_generated_tokens)
         if error is not None:
             if not sent:

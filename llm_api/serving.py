@@ -33,6 +33,14 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class StreamEnd:
+    """How an admitted request ended: complete with a finish reason ("stop" | "length"), or an error."""
+
+    reason: str | None = None
+    error: RequestError | None = None
+
+
+@dataclass
 class Prepared:
     job: GenerationJob
     stream: ResponseStream
