@@ -58,6 +58,16 @@ def _serve(tmp_path_factory, embedded_model_path, name: str, model_config: str |
 
 
 @pytest.fixture(scope="session")
+def start_server(tmp_path_factory, embedded_model_path):
+    """A factory for tests that need a server of their own: start_server(name, model_config, env=...)."""
+
+    def start(name: str, model_config: str | None, **kw):
+        return _serve(tmp_path_factory, embedded_model_path, name, model_config, **kw)
+
+    return start
+
+
+@pytest.fixture(scope="session")
 def embedded_lm_fp32(embedded_model_path):
     from llm_api import model_loader
     from llm_api.config import Settings

@@ -28,23 +28,14 @@ pytestmark = pytest.mark.server
 LOAD_SECONDS = float(os.environ.get("LLM_API_LOAD_SECONDS", "60"))
 
 
-def start(tmp_path_factory, embedded_model_path, name, env):
-    from llm_api.local_server import TorchServe
-
+def start(start_server, name, env):
     config = (REPO / "model-config.yaml").read_text()
-    server = TorchServe(tmp_path_factory.mktemp(name), model_config=config,
-                        env={"MODEL_PATH": str(embedded_model_path), "DTYPE": "float32", **env})
-    try:
-        server.start()
-    except Exception:
-        server.stop()
-        raise
-    return server
+    return start_server(name, config, env={"DTYPE": "float32", **env})
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, embedded_model_path):
-    srv = start(tmp_path_factory, embedded_model_path, "reliable", {})
+def server(start_server):
+    srv = start(start_server, "reliable", {})
     yield srv
     srv.stop()
 
@@ -58,8 +49,8 @@ def test_load_without_loss(server):
     assert free == total and live == 0
 
 
-def test_flood_gets_503_while_accepted_requests_complete(tmp_path_factory, embedded_model_path):
-    srv = start(tmp_path_factory, embedded_model_path, "flood", {"MAX_NUM_SEQS": "2", "MAX_WAITING_REQUESTS": "2"})
+def test_flood_gets_503_while_accepted_requests_complete(start_server):
+    srv = start(start_server, "flood", {"MAX_NUM_SEQS": "2", "MAX_WAITING_REQUESTS": "2"})
     try:
         results = []
         lock = threading.Lock()
