@@ -134,7 +134,7 @@ class LLMHandler(BaseHandler):
                 elif out.finished:
                     results[idx] = stream.finish(out.finish_reason)
                 elif now > prepared.deadline:
-                    results[idx] = stream.fail(408, "timeout", "the request exceeded its deadline")
+                    results[idx] = self._fail(context, idx, prepared, 408, "timeout", "the request exceeded its deadline")
                 if stream.finished and not out.finished:
                     self.service.path.abort(out.request_id)
             if chunks:
