@@ -149,3 +149,11 @@ def test_client_raises_refused_with_error_object(classic_server):
     with pytest.raises(RequestRefused) as err:
         client.generate({"text": "a", "top_k": -3})
     assert err.value.status == 400 and err.value.error["type"] == "invalid_parameter"
+
+
+def test_deadline_in_classic_mode(classic_server):
+    status, _, body = post_raw(classic_server, json.dumps(
+        {"text": "Once upon a time", "max_new_tokens": 1000, "ignore_eos": True, "timeout": 1}).encode())
+    text = body.decode()
+    assert status == 200 and not text.endswith(MARKER)
+    assert json.loads(text.strip().splitlines()[-1])["type"] == "timeout"
