@@ -25,7 +25,6 @@ class ResponseStream:
     text_stream: TextStream
     marker: str
     streaming: bool
-    num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     finished: bool = False
     finish_reason: str | None = None

@@ -103,7 +103,6 @@ class ModelService:
             text_stream=TextStream(self.lm.tokenizer, request.params.stop, self.settings.end_of_stream_token),
             marker=self.settings.end_of_stream_token,
             streaming=request.stream,
-            num_prompt_tokens=job.prompt_len,
         )
         timeout = min(request.timeout_s or self.settings.request_timeout_s, self.settings.request_timeout_s)
         aliases = (request_id,) + ((request.client_request_id,) if request.client_request_id else ())
@@ -179,10 +178,7 @@ class ModelService:
         request_id = self._live.get(alias)
         if request_id is None:
             return False
-        if self._async_engine is not None:
-            self._async_engine.abort(request_id)
-        else:
-            self.path.abort(request_id)
+        self.abort(request_id)
         return True
 
     # ------------------------------------------------------------------------------------------
