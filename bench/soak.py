@@ -67,9 +67,11 @@ def post(server, payload, timeout=300):
         return err.code, err.read().decode(), time.monotonic() - t0
 
 
-def last_usage(server) -> tuple[int, int, int]:
-    """(free KV blocks, total, live requests) from the server's latest end-of-request log line."""
-    line = [l for l in server.model_log().splitlines() if "KV blocks free" in l][-1]
+def usage_after_one_more_request(server) -> tuple[int, int, int]:
+    """(free KV blocks, total, live requests) logged at the end of a request sent once all others ended."""
+    before = len(server.wait_for_log_lines("KV blocks free", timeout=0))
+    post(server, {"text": "done", "max_new_tokens": 1})
+    line = server.wait_for_log_lines("KV blocks free", count=before + 1)[-1]
     free, total, live = map(int, re.search(r"KV blocks free (\d+)/(\d+); live requests (\d+)", line).groups())
     return free, total, live
 
@@ -137,8 +139,7 @@ def main() -> int:
         try:
             server.start()
             report = run_load(server, args.minutes * 60, args.clients)
-            post(server, {"text": "done", "max_new_tokens": 1})  # logs the tables once all have ended
-            free, total, live = last_usage(server)
+            free, total, live = usage_after_one_more_request(server)
         finally:
             server.stop()
     print(f"{report.clients} streams x {report.seconds / 60:.1f} min: {report.requests} requests, "

@@ -78,6 +78,16 @@ class TorchServe:
         path = self.log_dir / "model_log.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
+    def wait_for_log_lines(self, needle: str, count: int = 1, timeout: float = 10) -> list[str]:
+        """The model-log lines holding ``needle`` once there are ``count`` of them: the worker's output
+        reaches model_log.log through the frontend a moment after the response that follows it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = [line for line in self.model_log().splitlines() if needle in line]
+            if len(lines) >= count or time.monotonic() > deadline:
+                return lines
+            time.sleep(0.1)
+
     def start(self, wait_ready: bool = True, timeout: float = 240) -> "TorchServe":
         self.workdir.mkdir(parents=True, exist_ok=True)
         store = build_archive(self.workdir, self.model_name, self.model_config, self.mar)

@@ -21,7 +21,7 @@ import urllib.request
 
 import pytest
 
-from bench.soak import MARKER, PROMPTS, last_usage, post, run_load
+from bench.soak import MARKER, PROMPTS, post, run_load, usage_after_one_more_request
 from llm_api.local_server import REPO
 
 pytestmark = pytest.mark.server
@@ -44,8 +44,7 @@ def test_load_without_loss(server):
     report = run_load(server, LOAD_SECONDS, clients=32)
     assert not report.problems, "\n".join(report.problems[:10])
     assert report.requests >= 64 and report.completed >= 32
-    post(server, {"text": "done", "max_new_tokens": 1})  # logs the tables once everything has ended
-    free, total, live = last_usage(server)
+    free, total, live = usage_after_one_more_request(server)
     assert free == total and live == 0
 
 

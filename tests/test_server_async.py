@@ -62,7 +62,7 @@ def test_cancel_ends_stream_and_frees_blocks(async_server):
     error = json.loads(body.strip().splitlines()[-1])
     assert error["type"] == "cancelled"
     request_id = resp.headers["x-request-id"]
-    line = next(l for l in async_server.model_log().splitlines() if f"request {request_id} ended" in l)
+    line = async_server.wait_for_log_lines(f"request {request_id} ended")[0]
     free, total = map(int, re.search(r"KV blocks free (\d+)/(\d+)", line).groups())
     assert free == total
     assert post_json(async_server, {"cancel": "job-cancel-1"})["cancelled"] is False
