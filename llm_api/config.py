@@ -17,6 +17,7 @@ DTYPES = ("bfloat16", "float16", "float32", "auto")
 QUANTIZATIONS = ("none", "8bit", "4bit")
 BNB_4BIT_QUANT_TYPES = ("nf4", "fp4")
 ENGINES = ("paged", "generate")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEFAULT_MODEL_DIR_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -55,6 +56,11 @@ class Settings:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # GPU fast path: attention kernels (auto: Triton on CUDA when importable, else torch) and the
+    # CUDA-graph-captured decode step for batch sizes up to the maximum (then eager).
+    attention_backend: str = "auto"
+    cuda_graphs: bool = True
+    cuda_graph_max_batch_size: int = 128
     request_timeout_s: float = 600.0
     # Backpressure (async mode): requests beyond these get 503 at once instead of queueing unbounded.
     max_waiting_requests: int = 256  # accepted but not yet running, on top of MAX_NUM_SEQS
@@ -85,6 +91,10 @@ class Settings:
             "max_num_batched_tokens": _int(
                 env, "MAX_NUM_BATCHED_TOKENS", cls.max_num_batched_tokens, minimum=1
             ),
+            "attention_backend": _choice(env, "ATTENTION_BACKEND", cls.attention_backend, ATTENTION_BACKENDS),
+            "cuda_graphs": _bool(env, "CUDA_GRAPHS", cls.cuda_graphs),
+            "cuda_graph_max_batch_size": _int(env, "CUDA_GRAPH_MAX_BATCH_SIZE", cls.cuda_graph_max_batch_size,
+                                              minimum=1),
             "request_timeout_s": _float(env, "REQUEST_TIMEOUT_S", cls.request_timeout_s, 0.0, None),
             "max_waiting_requests": _int(env, "MAX_WAITING_REQUESTS", cls.max_waiting_requests, minimum=0),
             "max_tokens_in_flight": _int(env, "MAX_TOKENS_IN_FLIGHT", cls.max_tokens_in_flight, minimum=1),
@@ -115,6 +125,18 @@ def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str,
         shown = ", ".join("None" if a == "none" else a for a in allowed)
         raise ConfigError(f"{name}={raw!r} is not supported; allowed values: {shown}")
     return value
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={raw!r} is not a boolean; allowed values: true, false, 1, 0, yes, no, on, off")
 
 
 def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:

@@ -34,6 +34,9 @@ def test_values_are_read():
         ("END_OF_STREAM_TOKEN", "  ", "must not be empty"),
         ("ENGINE", "fast", "allowed values: paged, generate"),
         ("GPU_MEMORY_UTILIZATION", "1.5", "allowed values"),
+        ("ATTENTION_BACKEND", "flash", "allowed values: auto, torch, triton"),
+        ("CUDA_GRAPHS", "maybe", "allowed values: true, false"),
+        ("CUDA_GRAPH_MAX_BATCH_SIZE", "0", "allowed values: integers >= 1"),
     ],
 )
 def test_bad_values_name_the_variable(name, value, needle):

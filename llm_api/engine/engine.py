@@ -42,6 +42,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # prompt + output tokens; None: the model's position limit
     enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # auto | torch | triton (llm_api.kernels; auto: triton on CUDA)
+    cuda_graphs: bool = True  # capture the decode step on CUDA (ignored elsewhere)
+    cuda_graph_max_batch_size: int = 128  # largest captured decode batch (capped by max_num_seqs)
 
     @classmethod
     def from_settings(cls, settings) -> "EngineConfig":
@@ -53,6 +56,9 @@ class EngineConfig:
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_model_len=settings.max_input_tokens + settings.max_new_tokens,
+            attention_backend=settings.attention_backend,
+            cuda_graphs=settings.cuda_graphs,
+            cuda_graph_max_batch_size=settings.cuda_graph_max_batch_size,
         )
 
 
