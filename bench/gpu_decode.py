@@ -416,7 +416,7 @@ def run_engine(model, prompts: torch.Tensor, settings: BenchSettings, device: to
             "cuda_graph_batch_sizes": sorted(graph_sizes) if graph_sizes is not None else None,
             "num_blocks": stats.num_total_blocks, "num_preemptions": stats.num_preemptions,
             "peak_memory_bytes": peak_memory(device),
-            "config": {k: v for k, v in asdict(config).items()},
+            "config": asdict(config),
         }
     finally:
         del engine
