@@ -6,9 +6,15 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from llm_api.config import default_model_path
 from llm_api.embedded_model import prepare
+
+# Without a GPU the Triton kernels (tests/kernels) run in Triton's CPU interpreter, which Triton reads
+# when a kernel is decorated: set it here, before any test module imports llm_api.kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 MARKER = "<|endoftext|>"
 
