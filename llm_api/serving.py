@@ -83,8 +83,10 @@ class ModelService:
         engine = LLMEngine(self.lm.model, EngineConfig.from_settings(self.settings), set(self.lm.eos_token_ids))
         stats = engine.stats()
         logger.info(
-            "paged engine: %d KV blocks of %d tokens (%d tokens in flight at most), max_model_len %d",
-            stats.num_total_blocks, stats.block_size, stats.num_total_blocks * stats.block_size, stats.max_model_len,
+            "paged engine: %d KV blocks of %d tokens, max concurrent tokens %d, max_model_len %d, attention %s, "
+            "CUDA graphs for batch sizes %s", stats.num_total_blocks, stats.block_size,
+            stats.num_total_blocks * stats.block_size, stats.max_model_len, engine.attention_backend,
+            engine.cuda_graph_batch_sizes or "none",
         )
         return engine
 

@@ -12,8 +12,11 @@ Packing contract (the model runner builds it): the first ``num_decode_seqs`` seq
 query token each (decode steps), the rest several (prefill chunks). Single-query sequences are attended
 in one batched gather (into a ``GatherWorkspace`` reused across layers and steps) + one masked SDPA; the
 others one by one (``attend_one_sequence``). ``reference_paged_attention`` is the plain per-sequence
-oracle that tests (and future GPU kernels) compare against. The gather copies each sequence's context
-once per layer: a fused paged kernel would read the blocks in place (see bench/engine_overhead.py).
+oracle that tests (and the Triton kernels) compare against. The gather copies each sequence's context
+once per layer; the ``"triton"`` backend (``metadata.backend``, chosen by ``resolve_attention_backend``)
+instead stores K/V and attends with the kernels of ``llm_api.kernels``, which read the blocks in place:
+one decode kernel for a pure decode step (no host synchronization, so it can be captured in a CUDA
+graph), one prefill kernel for any other step. A slot below 0 (a padding row) stores nothing there.
 """
 
 from __future__ import annotations
@@ -25,6 +28,27 @@ import torch.nn.functional as F
 
 ATTENTION_NAME = "llm_api_paged"
 METADATA_KWARG = "paged_attention_metadata"
+BACKENDS = ("torch", "triton")
+
+
+def resolve_attention_backend(requested: str, devices) -> str:
+    """``auto`` | ``torch`` | ``triton`` -> the backend the layers on ``devices`` run. ``auto`` takes the
+    Triton kernels when every layer is on CUDA and Triton imports; ``triton`` elsewhere needs
+    ``TRITON_INTERPRET=1`` (tests), and is refused with a reason otherwise."""
+    devices = [torch.device(d) for d in devices]
+    if requested == "torch" or (requested == "auto" and any(d.type != "cuda" for d in devices)):
+        return "torch"  # (without importing triton: CPU servers never load it)
+    from llm_api.kernels import triton_usable
+
+    usable = all(triton_usable(d) for d in devices)
+    if requested == "triton":
+        if not usable:
+            raise ValueError("ATTENTION_BACKEND=triton needs the triton package and CUDA devices (on CPU, only "
+                             "under TRITON_INTERPRET=1); use auto or torch")
+        return "triton"
+    if requested != "auto":
+        raise ValueError(f"unknown attention backend {requested!r}; allowed: auto, {', '.join(BACKENDS)}")
+    return "triton" if usable else "torch"
 
 
 class GatherWorkspace:
@@ -61,6 +85,9 @@ class PagedAttentionMetadata:
     context_lens_list: list[int]  # context_lens as Python ints (for the per-sequence loop)
     num_decode_seqs: int  # leading sequences with exactly one query token
     workspace: GatherWorkspace | None = None  # decode gather scratch, kept by the caller across steps
+    backend: str = "torch"  # "torch" (gather + SDPA) or "triton" (llm_api.kernels)
+    max_query_len: int = 1  # longest query of this step (the prefill kernel's grid)
+    query_start_loc_tensor: torch.Tensor | None = None  # query_start_loc, already on the device (graphs)
     _per_device: dict = field(default_factory=dict)  # (device, window) -> decode key mask, etc.
 
     def decode_inputs(self, device: torch.device, sliding_window: int | None):
@@ -77,6 +104,18 @@ class PagedAttentionMetadata:
             if sliding_window is not None:
                 mask &= positions[None, :] > (context_lens[:, None] - 1 - sliding_window)
             self._per_device[key] = (block_tables, mask[:, None, None, :])
+        return self._per_device[key]
+
+    def kernel_inputs(self, device: torch.device):
+        """(block_tables, context_lens, query_start_loc) tensors on ``device``, for the Triton kernels.
+        Tensors already there are returned as they are (a captured graph's static buffers stay static)."""
+        key = (device, "kernel")
+        if key not in self._per_device:
+            query_start_loc = self.query_start_loc_tensor
+            if query_start_loc is None:
+                query_start_loc = torch.tensor(self.query_start_loc, dtype=torch.int32)
+            self._per_device[key] = (self.block_tables.to(device), self.context_lens.to(device),
+                                     query_start_loc.to(device))
         return self._per_device[key]
 
     def slot_mapping_on(self, device: torch.device) -> torch.Tensor:
@@ -180,6 +219,9 @@ def paged_attention_forward(module, query, key, value, attention_mask=None, scal
         scaling = query.shape[-1] ** -0.5
     key_cache = metadata.key_caches[module.layer_idx]
     value_cache = metadata.value_caches[module.layer_idx]
+    if metadata.backend == "triton":
+        return _triton_attention(metadata, query, key, value, key_cache, value_cache, scaling, sliding_window,
+                                 softcap), None
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
 
     # Store this step's K/V: [1, Hkv, T, D] -> [T, Hkv, D] rows of the flat pool.
@@ -209,6 +251,24 @@ def paged_attention_forward(module, query, key, value, attention_mask=None, scal
         out[start:end] = attend_one_sequence(query[start:end], key_cache, value_cache, block_ids, context_len,
                                              scaling, sliding_window, softcap)
     return out[None], None
+
+
+def _triton_attention(metadata, query, key, value, key_cache, value_cache, scaling, sliding_window, softcap):
+    from llm_api import kernels
+
+    device = key_cache.device
+    kernels.store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), key_cache, value_cache,
+                     metadata.slot_mapping_on(device))
+    block_tables, context_lens, query_start_loc = metadata.kernel_inputs(device)
+    query = query[0].transpose(0, 1)  # [T, Hq, D]
+    if metadata.num_decode_seqs == query.shape[0]:
+        out = kernels.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scaling,
+                                             sliding_window=sliding_window, softcap=softcap)
+    else:
+        out = kernels.paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc,
+                                              context_lens, metadata.max_query_len, scaling,
+                                              sliding_window=sliding_window, softcap=softcap)
+    return out[None]
 
 
 def register_paged_attention() -> str:

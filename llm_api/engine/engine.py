@@ -3,8 +3,9 @@
 ``step()`` is the whole algorithm: the scheduler picks this step's tokens, the model runner computes
 logits at the last token of each request that is due a new token, the sampler picks those tokens, and
 the scheduler appends them, finishes requests (EOS, max_new_tokens, length limit) and frees their blocks.
-One thread steps the engine (``AsyncLLMEngine`` keeps it on its own thread). ``add_request``,
-``abort_request`` and ``step`` hold one lock, so an abort from another thread waits for the step in
+On CUDA the KV pool is sized from a profiled worst-case step (``memory_profile``) and pure decode steps
+replay CUDA graphs (``cuda_graphs``, Triton attention only). One thread steps the engine
+(``AsyncLLMEngine`` keeps it on its own thread). ``add_request``, ``abort_request`` and ``step`` hold one lock, so an abort from another thread waits for the step in
 flight to end and then frees the request's blocks at once, never mid-step.
 """
 
@@ -20,7 +21,10 @@ import torch
 from torch import nn
 
 from llm_api.engine.block_pool import BlockPool
-from llm_api.engine.kv_cache import PagedKVCache, choose_num_blocks, layout_for_model
+from llm_api.engine.attention import resolve_attention_backend
+from llm_api.engine.cuda_graphs import capture_batch_sizes
+from llm_api.engine.kv_cache import PagedKVCache, choose_num_blocks, cuda_layer_devices, layout_for_model
+from llm_api.engine.memory_profile import profile_device_memory, profile_sequence_lengths
 from llm_api.engine.model_runner import ModelRunner
 from llm_api.engine.request import FinishReason, Request, RequestOutput
 from llm_api.engine.scheduler import PromptTooLongError, Scheduler, SchedulerConfig
@@ -89,15 +93,27 @@ class LLMEngine:
         model_max_len = getattr(text_config, "max_position_embeddings", None) or 1 << 30
         wanted_max_len = min(config.max_model_len or model_max_len, model_max_len)
         layout = layout_for_model(model)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, layout.layer_devices)
+        device_memory = None
+        if not config.num_blocks and not config.kv_cache_memory_mib and cuda_layer_devices(layout):
+            lengths = profile_sequence_lengths(config.max_num_batched_tokens, config.max_num_seqs, wanted_max_len)
+            device_memory = profile_device_memory(model, layout, config.block_size, self.attention_backend, lengths)
+            for device, memory in device_memory.items():
+                logger.info("%s: %.2f GiB total x %.2f utilization - %.2f GiB weights and activation peak "
+                            "(%d-token step) - %.2f GiB outside torch = %.2f GiB for the KV cache", device,
+                            memory.total / 2**30, config.gpu_memory_utilization, memory.torch_peak / 2**30,
+                            sum(lengths), memory.non_torch / 2**30,
+                            memory.kv_budget(config.gpu_memory_utilization) / 2**30)
         num_blocks = choose_num_blocks(
             layout, config.block_size, num_blocks=config.num_blocks, memory_mib=config.kv_cache_memory_mib,
             gpu_memory_utilization=config.gpu_memory_utilization, max_num_seqs=config.max_num_seqs,
-            max_model_len=wanted_max_len,
+            max_model_len=wanted_max_len, device_memory=device_memory,
         )
         self.kv_cache = PagedKVCache(layout, num_blocks, config.block_size)
         # One request never needs more than the whole pool, so it can always run alone.
         self.max_model_len = min(wanted_max_len, self.kv_cache.max_num_tokens)
-        self.runner = ModelRunner(model, self.kv_cache)
+        self.runner = ModelRunner(model, self.kv_cache, self.attention_backend)
+        self._enable_decode_graphs(config)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
             BlockPool(num_blocks, config.block_size, config.enable_prefix_caching),
@@ -108,9 +124,36 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []  # abort notices, reported by the next step()
         self._num_steps = 0
         self._lock = threading.RLock()  # the scheduler is not thread-safe; see the module docstring
-        logger.info("paged KV cache: %d blocks x %d tokens (%d tokens, %.1f MiB), max_model_len %d",
+        logger.info("paged KV cache: %d blocks x %d tokens (%d tokens, %.1f MiB), max_model_len %d, attention %s",
                     num_blocks, config.block_size, self.kv_cache.max_num_tokens, self.kv_cache.num_bytes / 2**20,
-                    self.max_model_len)
+                    self.max_model_len, self.attention_backend)
+
+    def _enable_decode_graphs(self, config: EngineConfig) -> None:
+        """CUDA graphs for the decode step when asked for and possible; otherwise say why once and run eagerly."""
+        if not config.cuda_graphs or self.runner.input_device.type != "cuda":
+            return
+        reason = None
+        if self.attention_backend != "triton":
+            reason = "they need the triton attention backend"
+        elif getattr(self.model.config, "quantization_config", None) is not None:
+            reason = "quantized weights are not captured"
+        elif any(hasattr(m, "_hf_hook") for m in self.model.modules()):
+            reason = "accelerate hooks (device maps, offload) move tensors during the forward"
+        if reason is None:
+            sizes = capture_batch_sizes(min(config.cuda_graph_max_batch_size, config.max_num_seqs))
+            try:
+                self.runner.enable_decode_graphs(self.max_model_len, sizes, capture=True)
+                return
+            except Exception as err:  # a model whose forward cannot be captured still serves, eagerly
+                self.runner.decode_graphs = None
+                reason = f"capture failed: {type(err).__name__}: {err}"
+        logger.warning("CUDA graphs off (%s); the decode step runs eagerly", reason)
+
+    @property
+    def cuda_graph_batch_sizes(self) -> list[int]:
+        """The captured decode batch sizes (empty when the decode step runs eagerly)."""
+        graphs = self.runner.decode_graphs
+        return list(graphs.batch_sizes) if graphs is not None and graphs.capture_enabled else []
 
     # ----------------------------------------------------------------- requests
 

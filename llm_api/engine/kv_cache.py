@@ -11,8 +11,11 @@ moved in by a hook for each forward, that is the hook's ``execution_device``, no
 (``execution_device``). The same rule gives the device input ids and logits live on.
 
 Sizing (``choose_num_blocks``): an explicit block count wins; else ``kv_cache_memory_mib``; else on
-CUDA the free memory times ``gpu_memory_utilization``; else (CPU) enough blocks for ``max_num_seqs``
-sequences of ``max_model_len`` tokens, capped at ``CPU_DEFAULT_CAP_BYTES``.
+CUDA what is left of each device's total memory times ``gpu_memory_utilization`` once the weights, the
+activation peak of a profiled worst-case step (``DeviceMemory``, measured by the engine) and the memory
+used outside torch are taken off; else (CPU) enough blocks for ``max_num_seqs`` sequences of
+``max_model_len`` tokens, capped at ``CPU_DEFAULT_CAP_BYTES``. CUDA graphs are captured after the pool
+is allocated, from the share the utilization fraction leaves free.
 """
 
 from __future__ import annotations
@@ -84,6 +87,18 @@ def execution_device(model: nn.Module, module: nn.Module) -> torch.device:
     return device
 
 
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Bytes of one CUDA device, measured right after a profiling forward of the largest step."""
+
+    total: int
+    torch_peak: int  # the most torch held during the profile: weights + activations (+ logits, sampler)
+    non_torch: int  # used outside torch's allocator: CUDA context, cuBLAS and NCCL workspaces
+
+    def kv_budget(self, utilization: float) -> int:
+        return int(self.total * utilization) - self.torch_peak - self.non_torch
+
+
 def layout_for_model(model: nn.Module) -> KVCacheLayout:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     num_heads = config.num_attention_heads
@@ -115,27 +130,32 @@ def choose_num_blocks(
     gpu_memory_utilization: float,
     max_num_seqs: int,
     max_model_len: int,
+    device_memory: dict[torch.device, DeviceMemory] | None = None,
 ) -> int:
     bytes_per_block = layout.bytes_per_token() * block_size
     if num_blocks:
         return num_blocks
     if memory_mib > 0:
         return max(1, (memory_mib << 20) // bytes_per_block)
-    cuda_devices = sorted({d for d in layout.layer_devices if d.type == "cuda"}, key=str)
+    cuda_devices = cuda_layer_devices(layout)
     if cuda_devices:
+        if device_memory is None or set(cuda_devices) - set(device_memory):
+            raise ValueError("sizing the KV cache on CUDA needs the profiled DeviceMemory of every device")
         # Every device must hold its layers' share; the tightest device decides the count.
         counts = []
         for device in cuda_devices:
-            free_bytes, total_bytes = torch.cuda.mem_get_info(device)
-            budget = free_bytes - (1.0 - gpu_memory_utilization) * total_bytes
             share = sum(1 for d in layout.layer_devices if d == device) / layout.num_layers
-            counts.append(int(budget / (bytes_per_block * share)))
+            counts.append(int(device_memory[device].kv_budget(gpu_memory_utilization) / (bytes_per_block * share)))
         if min(counts) < 1:
-            raise RuntimeError("no GPU memory left for the KV cache; lower the model size or raise "
-                               "GPU_MEMORY_UTILIZATION")
+            raise RuntimeError("no GPU memory left for the KV cache after the weights and the profiled activations; "
+                               "raise GPU_MEMORY_UTILIZATION, lower MAX_NUM_BATCHED_TOKENS, or use a smaller model")
         return min(counts)
     wanted = _cdiv(max_num_seqs * max_model_len, block_size)
     return max(1, min(wanted, CPU_DEFAULT_CAP_BYTES // bytes_per_block))
+
+
+def cuda_layer_devices(layout: KVCacheLayout) -> list[torch.device]:
+    return sorted({d for d in layout.layer_devices if d.type == "cuda"}, key=str)
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -10,6 +10,10 @@ with those requests in the same order.
 
 Requests built from ``prompt_embeds`` feed their prompt positions from the embeddings (the rest, i.e.
 generated tokens being recomputed after a preemption, from the embedding table).
+
+The attention backend (``"torch"`` or ``"triton"``, see ``attention.resolve_attention_backend``) is fixed at
+construction. With ``enable_decode_graphs`` (Triton backend only), a step where every request feeds one
+token id and samples, and which fits the largest captured size, goes through ``DecodeGraphRunner``.
 """
 
 from __future__ import annotations
@@ -25,15 +29,18 @@ from llm_api.engine.attention import (
     PagedAttentionMetadata,
     register_paged_attention,
 )
+from llm_api.engine.cuda_graphs import DecodeGraphRunner, DecodeRow
 from llm_api.engine.kv_cache import PagedKVCache, execution_device
 from llm_api.engine.request import Request
 from llm_api.engine.scheduler import ScheduledRequest
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv_cache: PagedKVCache):
+    def __init__(self, model: nn.Module, kv_cache: PagedKVCache, attention_backend: str = "torch"):
         self.model = model
         self.kv_cache = kv_cache
+        self.attention_backend = attention_backend
+        self.decode_graphs: DecodeGraphRunner | None = None
         self.block_size = kv_cache.block_size
         self.gather_workspace = GatherWorkspace()
         name = register_paged_attention()
@@ -51,8 +58,24 @@ class ModelRunner:
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     @torch.inference_mode()
+    def enable_decode_graphs(self, max_model_len: int, batch_sizes: list[int], capture: bool) -> None:
+        """Run pure decode steps of up to ``max(batch_sizes)`` sequences through a ``DecodeGraphRunner``
+        (``capture=False``: its static-buffer path, eagerly). Needs the Triton backend and one device."""
+        if self.attention_backend != "triton":
+            raise ValueError("decode graphs need the triton attention backend (padding rows rely on its kernels)")
+        devices = set(self.kv_cache.layout.layer_devices) | {self.input_device, self.logits_device}
+        if len(devices) != 1:
+            raise ValueError(f"decode graphs need the whole model on one device, found {sorted(map(str, devices))}")
+        runner = DecodeGraphRunner(self.model, self.kv_cache, self.input_device, max_model_len, batch_sizes, capture)
+        runner.capture()
+        self.decode_graphs = runner
+
+    @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[Request]]:
         """-> (logits [num_sampled, V], the requests those rows belong to)."""
+        graph_rows = self._graph_decode_rows(scheduled)
+        if graph_rows is not None:
+            return self.decode_graphs.run(graph_rows), [s.request for s in scheduled]
         block_size = self.block_size
         ordered = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens > 1]
         input_ids: list[int] = []
@@ -102,6 +125,8 @@ class ModelRunner:
             context_lens_list=context_lens,
             num_decode_seqs=sum(1 for s in ordered if s.num_new_tokens == 1),
             workspace=self.gather_workspace,
+            backend=self.attention_backend,
+            max_query_len=max(s.num_new_tokens for s in ordered),
         )
         token_ids = torch.tensor([input_ids], dtype=torch.long, device=device)  # [1, T]
         model_inputs = {
@@ -119,6 +144,29 @@ class ModelRunner:
         else:
             logits = self.model(**model_inputs).logits[0, logit_indices]
         return logits, sampled_requests
+
+    def _graph_decode_rows(self, scheduled: list[ScheduledRequest]) -> list[DecodeRow] | None:
+        """The step as decode rows if the graph runner can take it, else None (run it eagerly)."""
+        if self.decode_graphs is None or not self.decode_graphs.accepts(len(scheduled)):
+            return None
+        block_size = self.block_size
+        rows = []
+        for item in scheduled:
+            request = item.request
+            position = request.num_computed_tokens
+            if item.num_new_tokens != 1 or not item.samples:
+                return None
+            num_prompt = request.num_prompt_tokens
+            if position < num_prompt:
+                if request.prompt_embeds is not None:  # fed from embeddings, not an id
+                    return None
+                token_id = request.prompt_token_ids[position]
+            else:
+                token_id = request.output_token_ids[position - num_prompt]
+            block_ids = request.block_ids
+            rows.append(DecodeRow(token_id, position, block_ids[position // block_size] * block_size
+                                  + position % block_size, block_ids))
+        return rows
 
     def _embeddings_with_prompts(self, token_ids: torch.Tensor, segments) -> torch.Tensor:
         embeds = self.input_embeddings(token_ids)  # [1, T, H]

@@ -188,3 +188,31 @@ def test_abort_from_another_thread_waits_for_the_step_and_frees_blocks(tiny_mode
     assert sorted((o.request_id, o.finish_reason) for o in outputs if o.finished) == [("a", "abort"), ("b", "length")]
     assert sum(len(o.new_token_ids) for o in outputs if o.request_id == "b") == 6
     assert_engine_idle(engine)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_triton_kernels_match_generate(tiny_models, arch):
+    """The GPU attention path (Triton store/prefill/decode kernels, interpreted on CPU) in the same
+    staggered workload: mixed prefill + decode steps go through the prefill kernel, pure decode steps
+    through the split-context decode kernel."""
+    model, reference_model = get_model(tiny_models, arch)
+    arrivals = _workload(seed=1)
+    engine = make_engine(model, attention_backend="triton")
+    assert engine.attention_backend == "triton"
+    results = run_engine(engine, arrivals)
+    _check_against_generate(reference_model, arrivals, results)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_triton_kernels_read_cached_prefixes_and_chunks(tiny_models, arch):
+    """Prompts sharing a long prefix (reused from the prefix cache, so the prefill kernel reads blocks it
+    did not write this step), prefilled in chunks of 7 tokens."""
+    model, reference_model = get_model(tiny_models, arch)
+    generator = torch.Generator().manual_seed(6)
+    prefix = random_prompt(generator, 21)
+    arrivals = {0: [("a", prefix + random_prompt(generator, 5), greedy(8))],
+                4: [("b", prefix + random_prompt(generator, 9), greedy(8)), ("c", prefix[:16], greedy(6))]}
+    engine = make_engine(model, attention_backend="triton", max_num_batched_tokens=7)
+    results = run_engine(engine, arrivals)
+    assert engine.stats().prefix_cache_hits >= 16
+    _check_against_generate(reference_model, arrivals, results)
