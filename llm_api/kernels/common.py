@@ -4,8 +4,8 @@
 tensor's values, so it is safe inside CUDA-graph capture) and returns a ``PagedShape``;
 ``check_index_vector`` and ``check_out`` do the same for the metadata vectors and the output.
 ``dot_options`` picks how ``tl.dot`` multiplies for a cache dtype, ``device_guard`` makes the
-tensors' GPU the current one for the launch. The ``@triton.jit`` helpers (``dot``, ``tanh``,
-``scores_log2``) are inlined into the kernels that call them.
+tensors' GPU the current one for the launch. The ``@triton.jit`` helpers (``load_kv_tile``, ``dot``,
+``tanh``, ``scores_log2``) are inlined into the kernels that call them.
 
 Only long-stable Triton APIs are used (the GPU machine runs Triton 3.6, this one 3.9).
 """
@@ -110,6 +110,22 @@ def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     else:
         result = tl.dot(a, b, input_precision=PRECISION)
     return result
+
+
+@triton.jit
+def load_kv_tile(key_cache_ptr, value_cache_ptr, block_table, positions, position_mask, kv_head, dims, dim_mask,
+                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE: tl.constexpr):
+    """K and V [len(positions), D] of one KV head at token ``positions`` of a sequence, read in place through
+    its ``block_table`` row: a page id per token (the few distinct ones hit L1), so a tile may start
+    mid-page and partitions and windows may start anywhere. Masked lanes load zeros."""
+    block_ids = tl.load(block_table + positions // BLOCK_SIZE, mask=position_mask, other=0).to(tl.int64)
+    offsets = (positions % BLOCK_SIZE).to(tl.int64)
+    load_mask = position_mask[:, None] & dim_mask[None, :]
+    key = tl.load(key_cache_ptr + (block_ids * stride_kb + offsets * stride_kt + kv_head * stride_kh)[:, None]
+                  + dims[None, :], mask=load_mask, other=0.0)
+    value = tl.load(value_cache_ptr + (block_ids * stride_vb + offsets * stride_vt + kv_head * stride_vh)[:, None]
+                    + dims[None, :], mask=load_mask, other=0.0)
+    return key, value
 
 
 @triton.jit

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from llm_api.kernels.common import (check_index_vector, check_out, check_paged_inputs, device_guard, dot,
-                                    dot_options, scores_log2)
+                                    dot_options, load_kv_tile, scores_log2)
 
 BLOCK_N = 64  # tokens per iteration: 4 pages of 16; a 16 KiB K tile at D=128 in bf16
 # Launch-shape knobs (tune on the GPU): ~3-4 resident programs (~156 registers at 4 warps, compiled for
@@ -117,15 +117,9 @@ def _decode_partition_kernel(
     for tile_start in range(start, end, BLOCK_N):
         tokens = tile_start + offs_n
         token_mask = tokens < end
-        # A page id per token (the few distinct ones hit L1), so a tile may start mid-page: partitions
-        # and windows start anywhere.
-        block_ids = tl.load(block_table + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
-        offsets = (tokens % BLOCK_SIZE).to(tl.int64)
-        load_mask = token_mask[:, None] & dim_mask[None, :]
-        key = tl.load(key_cache_ptr + (block_ids * stride_kb + offsets * stride_kt + kv_head * stride_kh)[:, None]
-                      + dims[None, :], mask=load_mask, other=0.0)  # [BLOCK_N, D]
-        value = tl.load(value_cache_ptr + (block_ids * stride_vb + offsets * stride_vt + kv_head * stride_vh)[:, None]
-                        + dims[None, :], mask=load_mask, other=0.0)
+        key, value = load_kv_tile(key_cache_ptr, value_cache_ptr, block_table, tokens, token_mask, kv_head, dims,
+                                  dim_mask, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                                  BLOCK_SIZE)  # [BLOCK_N, D] each
         if USE_DOT:
             scores = dot(query, tl.trans(key), DOT_PRECISION, DOT_UPCAST)  # [GROUP_PAD, BLOCK_N]
         else:

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from llm_api.engine.attention import reference_paged_attention
 from llm_api.kernels.common import (check_index_vector, check_out, check_paged_inputs, device_guard, dot,
-                                    dot_options, scores_log2)
+                                    dot_options, load_kv_tile, scores_log2)
 
 BLOCK_M = 64  # query rows (tokens x heads of a group) per program
 BLOCK_N = 64  # keys per iteration; 32 for head_dim > 128 to keep the tiles in registers
@@ -83,13 +83,9 @@ def _prefill_kernel(
     for tile_start in range(key_start, key_end, BLOCK_N):
         key_positions = tile_start + offs_n
         key_mask = key_positions < key_end
-        block_ids = tl.load(block_table + key_positions // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
-        offsets = (key_positions % BLOCK_SIZE).to(tl.int64)
-        load_mask = key_mask[:, None] & dim_mask[None, :]
-        key = tl.load(key_cache_ptr + (block_ids * stride_kb + offsets * stride_kt + kv_head * stride_kh)[:, None]
-                      + dims[None, :], mask=load_mask, other=0.0)
-        value = tl.load(value_cache_ptr + (block_ids * stride_vb + offsets * stride_vt + kv_head * stride_vh)[:, None]
-                        + dims[None, :], mask=load_mask, other=0.0)
+        key, value = load_kv_tile(key_cache_ptr, value_cache_ptr, block_table, key_positions, key_mask, kv_head,
+                                  dims, dim_mask, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                                  BLOCK_SIZE)
         scores = scores_log2(dot(query, tl.trans(key), DOT_PRECISION, DOT_UPCAST), scaling, softcap, HAS_SOFTCAP)
         visible = key_mask[None, :] & (key_positions[None, :] <= positions[:, None])
         if HAS_WINDOW:
