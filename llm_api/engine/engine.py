@@ -4,8 +4,10 @@
 logits at the last token of each request that is due a new token, the sampler picks those tokens, and
 the scheduler appends them, finishes requests (EOS, max_new_tokens, length limit) and frees their blocks.
 On CUDA the KV pool is sized from a profiled worst-case step (``memory_profile``) and pure decode steps
-replay CUDA graphs (``cuda_graphs``, Triton attention only). One thread steps the engine
-(``AsyncLLMEngine`` keeps it on its own thread). ``add_request``, ``abort_request`` and ``step`` hold one lock, so an abort from another thread waits for the step in
+replay CUDA graphs (``cuda_graphs``, Triton attention only).
+
+One thread steps the engine (``AsyncLLMEngine`` keeps it on its own thread). ``add_request``,
+``abort_request`` and ``step`` hold one lock, so an abort from another thread waits for the step in
 flight to end and then frees the request's blocks at once, never mid-step.
 """
 
