@@ -122,3 +122,14 @@ def test_request_that_cannot_fit_the_kv_pool_is_refused(async_server):
         http.generate({"text": "word " * 1900, "max_new_tokens": 1500})
     assert err.value.status == 400 and err.value.error["type"] == "prompt_too_long"
     assert "KV cache" in err.value.error["message"]
+
+
+def test_startup_log_states_the_kv_pool(async_server):
+    """The worker says at startup how many KV blocks it has and how many tokens they hold at once
+    (KV_CACHE_MEMORY_MIB=64 here: SmolLM2-135M's bf16 K/V take 30 layers x 2 x 3 heads x 64 x 2 bytes
+    = 23040 bytes per token), and whether the decode step is captured (never on CPU)."""
+    line = async_server.wait_for_log_lines("paged engine:")[0]
+    blocks, block_size, max_tokens = map(int, re.search(
+        r"(\d+) KV blocks of (\d+) tokens, max concurrent tokens (\d+)", line).groups())
+    assert blocks == (64 << 20) // (23040 * block_size) and max_tokens == blocks * block_size
+    assert "attention torch" in line and "CUDA graphs for batch sizes none" in line
