@@ -13,11 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="the graph runner relies on the Triton kernels (pip install triton)")
+from llm_api.engine.cuda_graphs import DecodeGraphRunner, DecodeRow, capture_batch_sizes
+from llm_api.kernels import triton_usable
 
-from llm_api.engine.cuda_graphs import DecodeGraphRunner, DecodeRow, capture_batch_sizes  # noqa: E402
+from engine_helpers import get_model, greedy, make_engine, random_prompt, reference_greedy, run_engine
 
-from engine_helpers import get_model, greedy, make_engine, random_prompt, reference_greedy, run_engine  # noqa: E402
+# Models on CPU with Triton attention: only under the interpreter (a GPU machine runs test_gpu_fast_path).
+needs_cpu_triton = pytest.mark.skipif(not triton_usable(torch.device("cpu")),
+                                      reason="Triton kernels on CPU need triton and TRITON_INTERPRET=1")
 
 
 def test_capture_ladder():
@@ -39,6 +42,7 @@ def _graph_engine(tiny_models, arch, sizes, **config):
     return engine
 
 
+@needs_cpu_triton
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])  # gemma2: sliding window and softcap inside the step
 def test_engine_through_the_graph_runner_matches_generate(tiny_models, arch):
     """Five requests arriving over time: decode batches of 1..5 rows, padded to 1, 2 or 4, and 5 rows run
@@ -58,6 +62,7 @@ def test_engine_through_the_graph_runner_matches_generate(tiny_models, arch):
     assert set(steps) == {1, 2, 4} and steps[4] > 0, steps  # some padded (3 rows -> 4), all sizes used
 
 
+@needs_cpu_triton
 def test_padded_step_equals_the_eager_step_and_leaves_other_slots_alone(tiny_models):
     engine = _graph_engine(tiny_models, "llama", [1, 4], block_size=4, num_blocks=64)
     runner, graphs = engine.runner, engine.runner.decode_graphs
@@ -89,6 +94,7 @@ def test_padded_step_equals_the_eager_step_and_leaves_other_slots_alone(tiny_mod
         engine.abort_request(f"s{i}")
 
 
+@needs_cpu_triton
 def test_run_refuses_what_it_cannot_take(tiny_models):
     engine = _graph_engine(tiny_models, "llama", [1, 2])
     graphs = engine.runner.decode_graphs
@@ -108,6 +114,7 @@ def test_graphs_need_the_triton_backend(tiny_models):
     assert engine.cuda_graph_batch_sizes == []
 
 
+@needs_cpu_triton
 def test_runner_without_capture_is_not_reported_as_graphs(tiny_models):
     engine = _graph_engine(tiny_models, "llama", [1])
     assert isinstance(engine.runner.decode_graphs, DecodeGraphRunner)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from llm_api.engine.scheduler import PromptTooLongError
+from llm_api.kernels import triton_usable
 from llm_api.sampling import SamplingParams
 
 from engine_helpers import (
@@ -190,6 +191,12 @@ def test_abort_from_another_thread_waits_for_the_step_and_frees_blocks(tiny_mode
     assert_engine_idle(engine)
 
 
+# The engine's Triton path on these CPU models runs only under the interpreter (GPU: test_gpu_fast_path).
+needs_cpu_triton = pytest.mark.skipif(not triton_usable(torch.device("cpu")),
+                                      reason="Triton kernels on CPU need triton and TRITON_INTERPRET=1")
+
+
+@needs_cpu_triton
 @pytest.mark.parametrize("arch", ARCHS)
 def test_triton_kernels_match_generate(tiny_models, arch):
     """The GPU attention path (Triton store/prefill/decode kernels, interpreted on CPU) in the same
@@ -203,6 +210,7 @@ def test_triton_kernels_match_generate(tiny_models, arch):
     _check_against_generate(reference_model, arrivals, results)
 
 
+@needs_cpu_triton
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_triton_kernels_read_cached_prefixes_and_chunks(tiny_models, arch):
     """Prompts sharing a long prefix (reused from the prefix cache, so the prefill kernel reads blocks it
