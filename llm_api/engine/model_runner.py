@@ -30,7 +30,7 @@ from llm_api.engine.attention import (
     register_paged_attention,
 )
 from llm_api.engine.cuda_graphs import DecodeGraphRunner, DecodeRow
-from llm_api.engine.kv_cache import PagedKVCache, execution_device
+from llm_api.engine.kv_cache import PagedKVCache, execution_device, padded_block_table
 from llm_api.engine.request import Request
 from llm_api.engine.scheduler import ScheduledRequest
 
@@ -113,13 +113,11 @@ class ModelRunner:
                 sampled_requests.append(request)
 
         device = self.input_device
-        max_blocks = max(len(row) for row in block_table_rows)
         metadata = PagedAttentionMetadata(
             key_caches=self.kv_cache.key_caches,
             value_caches=self.kv_cache.value_caches,
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-            block_tables=torch.tensor([row + [0] * (max_blocks - len(row)) for row in block_table_rows],
-                                      dtype=torch.long, device=device),
+            block_tables=padded_block_table(block_table_rows).to(device),
             context_lens=torch.tensor(context_lens, dtype=torch.long, device=device),
             query_start_loc=query_start_loc,
             context_lens_list=context_lens,

@@ -50,6 +50,7 @@ class Request:
     prompt_embeds: Any = None  # torch.Tensor [num_prompt_tokens, hidden_size] or None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # leading tokens whose K/V are in the cache
+    # Only ever appended to while held; freeing replaces the list (the graph runner relies on both).
     block_ids: list[int] = field(default_factory=list)
     # Chained content hash of each full block of (prompt + output) tokens, filled as blocks fill up.
     block_hashes: list[bytes] = field(default_factory=list)

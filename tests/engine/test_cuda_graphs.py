@@ -63,6 +63,21 @@ def test_engine_through_the_graph_runner_matches_generate(tiny_models, arch):
 
 
 @needs_cpu_triton
+def test_preempted_requests_get_fresh_block_rows(tiny_models):
+    """Too few blocks for everyone: requests are preempted (their block lists freed and replaced) and
+    come back on other blocks, while the runner rewrites only the changed part of each table row."""
+    engine = _graph_engine(tiny_models, "llama", [1, 2, 4], block_size=4, num_blocks=14)
+    _, reference_model = get_model(tiny_models, "llama")
+    generator = torch.Generator().manual_seed(9)
+    arrivals = {0: [(f"p{i}", random_prompt(generator, 6 + 3 * i), greedy(14)) for i in range(4)]}
+    results = run_engine(engine, arrivals)
+    assert engine.stats().num_preemptions > 0
+    for request_id, prompt, params in arrivals[0]:
+        assert results[request_id][0] == reference_greedy(reference_model, prompt, params.max_new_tokens), request_id
+    assert sum(engine.runner.decode_graphs.steps_by_size.values()) > 0
+
+
+@needs_cpu_triton
 def test_padded_step_equals_the_eager_step_and_leaves_other_slots_alone(tiny_models):
     engine = _graph_engine(tiny_models, "llama", [1, 4], block_size=4, num_blocks=64)
     runner, graphs = engine.runner, engine.runner.decode_graphs
