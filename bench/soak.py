@@ -2,7 +2,8 @@
 
 ``run_load(server, seconds, clients)`` is what tests/test_reliability.py runs for a minute; run this
 file for longer. Every request must end with exactly one end-of-stream marker or a clear error (only
-deadline errors are expected: some requests ask for a short ``timeout``), none may outlive its deadline,
+deadline errors are expected: some requests ask for a short ``timeout``; one whose deadline passes before
+its first token gets a 408 answer instead of a stream), none may outlive its deadline,
 and greedy answers must equal the prompt's solo answer (no mixing between requests). Afterwards every
 KV block must be free and no request left in the service's tables (read from the server's log line).
 
@@ -107,7 +108,9 @@ def run_load(server, seconds: float, clients: int = 32) -> LoadReport:
     problems = [f"client {i} hung" for i, t in enumerate(threads) if t.is_alive()]
     completed = deadline_errors = 0
     for payload, status, body, took in records:
-        if status != 200 or body.count(MARKER) > 1:
+        if status == 408 and "timeout" in payload and _error_type(body) == "timeout":
+            deadline_errors += 1  # its deadline passed before its first token: a 408 head instead of a stream
+        elif status != 200 or body.count(MARKER) > 1:
             problems.append(f"{status} {body[-200:]!r} for {payload}")
         elif not body.endswith(MARKER):
             error = json.loads(body.strip().splitlines()[-1])
@@ -122,6 +125,13 @@ def run_load(server, seconds: float, clients: int = 32) -> LoadReport:
         if "timeout" in payload and took > payload["timeout"] + 30:
             problems.append(f"outlived its deadline by {took - payload['timeout']:.1f}s")
     return LoadReport(len(records), completed, deadline_errors, problems, time.monotonic() - t0, clients)
+
+
+def _error_type(body: str) -> str | None:
+    try:
+        return json.loads(body).get("type")
+    except (ValueError, AttributeError):
+        return None
 
 
 def main() -> int:
