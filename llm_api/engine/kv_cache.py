@@ -20,7 +20,6 @@ is allocated, from the share the utilization fraction leaves free.
 
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass
 
 import torch
@@ -157,21 +156,6 @@ def choose_num_blocks(
 
 def cuda_layer_devices(layout: KVCacheLayout) -> list[torch.device]:
     return sorted({d for d in layout.layer_devices if d.type == "cuda"}, key=str)
-
-
-def padded_block_table(rows: list[list[int]], width: int | None = None) -> torch.Tensor:
-    """[len(rows), width] int64 CPU tensor of block ids, each row padded with block 0 (never read: the
-    attention reads a row only up to its sequence's length). Built through one flat ``array`` because
-    ``torch.tensor`` on nested lists costs ~1 ms at 128 rows of 64 blocks, on every step."""
-    width = max(map(len, rows)) if width is None else width
-    if not rows or not width:
-        return torch.zeros((len(rows), width), dtype=torch.long)
-    flat = array("q")
-    for row in rows:
-        flat.extend(row)
-        if len(row) < width:
-            flat.extend([0] * (width - len(row)))
-    return torch.frombuffer(flat, dtype=torch.long).view(len(rows), width)  # (keeps ``flat`` alive)
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -19,6 +19,7 @@ token id and samples, and which fits the largest captured size, goes through ``D
 from __future__ import annotations
 
 import inspect
+from array import array
 
 import torch
 from torch import nn
@@ -30,7 +31,7 @@ from llm_api.engine.attention import (
     register_paged_attention,
 )
 from llm_api.engine.cuda_graphs import DecodeGraphRunner, DecodeRow
-from llm_api.engine.kv_cache import PagedKVCache, execution_device, padded_block_table
+from llm_api.engine.kv_cache import PagedKVCache, execution_device
 from llm_api.engine.request import Request
 from llm_api.engine.scheduler import ScheduledRequest
 
@@ -93,16 +94,13 @@ class ModelRunner:
             end = start + item.num_new_tokens
             block_ids = request.block_ids
             if item.num_new_tokens == 1:  # the common decode case, without building lists
-                num_prompt = request.num_prompt_tokens
-                input_ids.append(request.prompt_token_ids[start] if start < num_prompt
-                                 else request.output_token_ids[start - num_prompt])
+                input_ids.append(_token_id_at(request, start))
                 positions.append(start)
-                slot_mapping.append(block_ids[start // block_size] * block_size + start % block_size)
+                slot_mapping.append(_slot_of(block_ids, start, block_size))
             else:
                 input_ids.extend(request.token_ids(start, end))
                 positions.extend(range(start, end))
-                slot_mapping.extend(block_ids[p // block_size] * block_size + p % block_size
-                                    for p in range(start, end))
+                slot_mapping.extend(_slot_of(block_ids, p, block_size) for p in range(start, end))
             if request.prompt_embeds is not None and start < request.num_prompt_tokens:
                 embeds_segments.append((query_start_loc[-1], request, start, min(end, request.num_prompt_tokens)))
             query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
@@ -117,7 +115,7 @@ class ModelRunner:
             key_caches=self.kv_cache.key_caches,
             value_caches=self.kv_cache.value_caches,
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-            block_tables=padded_block_table(block_table_rows).to(device),
+            block_tables=_padded_block_table(block_table_rows).to(device),
             context_lens=torch.tensor(context_lens, dtype=torch.long, device=device),
             query_start_loc=query_start_loc,
             context_lens_list=context_lens,
@@ -154,16 +152,10 @@ class ModelRunner:
             position = request.num_computed_tokens
             if item.num_new_tokens != 1 or not item.samples:
                 return None
-            num_prompt = request.num_prompt_tokens
-            if position < num_prompt:
-                if request.prompt_embeds is not None:  # fed from embeddings, not an id
-                    return None
-                token_id = request.prompt_token_ids[position]
-            else:
-                token_id = request.output_token_ids[position - num_prompt]
-            block_ids = request.block_ids
-            rows.append(DecodeRow(token_id, position, block_ids[position // block_size] * block_size
-                                  + position % block_size, block_ids))
+            if request.prompt_embeds is not None and position < request.num_prompt_tokens:
+                return None  # fed from embeddings, not an id
+            rows.append(DecodeRow(_token_id_at(request, position), position,
+                                  _slot_of(request.block_ids, position, block_size), request.block_ids))
         return rows
 
     def _embeddings_with_prompts(self, token_ids: torch.Tensor, segments) -> torch.Tensor:
@@ -172,3 +164,27 @@ class ModelRunner:
             rows = request.prompt_embeds[first:end]  # [n, H]
             embeds[0, offset : offset + rows.shape[0]] = rows.to(embeds.device, embeds.dtype)
         return embeds
+
+
+def _token_id_at(request: Request, position: int) -> int:
+    num_prompt = request.num_prompt_tokens
+    return (request.prompt_token_ids[position] if position < num_prompt
+            else request.output_token_ids[position - num_prompt])
+
+
+def _slot_of(block_ids: list[int], position: int, block_size: int) -> int:
+    """The flat pool row holding ``position`` of a sequence with these blocks."""
+    return block_ids[position // block_size] * block_size + position % block_size
+
+
+def _padded_block_table(rows: list[list[int]]) -> torch.Tensor:
+    """[len(rows), longest] int64 CPU tensor of block ids, each row padded with block 0 (never read: the
+    attention reads a row only up to its sequence's length). Built through one flat ``array`` because
+    ``torch.tensor`` on nested lists costs ~1 ms at 128 rows of 64 blocks, on every step."""
+    width = max(map(len, rows))
+    flat = array("q")
+    for row in rows:
+        flat.extend(row)
+        if len(row) < width:
+            flat.extend([0] * (width - len(row)))
+    return torch.frombuffer(flat, dtype=torch.long).view(len(rows), width)  # (keeps ``flat`` alive)

@@ -6,6 +6,7 @@ every KV block free again, with the pool's invariants intact.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -25,7 +26,13 @@ from transformers import (
 )
 
 from llm_api.engine.engine import EngineConfig, LLMEngine
+from llm_api.kernels import triton_usable
 from llm_api.sampling import SamplingParams
+
+# Engine tests of these CPU models through the Triton kernels run only under the interpreter (a GPU
+# machine runs tests/engine/test_gpu_fast_path.py instead).
+needs_cpu_triton = pytest.mark.skipif(not triton_usable(torch.device("cpu")),
+                                      reason="Triton kernels on CPU need triton and TRITON_INTERPRET=1")
 
 VOCAB_SIZE = 1000
 _COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -14,13 +14,9 @@ import pytest
 import torch
 
 from llm_api.engine.cuda_graphs import DecodeGraphRunner, DecodeRow, capture_batch_sizes
-from llm_api.kernels import triton_usable
 
-from engine_helpers import get_model, greedy, make_engine, random_prompt, reference_greedy, run_engine
-
-# Models on CPU with Triton attention: only under the interpreter (a GPU machine runs test_gpu_fast_path).
-needs_cpu_triton = pytest.mark.skipif(not triton_usable(torch.device("cpu")),
-                                      reason="Triton kernels on CPU need triton and TRITON_INTERPRET=1")
+from engine_helpers import (get_model, greedy, make_engine, needs_cpu_triton, random_prompt, reference_greedy,
+                            run_engine)
 
 
 def test_capture_ladder():

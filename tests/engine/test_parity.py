@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from llm_api.engine.scheduler import PromptTooLongError
-from llm_api.kernels import triton_usable
 from llm_api.sampling import SamplingParams
 
 from engine_helpers import (
@@ -16,6 +15,7 @@ from engine_helpers import (
     get_model,
     greedy,
     make_engine,
+    needs_cpu_triton,
     random_prompt,
     reference_greedy,
     run_engine,
@@ -189,11 +189,6 @@ def test_abort_from_another_thread_waits_for_the_step_and_frees_blocks(tiny_mode
     assert sorted((o.request_id, o.finish_reason) for o in outputs if o.finished) == [("a", "abort"), ("b", "length")]
     assert sum(len(o.new_token_ids) for o in outputs if o.request_id == "b") == 6
     assert_engine_idle(engine)
-
-
-# The engine's Triton path on these CPU models runs only under the interpreter (GPU: test_gpu_fast_path).
-needs_cpu_triton = pytest.mark.skipif(not triton_usable(torch.device("cpu")),
-                                      reason="Triton kernels on CPU need triton and TRITON_INTERPRET=1")
 
 
 @needs_cpu_triton
