@@ -43,8 +43,8 @@ def parse_args():
 
 
 def default_model_dir() -> Path:
-    from llm_api.config import default_model_path
-    from llm_api.embedded_model import prepare
+    from llm_api.model.settings import default_model_path
+    from llm_api.model.embedded import prepare
 
     return prepare(default_model_path(os.environ))
 
@@ -97,7 +97,7 @@ def bare_decoder(model, batch_size, context_len, max_steps, cache_kind):
 def engine_decoder(model, batch_size, context_len, max_steps, block_size):
     """-> (a function running one ``LLMEngine.step()`` with every request decoding, the engine)."""
     from llm_api.engine.engine import EngineConfig, LLMEngine
-    from llm_api.sampling import SamplingParams
+    from llm_api.engine.sampler import SamplingParams
 
     num_tokens = context_len + max_steps + 2
     config = EngineConfig(block_size=block_size, num_blocks=batch_size * -(-num_tokens // block_size),

@@ -356,7 +356,7 @@ def run_engine(model, prompts: torch.Tensor, settings: BenchSettings, device: to
                cuda_graphs: bool = True) -> dict:
     """One fresh engine: prefill all of ``prompts`` [B, L], then time the decode steps."""
     from llm_api.engine.engine import EngineConfig, LLMEngine
-    from llm_api.sampling import SamplingParams
+    from llm_api.engine.sampler import SamplingParams
 
     batch_size, context_len = prompts.shape
     max_new_tokens = settings.warmup_steps + settings.decode_steps + 2  # nobody finishes while timed
@@ -412,7 +412,7 @@ def run_engine(model, prompts: torch.Tensor, settings: BenchSettings, device: to
             "decode_seconds": decode_seconds, "decode_steps": settings.decode_steps,
             "warmup_steps": settings.warmup_steps, "prefill_seconds": prefill_seconds,
             "prefill_steps": prefill_steps, "build_seconds": build_seconds,
-            "cuda_graphs": cuda_graphs, "attention_backend": getattr(engine, "attention_backend", None),
+            "cuda_graphs": cuda_graphs, "attention_backend": engine.attention.name,
             "cuda_graph_batch_sizes": sorted(graph_sizes) if graph_sizes is not None else None,
             "num_blocks": stats.num_total_blocks, "num_preemptions": stats.num_preemptions,
             "peak_memory_bytes": peak_memory(device),

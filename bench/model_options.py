@@ -18,6 +18,7 @@ Prints a Markdown table (the one in docs/model-options.md) and writes JSON.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import json
 import os
@@ -50,11 +51,11 @@ def measure(option: str) -> dict:
     sys.path.insert(0, str(REPO))
     import torch
 
-    from llm_api import model_loader
-    from llm_api.config import Settings, default_model_path
-    from llm_api.embedded_model import prepare
-    from llm_api.protocol import parse_request
-    from llm_api.serving import ModelService
+    from llm_api.model import loader as model_loader
+    from llm_api.model.settings import Settings, default_model_path
+    from llm_api.model.embedded import prepare
+    from llm_api.api.native import parse_request
+    from llm_api.service.service import ModelService
 
     model_path = prepare(Path(os.environ.get("MODEL_PATH") or default_model_path(os.environ)))
     env = {"MODEL_PATH": str(model_path), "KV_CACHE_MEMORY_MIB": "64", **OPTIONS[option]}
@@ -63,14 +64,21 @@ def measure(option: str) -> dict:
     service = ModelService(Settings.from_env(env), lm)
     assert service.path_name == "paged engine"
 
-    def run(rows: list[dict]) -> tuple[list[list[int]], float]:
-        jobs = [service.prepare(parse_request(row, service.limits), f"r{i}").job for i, row in enumerate(rows)]
-        tokens = {job.request_id: [] for job in jobs}
-        start = time.perf_counter()
-        service.path.run(jobs, lambda outs: [tokens[o.request_id].extend(o.new_token_ids) for o in outs])
-        return [tokens[job.request_id] for job in jobs], time.perf_counter() - start
+    def run(rows: list[dict]) -> tuple[list[tuple[str, int]], float]:
+        """The rows sent together: ((text, generated tokens) per row, seconds)."""
 
-    (answer_ids,), _ = run([{"messages": QUESTION, "max_new_tokens": 32}])
+        async def one(i, row):
+            events = [e async for e in service.generate(parse_request(row, service.limits), f"r{i}")]
+            return "".join(e.text for e in events[:-1]), events[-1].num_generated_tokens
+
+        async def all_rows():
+            return await asyncio.gather(*(one(i, row) for i, row in enumerate(rows)))
+
+        start = time.perf_counter()
+        results = asyncio.run(all_rows())
+        return results, time.perf_counter() - start
+
+    ((answer, _),), _ = run([{"messages": QUESTION, "max_new_tokens": 32}])
     long_row = {"text": "Once upon a time", "max_new_tokens": DECODE_TOKENS, "ignore_eos": True}
     run([{**long_row, "max_new_tokens": 8}])  # warm-up
     (single,), single_s = run([long_row])
@@ -78,12 +86,12 @@ def measure(option: str) -> dict:
     return {
         "option": option,
         "settings": OPTIONS[option],
-        "answer": lm.tokenizer.decode(answer_ids, skip_special_tokens=True),
+        "answer": answer,
         "memory_footprint_mib": lm.model.get_memory_footprint() / 2**20,
         "rss_growth_mib": _rss_mib() - rss_before,
         "kv_pool_mib": service.engine.kv_cache.num_bytes / 2**20,
-        "tokens_per_s_batch1": len(single) / single_s,
-        f"tokens_per_s_batch{BATCH}": sum(len(t) for t in batch) / batch_s,
+        "tokens_per_s_batch1": single[1] / single_s,
+        f"tokens_per_s_batch{BATCH}": sum(n for _, n in batch) / batch_s,
         "torch_threads": torch.get_num_threads(),
     }
 

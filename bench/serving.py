@@ -37,9 +37,11 @@ import aiohttp
 import torch
 from transformers import AutoTokenizer
 
-from llm_api.client import AsyncHTTPClient
-from llm_api.config import default_model_path
-from llm_api.local_server import REPO, TorchServe
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the TorchServe test launcher
+
+from llm_api.client import AsyncHTTPClient  # noqa: E402
+from llm_api.model.settings import default_model_path  # noqa: E402
+from torchserve_server import REPO, TorchServe  # noqa: E402
 
 TEXT = (
     "The history of the city begins with a small settlement on the bank of a wide river, where traders "

@@ -18,6 +18,7 @@ import os
 import re
 import tempfile
 import threading
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -135,8 +136,10 @@ def _error_type(body: str) -> str | None:
 
 
 def main() -> int:
-    from llm_api.config import default_model_path
-    from llm_api.local_server import REPO, TorchServe
+    from llm_api.model.settings import default_model_path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the TorchServe test launcher
+    from torchserve_server import REPO, TorchServe
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=10)

@@ -7,6 +7,6 @@ cd "$(dirname "$0")/.."
 . scripts/env.sh
 config="${1:-model-config.yaml}"
 mkdir -p model-store
-torch-model-archiver --model-name "$MODEL_NAME" --version 1.0 --handler llm_api/custom_handler.py \
+torch-model-archiver --model-name "$MODEL_NAME" --version 1.0 --handler llm_api/torchserve/llm_handler.py \
   --archive-format no-archive --export-path model-store --config-file "$config" --force
 echo "archive: model-store/$MODEL_NAME"

@@ -5,6 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 . scripts/env.sh
+# A bad setting stops here with its message, before TorchServe would restart a failing worker forever.
+python -m llm_api.model.settings
 scripts/build_archive.sh
 cat <<MSG
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_api.config import default_model_path
-from llm_api.embedded_model import prepare
+from llm_api.model.settings import default_model_path
+from llm_api.model.embedded import prepare
 
 # Without a GPU the Triton kernels (tests/kernels) run in Triton's CPU interpreter, which Triton reads
 # when a kernel is decorated: set it here, before any test module imports llm_api.kernels.
@@ -44,14 +44,14 @@ def embedded_model_path() -> Path:
 @pytest.fixture(scope="session")
 def embedded_lm(embedded_model_path):
     """The embedded model loaded the way the server loads it by default (bf16, CPU)."""
-    from llm_api import model_loader
-    from llm_api.config import Settings
+    from llm_api.model import loader as model_loader
+    from llm_api.model.settings import Settings
 
     return model_loader.load(Settings.from_env({"MODEL_PATH": str(embedded_model_path)}))
 
 
 def _serve(tmp_path_factory, embedded_model_path, name: str, model_config: str | None, **kw):
-    from llm_api.local_server import TorchServe
+    from torchserve_server import TorchServe
 
     env = {"MODEL_PATH": str(embedded_model_path), **kw.pop("env", {})}
     server = TorchServe(tmp_path_factory.mktemp(name), model_config=model_config, env=env, **kw)
@@ -75,8 +75,8 @@ def start_server(tmp_path_factory, embedded_model_path):
 
 @pytest.fixture(scope="session")
 def embedded_lm_fp32(embedded_model_path):
-    from llm_api import model_loader
-    from llm_api.config import Settings
+    from llm_api.model import loader as model_loader
+    from llm_api.model.settings import Settings
 
     return model_loader.load(Settings.from_env({"MODEL_PATH": str(embedded_model_path), "DTYPE": "float32"}))
 
@@ -103,7 +103,7 @@ def batch4_server(tmp_path_factory, embedded_model_path):
 @pytest.fixture(scope="session")
 def async_server(tmp_path_factory, embedded_model_path):
     """The shipped model-config.yaml (async mode, engine, bfloat16) with a small KV pool (64 MiB)."""
-    from llm_api.local_server import REPO
+    from torchserve_server import REPO
 
     config = (REPO / "model-config.yaml").read_text()
     server = _serve(tmp_path_factory, embedded_model_path, "async", config, env={"KV_CACHE_MEMORY_MIB": "64"})

@@ -2,7 +2,7 @@
 
 import pytest
 
-from llm_api.config import ConfigError, Settings, default_model_path, parse_device_map
+from llm_api.model.settings import ConfigError, Settings, default_model_path, parse_device_map
 
 
 def test_defaults():

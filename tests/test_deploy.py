@@ -50,7 +50,7 @@ def test_deployment_probes_use_the_health_paths():
     assert container["readinessProbe"]["httpGet"]["path"].endswith("/v1/health")
     assert container["livenessProbe"]["httpGet"]["path"] == "/ping"
     hpa = yaml.safe_load((REPO / "deploy" / "hpa.yaml").read_text())
-    from llm_api.metrics import METRICS
+    from llm_api.service.metrics import METRICS
 
     assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] in METRICS
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from llm_api.detokenizer import IncrementalDetokenizer, TextStream
+from llm_api.api.detokenizer import IncrementalDetokenizer, TextStream
 
 MARKER = "<|endoftext|>"
 
@@ -49,3 +49,21 @@ def test_marker_never_appears_in_model_text(tokenizer):
     stream = TextStream(tokenizer, [], MARKER)
     out = "".join(stream.push([i]).text for i in ids) + stream.finish()
     assert MARKER not in out and out.startswith("a ") and "b" in out
+
+
+class _SlowTokenizer:
+    """The same tokenizer seen without its Rust backend: the detokenizer's offset fallback."""
+
+    def __init__(self, tokenizer):
+        self.decode = tokenizer.decode
+
+
+@pytest.mark.parametrize("text", ["Hello world, how are you?", "naïve café — 日本語のテキスト 🙂👍🏽 end"])
+def test_fallback_without_a_fast_tokenizer_gives_the_same_deltas(tokenizer, text):
+    ids = tokenizer(text)["input_ids"]
+    fast, slow = IncrementalDetokenizer(tokenizer), IncrementalDetokenizer(_SlowTokenizer(tokenizer))
+    assert slow._stream is None and fast._stream is not None
+    fast_deltas = [fast.push([i]) for i in ids] + [fast.flush()]
+    slow_deltas = [slow.push([i]) for i in ids] + [slow.flush()]
+    assert "".join(slow_deltas) == "".join(fast_deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert all("\ufffd" not in d for d in slow_deltas)

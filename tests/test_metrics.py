@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from llm_api.metrics import METRICS, ServingMetrics
+from llm_api.service.metrics import METRICS, ServingMetrics
 
 
 @dataclass

@@ -10,22 +10,32 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
-from llm_api import model_loader
-from llm_api.config import ConfigError, Settings
-from llm_api.protocol import parse_request
-from llm_api.serving import ModelService
+from llm_api.model import loader as model_loader
+from llm_api.model.settings import ConfigError, Settings
+from llm_api.api.native import parse_request
+from llm_api.service.service import ModelService
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def _run(service: ModelService, jobs) -> dict[str, list[int]]:
-    """Run jobs through the service's path as a classic batch: request id -> generated token ids."""
-    tokens = {job.request_id: [] for job in jobs}
-    service.path.run(jobs, lambda outputs: [tokens[o.request_id].extend(o.new_token_ids) for o in outputs])
-    return tokens
+def _run(service: ModelService, rows: dict) -> dict[str, str]:
+    """Native rows sent together through the service: request id -> the answer's text."""
+
+    async def one(request_id, row):
+        request = parse_request(row, service.limits)
+        events = [e async for e in service.generate(request, request_id)]
+        assert events[-1].error is None, events[-1].error
+        return "".join(e.text for e in events[:-1])
+
+    async def main():
+        return dict(zip(rows, await asyncio.gather(*(one(i, row) for i, row in rows.items()))))
+
+    return asyncio.run(main())
 
 
 # ------------------------------------------------------------------------------------------ settings
@@ -86,9 +96,10 @@ def test_quantized_embedded_model_answers_paris(embedded_model_path, quantizatio
     # The reference path first: building the engine switches the model's attention to the paged one.
     for engine in ("generate", "paged"):
         service = ModelService(Settings.from_env({**env, "ENGINE": engine}), lm)
-        request = parse_request({"messages": QUESTION, "max_new_tokens": 24}, service.limits)
-        tokens = _run(service, [service.prepare(request, "q").job])["q"]
-        answers[service.path_name] = lm.tokenizer.decode(tokens, skip_special_tokens=True)
+        try:
+            answers[service.path_name] = _run(service, {"q": {"messages": QUESTION, "max_new_tokens": 24}})["q"]
+        finally:
+            service.shutdown()
     assert set(answers) == {"generate() reference", "paged engine"}
     for path_name, answer in answers.items():
         assert "Paris" in answer, (quantization, path_name, answer)
@@ -108,15 +119,13 @@ def test_inputs_embeds_through_the_engine_equal_the_text(embedded_model_path):
     token_ids = embedded_lm.tokenizer(text)["input_ids"]
     with torch.inference_mode():
         embeds = embedded_lm.model.get_input_embeddings()(torch.tensor(token_ids))  # [T, H], the model's dtype
-    rows = [{"text": text, "max_new_tokens": 20},
-            {"inputs_embeds": embeds.float().tolist(), "max_new_tokens": 20}]  # bf16 -> float is exact
-    jobs = []
-    for i, row in enumerate(rows):
-        prepared = service.prepare(parse_request(row, service.limits), f"r{i}")
-        jobs.append(prepared.job)
-    assert jobs[1].prompt_token_ids is None and jobs[1].prompt_embeds is not None
+    rows = {"r0": {"text": text, "max_new_tokens": 20, "ignore_eos": True},
+            "r1": {"inputs_embeds": embeds.float().tolist(), "max_new_tokens": 20, "ignore_eos": True}}
     # In the same batch and each alone: the embeddings request matches the text request token for token.
-    together = _run(service, jobs)
-    alone = _run(service, [jobs[1]])
+    try:
+        together = _run(service, rows)
+        alone = _run(service, {"r1": rows["r1"]})
+    finally:
+        service.shutdown()
     assert together["r1"] == together["r0"] == alone["r1"]
     assert len(together["r0"]) > 0

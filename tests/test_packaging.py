@@ -11,24 +11,24 @@ from pathlib import Path
 import pytest
 
 from llm_api.client import HTTPClient
-from llm_api.local_server import TorchServe, _group_alive, free_port
+from torchserve_server import TorchServe, _group_alive, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
 def test_archiver_command_as_written(tmp_path):
-    (tmp_path / "llm_api").mkdir()
-    shutil.copy(REPO / "llm_api" / "custom_handler.py", tmp_path / "llm_api")
+    (tmp_path / "llm_api" / "torchserve").mkdir(parents=True)
+    shutil.copy(REPO / "llm_api" / "torchserve" / "llm_handler.py", tmp_path / "llm_api" / "torchserve")
     (tmp_path / "model-store").mkdir()
     env = {**os.environ, "MODEL_NAME": "smollm2", "PATH": f"{BIN}:{os.environ['PATH']}"}
     subprocess.run(
-        "torch-model-archiver --model-name $MODEL_NAME --version 1.0 --handler llm_api/custom_handler.py "
+        "torch-model-archiver --model-name $MODEL_NAME --version 1.0 --handler llm_api/torchserve/llm_handler.py "
         "--archive-format no-archive --export-path model-store",
         shell=True, check=True, cwd=tmp_path, env=env,
     )
     archive = tmp_path / "model-store" / "smollm2"
-    assert (archive / "custom_handler.py").is_file() and (archive / "MAR-INF" / "MANIFEST.json").is_file()
+    assert (archive / "llm_handler.py").is_file() and (archive / "MAR-INF" / "MANIFEST.json").is_file()
 
 
 @pytest.mark.server

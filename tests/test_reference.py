@@ -2,13 +2,13 @@
 
 import torch
 
-from llm_api.generation import GenerationJob
-from llm_api.reference import ReferenceGenerator
-from llm_api.sampling import SamplingParams
+from llm_api.engine.reference import ReferenceCore
+from llm_api.engine.reference import ReferenceRequest as GenerationJob
+from llm_api.engine.sampler import SamplingParams
 
 
 def run(lm, jobs, abort_after=None):
-    gen = ReferenceGenerator(lm.model, lm.eos_token_ids, lm.tokenizer.pad_token_id)
+    gen = ReferenceCore(lm.model, lm.eos_token_ids, lm.tokenizer.pad_token_id)
     tokens = {j.request_id: [] for j in jobs}
     reasons = {}
 
@@ -19,9 +19,12 @@ def run(lm, jobs, abort_after=None):
                 assert out.request_id not in reasons, "a job finished twice"
                 reasons[out.request_id] = out.finish_reason
             if abort_after and out.request_id == abort_after[0] and len(tokens[out.request_id]) == abort_after[1]:
-                gen.abort(out.request_id)
+                gen.abort_request(out.request_id)
 
-    gen.run(jobs, on_step)
+    for job in jobs:
+        gen.add_request(job.request_id, job.prompt_token_ids, job.params)
+    while gen.has_unfinished_requests():
+        gen.run_step(on_step)
     return tokens, reasons
 
 

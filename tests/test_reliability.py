@@ -22,7 +22,7 @@ import urllib.request
 import pytest
 
 from bench.soak import MARKER, PROMPTS, post, run_load, usage_after_one_more_request
-from llm_api.local_server import REPO
+from torchserve_server import REPO
 
 pytestmark = pytest.mark.server
 LOAD_SECONDS = float(os.environ.get("LLM_API_LOAD_SECONDS", "60"))

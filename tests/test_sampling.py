@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from llm_api.sampling import Sampler, SamplerBatch, SamplingParams, SamplingState
+from llm_api.engine.sampler import Sampler, SamplerBatch, SamplingParams, SamplingState
 
 
 def run(logits, params, seen=None, states=None):

@@ -117,7 +117,7 @@ def scrape(async_server) -> dict[str, float]:
 
 def test_metrics_endpoint_shows_each_metric(async_server):
     from llm_api.client import HTTPClient
-    from llm_api.metrics import METRICS
+    from llm_api.service.metrics import METRICS
 
     http = HTTPClient(async_server.http, "smollm2", async_server.key())
     system = "You are a helpful assistant who answers in one short sentence. " * 4

@@ -48,9 +48,6 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return len(self._free_queue)
 
-    def is_free(self, block_id: int) -> bool:
-        return block_id in self._free_queue
-
     def lookup(self, block_hash: bytes) -> int | None:
         """The block holding this content, held or free, or None."""
         if not self.enable_prefix_caching:
@@ -95,11 +92,6 @@ class BlockPool:
             return  # the same content already lives in another block; keep that one as the cached copy
         self.block_hash_of[block_id] = block_hash
         self.cached_block_ids[block_hash] = block_id
-
-    def reset_prefix_cache(self) -> None:
-        for block_hash, block_id in self.cached_block_ids.items():
-            self.block_hash_of[block_id] = None
-        self.cached_block_ids.clear()
 
     def _evict(self, block_id: int) -> None:
         block_hash = self.block_hash_of[block_id]

@@ -12,8 +12,8 @@ Contract:
   per step from a (pinned) host twin, viewed as input ids, positions, slot mapping, context lengths and
   block tables ``[max_batch, max_blocks]``. A padding row has slot -1 (the store kernel writes nothing)
   and context length 0 (the decode kernel reads nothing and outputs zeros), so padding never touches a
-  real sequence's cache. Only the Triton attention backend honours those two conventions, so graphs
-  require it.
+  real sequence's cache. Only a backend that ``supports_cuda_graphs`` honours those two conventions
+  (the Triton one), so graphs require it.
 - Each captured graph ends by copying its logits into one shared ``[max_batch, vocab]`` buffer, so the
   per-size logits inside the pool can be reused by the next (smaller) capture. ``run`` returns a view of
   that buffer, valid until the next ``run``: the caller samples from it before stepping again.
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llm_api.engine.attention import METADATA_KWARG, PagedAttentionMetadata
+from llm_api.engine.attention import METADATA_KWARG, AttentionBackend, PagedAttentionMetadata
 from llm_api.engine.kv_cache import PagedKVCache
 
 logger = logging.getLogger(__name__)
@@ -54,18 +54,22 @@ def capture_batch_sizes(max_batch_size: int) -> list[int]:
 
 @dataclass(frozen=True)
 class DecodeRow:
-    """One sequence of a decode step: the token it feeds, at which position, into which slot."""
+    """One sequence of a decode step: the token it feeds, at which position, into which slot, and its
+    block table (``table_version`` changes only when the table is rebuilt; between rebuilds it grows)."""
 
     token_id: int
     position: int
     slot: int
+    request_id: str
+    table_version: int
     block_ids: list[int]
 
 
 class DecodeGraphRunner:
-    def __init__(self, model: nn.Module, kv_cache: PagedKVCache, device: torch.device, max_model_len: int,
-                 batch_sizes: list[int], capture: bool):
+    def __init__(self, model: nn.Module, kv_cache: PagedKVCache, backend: AttentionBackend, device: torch.device,
+                 max_model_len: int, batch_sizes: list[int], capture: bool):
         self.model = model
+        self.backend = backend
         self.device = torch.device(device)
         self.batch_sizes = sorted(batch_sizes)
         self.max_batch_size = self.batch_sizes[-1]
@@ -79,7 +83,8 @@ class DecodeGraphRunner:
         self._host = torch.zeros(numel, dtype=torch.long, pin_memory=pin)
         self._static = torch.zeros(numel, dtype=torch.long, device=self.device)
         self._host_numpy = [view.numpy() for view in self._split(self._host)]
-        self._row_blocks: list[tuple[list[int], int] | None] = [None] * self.max_batch_size  # (list, entries written)
+        # Per row: (request id, table version, entries written) of what the host block table holds.
+        self._row_tables: list[tuple[str, int, int] | None] = [None] * self.max_batch_size
         self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.block_tables = \
             self._split(self._static)
         self._metadata = {size: self._metadata_for(kv_cache, size) for size in self.batch_sizes}
@@ -95,7 +100,7 @@ class DecodeGraphRunner:
     def _metadata_for(self, kv_cache: PagedKVCache, size: int) -> PagedAttentionMetadata:
         # Static views of the buffers: the attention function finds them already on the device, so it
         # neither copies nor allocates them during capture.
-        return PagedAttentionMetadata(
+        return self.backend.metadata(
             key_caches=kv_cache.key_caches,
             value_caches=kv_cache.value_caches,
             slot_mapping=self.slot_mapping[:size],
@@ -104,7 +109,6 @@ class DecodeGraphRunner:
             query_start_loc=list(range(size + 1)),
             context_lens_list=[],  # only the per-sequence prefill loop reads it; a decode step has none
             num_decode_seqs=size,
-            backend="triton",
             max_query_len=1,
             query_start_loc_tensor=torch.arange(size + 1, dtype=torch.int32, device=self.device),
         )
@@ -176,24 +180,24 @@ class DecodeGraphRunner:
             slots[:num_rows] = [r.slot for r in rows]
             context_lens[:num_rows] = positions[:num_rows] + 1
             for i, row in enumerate(rows):
-                self._write_block_row(block_tables, i, row.block_ids)
+                self._write_block_row(block_tables, i, row)
         ids[num_rows:size] = 0
         positions[num_rows:size] = 0
         slots[num_rows:size] = PADDING_SLOT
         context_lens[num_rows:size] = 0
         for i in range(num_rows, size):  # a padding row's table is never read; forget whose it was
-            self._row_blocks[i] = None
+            self._row_tables[i] = None
         self._static.copy_(self._host, non_blocking=True)
 
-    def _write_block_row(self, block_tables, row: int, block_ids: list[int]) -> None:
-        """Row ``row`` of the host block table := ``block_ids``, writing only what changed since the last
-        step. A request's list is only ever appended to while it holds its blocks, and replaced by a new
-        list when they are freed (scheduler), so the same list object with n entries written before still
-        starts with those n entries. Keeping a reference to the list keeps its id from being reused."""
+    def _write_block_row(self, block_tables, index: int, row: DecodeRow) -> None:
+        """Row ``index`` of the host block table := ``row.block_ids``, writing only what changed since the last
+        step: when the row held the same request under the same table version, its first entries are
+        already there (a table only grows between rebuilds, see ``model_runner.BlockTables``)."""
+        block_ids = row.block_ids
         if len(block_ids) > self.max_blocks:
             raise ValueError(f"a sequence holds {len(block_ids)} blocks; the captured tables have {self.max_blocks}")
-        known = self._row_blocks[row]
-        written = known[1] if known is not None and known[0] is block_ids else 0
+        known = self._row_tables[index]
+        written = known[2] if known is not None and known[:2] == (row.request_id, row.table_version) else 0
         if written < len(block_ids):
-            block_tables[row, written:len(block_ids)] = block_ids[written:]
-        self._row_blocks[row] = (block_ids, len(block_ids))
+            block_tables[index, written:len(block_ids)] = block_ids[written:]
+        self._row_tables[index] = (row.request_id, row.table_version, len(block_ids))

@@ -6,16 +6,15 @@ the scheduler appends them, finishes requests (EOS, max_new_tokens, length limit
 On CUDA the KV pool is sized from a profiled worst-case step (``memory_profile``) and pure decode steps
 replay CUDA graphs (``cuda_graphs``, Triton attention only).
 
-One thread steps the engine (``AsyncLLMEngine`` keeps it on its own thread). ``add_request``,
-``abort_request`` and ``step`` hold one lock, so an abort from another thread waits for the step in
-flight to end and then frees the request's blocks at once, never mid-step.
+Not thread-safe, by design: one owner calls ``add_request``, ``abort_request`` and ``step`` (in the
+server, ``llm_api.service.engine_loop.EngineLoop``'s thread, fed by messages), so an abort always lands
+between two steps and frees the request's blocks at once. ``generate_batch_stream`` drives it
+synchronously for tests and benchmarks.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -23,7 +22,7 @@ import torch
 from torch import nn
 
 from llm_api.engine.block_pool import BlockPool
-from llm_api.engine.attention import resolve_attention_backend
+from llm_api.engine.attention import select_backend
 from llm_api.engine.cuda_graphs import capture_batch_sizes
 from llm_api.engine.kv_cache import PagedKVCache, choose_num_blocks, cuda_layer_devices, layout_for_model
 from llm_api.engine.memory_profile import profile_device_memory, profile_sequence_lengths
@@ -31,7 +30,7 @@ from llm_api.engine.model_runner import ModelRunner
 from llm_api.engine.request import FinishReason, Request, RequestOutput
 from llm_api.engine.scheduler import PromptTooLongError, Scheduler, SchedulerConfig
 from llm_api.engine.support import check_supported
-from llm_api.sampling import Sampler, SamplerBatch, SamplingParams, SamplingState
+from llm_api.engine.sampler import Sampler, SamplerBatch, SamplingParams, SamplingState
 
 __all__ = ["LLMEngine", "EngineConfig", "EngineStats", "RequestOutput", "PromptTooLongError"]
 
@@ -54,7 +53,7 @@ class EngineConfig:
 
     @classmethod
     def from_settings(cls, settings) -> "EngineConfig":
-        """From ``llm_api.config.Settings``."""
+        """From ``llm_api.model.settings.Settings``."""
         return cls(
             block_size=settings.kv_block_size,
             kv_cache_memory_mib=settings.kv_cache_memory_mib,
@@ -95,11 +94,11 @@ class LLMEngine:
         model_max_len = getattr(text_config, "max_position_embeddings", None) or 1 << 30
         wanted_max_len = min(config.max_model_len or model_max_len, model_max_len)
         layout = layout_for_model(model)
-        self.attention_backend = resolve_attention_backend(config.attention_backend, layout.layer_devices)
+        self.attention = select_backend(config.attention_backend, layout.layer_devices)
         device_memory = None
         if not config.num_blocks and not config.kv_cache_memory_mib and cuda_layer_devices(layout):
             lengths = profile_sequence_lengths(config.max_num_batched_tokens, config.max_num_seqs, wanted_max_len)
-            device_memory = profile_device_memory(model, layout, config.block_size, self.attention_backend, lengths)
+            device_memory = profile_device_memory(model, layout, config.block_size, self.attention, lengths)
             for device, memory in device_memory.items():
                 logger.info("%s: %.2f GiB total x %.2f utilization - %.2f GiB weights and activation peak "
                             "(%d-token step) - %.2f GiB outside torch = %.2f GiB for the KV cache", device,
@@ -114,7 +113,7 @@ class LLMEngine:
         self.kv_cache = PagedKVCache(layout, num_blocks, config.block_size)
         # One request never needs more than the whole pool, so it can always run alone.
         self.max_model_len = min(wanted_max_len, self.kv_cache.max_num_tokens)
-        self.runner = ModelRunner(model, self.kv_cache, self.attention_backend)
+        self.runner = ModelRunner(model, self.kv_cache, self.attention)
         self._enable_decode_graphs(config)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
@@ -122,21 +121,19 @@ class LLMEngine:
             set(eos_token_ids),
         )
         self.sampler = Sampler()
-        self._arrival_counter = itertools.count()
         self._pending_outputs: list[RequestOutput] = []  # abort notices, reported by the next step()
         self._num_steps = 0
-        self._lock = threading.RLock()  # the scheduler is not thread-safe; see the module docstring
         logger.info("paged KV cache: %d blocks x %d tokens (%d tokens, %.1f MiB), max_model_len %d, attention %s",
                     num_blocks, config.block_size, self.kv_cache.max_num_tokens, self.kv_cache.num_bytes / 2**20,
-                    self.max_model_len, self.attention_backend)
+                    self.max_model_len, self.attention.name)
 
     def _enable_decode_graphs(self, config: EngineConfig) -> None:
         """CUDA graphs for the decode step when asked for and possible; otherwise say why once and run eagerly."""
         if not config.cuda_graphs or self.runner.input_device.type != "cuda":
             return
         reason = None
-        if self.attention_backend != "triton":
-            reason = "they need the triton attention backend"
+        if not self.attention.supports_cuda_graphs:
+            reason = f"the {self.attention.name} attention backend does not support them"
         elif getattr(self.model.config, "quantization_config", None) is not None:
             reason = "quantized weights are not captured"
         elif any(hasattr(m, "_hf_hook") for m in self.model.modules()):
@@ -162,8 +159,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None, params: SamplingParams,
                     prompt_embeds: torch.Tensor | None = None) -> None:
         request = self._build_request(request_id, prompt_token_ids, params, prompt_embeds)
-        with self._lock:
-            self.scheduler.add(request)
+        self.scheduler.add(request)
         logger.debug("request %s added: %d prompt tokens", request_id, request.num_prompt_tokens)
 
     def _build_request(self, request_id, prompt_token_ids, params, prompt_embeds) -> Request:
@@ -190,15 +186,13 @@ class LLMEngine:
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             params=params,
-            arrival_index=next(self._arrival_counter),
             sampling_state=SamplingState.for_params(params, self.runner.logits_device),
             prompt_embeds=prompt_embeds,
         )
 
     def abort_request(self, request_id: str) -> None:
-        with self._lock:
-            if self.scheduler.abort(request_id) is not None:
-                self._pending_outputs.append(RequestOutput(request_id, [], True, FinishReason.ABORT.value))
+        if self.scheduler.abort(request_id) is not None:
+            self._pending_outputs.append(RequestOutput(request_id, [], True, FinishReason.ABORT))
 
     def has_unfinished_requests(self) -> bool:
         """True while ``step()`` has work to do or outputs to report."""
@@ -207,22 +201,23 @@ class LLMEngine:
     # ----------------------------------------------------------------- one step
 
     def step(self) -> list[RequestOutput]:
-        with self._lock:
-            return self._step()
-
-    def _step(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             return outputs
         self._num_steps += 1
-        logits, sampled_requests = self.runner.execute(scheduler_output.scheduled)  # [num_sampled, V]
+        logits, sampled_requests = self.runner.execute(scheduler_output)  # [num_sampled, V]
         sampled_token_ids = {}
         if sampled_requests:
             token_ids = self.sampler(logits, self._sampler_batch(sampled_requests)).tolist()
             sampled_token_ids = {r.request_id: t for r, t in zip(sampled_requests, token_ids)}
         outputs += self.scheduler.update(scheduler_output, sampled_token_ids)
         return outputs
+
+    def run_step(self, on_outputs) -> None:
+        """One step, its outputs handed to ``on_outputs`` (the engine loop's interface, shared with the
+        ``generate()`` reference core)."""
+        on_outputs(self.step())
 
     def _sampler_batch(self, requests: list[Request]) -> SamplerBatch:
         # Seen ids only for rows with repetition penalty: greedy rows stay a bare argmax.
@@ -248,11 +243,10 @@ class LLMEngine:
                 if outputs:
                     yield outputs
         finally:
-            with self._lock:
-                for request_id in unfinished:
-                    self.abort_request(request_id)
-                # Nobody will read these requests' abort notices: the caller closed the stream.
-                self._pending_outputs = [o for o in self._pending_outputs if o.request_id not in unfinished]
+            for request_id in unfinished:
+                self.abort_request(request_id)
+            # Nobody will read these requests' abort notices: the caller closed the stream.
+            self._pending_outputs = [o for o in self._pending_outputs if o.request_id not in unfinished]
 
     def stats(self) -> EngineStats:
         counters = self.scheduler.counters

@@ -7,8 +7,8 @@ row ``b * block_size + s`` of ``key_caches[i].view(-1, num_kv_heads, head_dim)``
 
 A layer's device is where its attention *runs*: for a module that accelerate offloads (DEVICE_MAP "cpu"
 entries on a GPU machine, or "disk" entries), whose weights sit on ``meta`` or in CPU memory and are
-moved in by a hook for each forward, that is the hook's ``execution_device``, not the weights' device
-(``execution_device``). The same rule gives the device input ids and logits live on.
+moved in by a hook for each forward, that is the hook's execution device (``llm_api.model.placement``),
+not the weights' device.
 
 Sizing (``choose_num_blocks``): an explicit block count wins; else ``kv_cache_memory_mib``; else on
 CUDA what is left of each device's total memory times ``gpu_memory_utilization`` once the weights, the
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from llm_api.model.placement import execution_device
 
 CPU_DEFAULT_CAP_BYTES = 1 << 30
 
@@ -50,41 +52,6 @@ def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
         if isinstance(layer_idx, int) and type(module).__name__.endswith("Attention") and layer_idx not in found:
             found[layer_idx] = module
     return found
-
-
-def _hook_execution_device(module: nn.Module) -> torch.device | None:
-    hook = getattr(module, "_hf_hook", None)
-    # accelerate chains several hooks in a SequentialHook; any of them may move the inputs.
-    for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
-        device = getattr(h, "execution_device", None)
-        if device is not None:
-            return torch.device(device if not isinstance(device, int) else f"cuda:{device}")
-    return None
-
-
-def execution_device(model: nn.Module, module: nn.Module) -> torch.device:
-    """Where ``module`` (a submodule of ``model``) computes: the nearest accelerate hook's execution device
-    on the path from ``model`` down to ``module``, else the device of its first parameter or buffer."""
-    path = [model]
-    for name, candidate in model.named_modules():
-        if candidate is module:
-            parent = model
-            for part in name.split(".") if name else []:
-                parent = getattr(parent, part)
-                path.append(parent)
-            break
-    for candidate in reversed(path):
-        device = _hook_execution_device(candidate)
-        if device is not None:
-            return device
-    tensor = next(module.parameters(), None)
-    if tensor is None:
-        tensor = next(module.buffers(), None)
-    device = tensor.device if tensor is not None else torch.device("cpu")
-    if device.type == "meta":
-        raise NotImplementedError(f"{type(module).__name__} has its weights on 'meta' with no accelerate hook to "
-                                  f"move them in: the engine cannot tell where it runs")
-    return device
 
 
 @dataclass(frozen=True)
@@ -182,5 +149,3 @@ class PagedKVCache:
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.key_caches + self.value_caches)
 
-    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.key_caches[layer_idx], self.value_caches[layer_idx]

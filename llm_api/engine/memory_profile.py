@@ -16,11 +16,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llm_api.engine.attention import AttentionBackend
 from llm_api.engine.kv_cache import DeviceMemory, KVCacheLayout, PagedKVCache, cuda_layer_devices
 from llm_api.engine.model_runner import ModelRunner
 from llm_api.engine.request import Request
-from llm_api.engine.scheduler import ScheduledRequest
-from llm_api.sampling import SamplingParams
+from llm_api.engine.scheduler import ScheduledRequest, SchedulerOutput
+from llm_api.engine.sampler import SamplingParams
 
 
 def profile_sequence_lengths(num_tokens: int, num_seqs: int, max_model_len: int) -> list[int]:
@@ -32,7 +33,7 @@ def profile_sequence_lengths(num_tokens: int, num_seqs: int, max_model_len: int)
 
 
 @torch.inference_mode()
-def profile_device_memory(model: nn.Module, layout: KVCacheLayout, block_size: int, attention_backend: str,
+def profile_device_memory(model: nn.Module, layout: KVCacheLayout, block_size: int, backend: AttentionBackend,
                           lengths: list[int]) -> dict[torch.device, DeviceMemory]:
     devices = cuda_layer_devices(layout)
     for device in devices:
@@ -41,16 +42,15 @@ def profile_device_memory(model: nn.Module, layout: KVCacheLayout, block_size: i
         torch.cuda.reset_peak_memory_stats(device)
     num_blocks = sum(-(-n // block_size) for n in lengths)
     scratch = PagedKVCache(layout, num_blocks, block_size)
-    runner = ModelRunner(model, scratch, attention_backend)
+    runner = ModelRunner(model, scratch, backend)
     scheduled, next_block = [], 0
     for i, length in enumerate(lengths):
-        request = Request(request_id=f"profile-{i}", prompt_token_ids=[0] * length, params=SamplingParams(),
-                          arrival_index=i)
+        request = Request(request_id=f"profile-{i}", prompt_token_ids=[0] * length, params=SamplingParams())
         used = -(-length // block_size)
-        request.block_ids = list(range(next_block, next_block + used))
+        block_ids = list(range(next_block, next_block + used))
         next_block += used
-        scheduled.append(ScheduledRequest(request, length, samples=True))
-    logits, _ = runner.execute(scheduled)
+        scheduled.append(ScheduledRequest(request, length, samples=True, new_block_ids=block_ids, is_new=True))
+    logits, _ = runner.execute(SchedulerOutput(scheduled, sum(lengths)))
     logits.float().softmax(dim=-1)  # the sampler's float32 working copy
     memory = {}
     for device in devices:

@@ -1,49 +1,83 @@
 """Runs one scheduled step of an already-loaded Hugging Face decoder on the paged KV cache.
 
-``ModelRunner(model, kv_cache)`` switches the model to the paged attention function (any decoder whose
-attention goes through transformers' ``AttentionInterface``). ``execute(scheduled)`` packs every
-scheduled request's new tokens into one ``[1, num_tokens]`` batch (single-token sequences first, as the
-attention function expects), with per-token positions, the slot mapping and the block tables, runs the
+``ModelRunner(model, kv_cache, backend)`` switches the model to the paged attention function (any decoder
+whose attention goes through transformers' ``AttentionInterface``). ``execute(scheduler_output)`` packs
+every scheduled request's new tokens into one ``[1, num_tokens]`` batch (single-token sequences first, as
+the attention backends expect), with per-token positions, the slot mapping and the block tables, runs the
 forward with ``use_cache=False``, and returns logits ``[num_sampled, vocab]`` only at the last token of
-each request that samples this step (``logits_to_keep`` keeps ``lm_head`` off the other positions),
-with those requests in the same order.
+each request that samples this step (``logits_to_keep`` keeps ``lm_head`` off the other positions), with
+those requests in the same order.
+
+Block tables come from the scheduler's deltas (``BlockTables``: new block ids per step, rebuilt when a
+request is admitted or resumed), never from the scheduler's own lists.
 
 Requests built from ``prompt_embeds`` feed their prompt positions from the embeddings (the rest, i.e.
 generated tokens being recomputed after a preemption, from the embedding table).
 
-The attention backend (``"torch"`` or ``"triton"``, see ``attention.resolve_attention_backend``) is fixed at
-construction. With ``enable_decode_graphs`` (Triton backend only), a step where every request feeds one
-token id and samples, and which fits the largest captured size, goes through ``DecodeGraphRunner``.
+With ``enable_decode_graphs`` (a backend that ``supports_cuda_graphs``), a step where every request
+feeds one token id and samples, and which fits the largest captured size, goes through
+``DecodeGraphRunner``.
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 from array import array
 
 import torch
 from torch import nn
 
-from llm_api.engine.attention import (
-    METADATA_KWARG,
-    GatherWorkspace,
-    PagedAttentionMetadata,
-    register_paged_attention,
-)
+from llm_api.engine.attention import METADATA_KWARG, AttentionBackend, register_paged_attention
 from llm_api.engine.cuda_graphs import DecodeGraphRunner, DecodeRow
-from llm_api.engine.kv_cache import PagedKVCache, execution_device
+from llm_api.engine.kv_cache import PagedKVCache
 from llm_api.engine.request import Request
-from llm_api.engine.scheduler import ScheduledRequest
+from llm_api.engine.scheduler import ScheduledRequest, SchedulerOutput
+from llm_api.model.placement import execution_device
+
+
+class BlockTables:
+    """The runner's copy of each running request's block table, kept from the scheduler's deltas.
+
+    Between two rebuilds a table only grows, and ``version`` changes only on a rebuild (admission or
+    resumption), so a consumer that wrote the first n entries of a request's table under one version can
+    write just the rest later (the CUDA-graph runner does)."""
+
+    def __init__(self):
+        self._tables: dict[str, list[int]] = {}
+        self._versions: dict[str, int] = {}
+        self._counter = itertools.count()
+
+    def update(self, output: SchedulerOutput) -> None:
+        for request_id in output.ended_request_ids:
+            self._tables.pop(request_id, None)
+            self._versions.pop(request_id, None)
+        for item in output.scheduled:
+            request_id = item.request.request_id
+            if item.is_new:
+                self._tables[request_id] = list(item.new_block_ids)
+                self._versions[request_id] = next(self._counter)
+            elif item.new_block_ids:
+                self._tables[request_id].extend(item.new_block_ids)
+
+    def __getitem__(self, request_id: str) -> list[int]:
+        return self._tables[request_id]
+
+    def version(self, request_id: str) -> int:
+        return self._versions[request_id]
+
+    def __len__(self) -> int:
+        return len(self._tables)
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv_cache: PagedKVCache, attention_backend: str = "torch"):
+    def __init__(self, model: nn.Module, kv_cache: PagedKVCache, backend: AttentionBackend):
         self.model = model
         self.kv_cache = kv_cache
-        self.attention_backend = attention_backend
+        self.backend = backend
         self.decode_graphs: DecodeGraphRunner | None = None
         self.block_size = kv_cache.block_size
-        self.gather_workspace = GatherWorkspace()
+        self.block_tables = BlockTables()
         name = register_paged_attention()
         model.set_attn_implementation(name)
         if getattr(model.config, "_attn_implementation", None) != name:
@@ -61,19 +95,23 @@ class ModelRunner:
     @torch.inference_mode()
     def enable_decode_graphs(self, max_model_len: int, batch_sizes: list[int], capture: bool) -> None:
         """Run pure decode steps of up to ``max(batch_sizes)`` sequences through a ``DecodeGraphRunner``
-        (``capture=False``: its static-buffer path, eagerly). Needs the Triton backend and one device."""
-        if self.attention_backend != "triton":
-            raise ValueError("decode graphs need the triton attention backend (padding rows rely on its kernels)")
+        (``capture=False``: its static-buffer path, eagerly). Needs a backend that supports CUDA graphs
+        (padding rows rely on it) and the whole model on one device."""
+        if not self.backend.supports_cuda_graphs:
+            raise ValueError(f"decode graphs need an attention backend that supports them, not {self.backend.name}")
         devices = set(self.kv_cache.layout.layer_devices) | {self.input_device, self.logits_device}
         if len(devices) != 1:
             raise ValueError(f"decode graphs need the whole model on one device, found {sorted(map(str, devices))}")
-        runner = DecodeGraphRunner(self.model, self.kv_cache, self.input_device, max_model_len, batch_sizes, capture)
+        runner = DecodeGraphRunner(self.model, self.kv_cache, self.backend, self.input_device, max_model_len,
+                                   batch_sizes, capture)
         runner.capture()
         self.decode_graphs = runner
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[Request]]:
+    def execute(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
         """-> (logits [num_sampled, V], the requests those rows belong to)."""
+        self.block_tables.update(scheduler_output)
+        scheduled = scheduler_output.scheduled
         graph_rows = self._graph_decode_rows(scheduled)
         if graph_rows is not None:
             return self.decode_graphs.run(graph_rows), [s.request for s in scheduled]
@@ -92,7 +130,7 @@ class ModelRunner:
             request = item.request
             start = request.num_computed_tokens
             end = start + item.num_new_tokens
-            block_ids = request.block_ids
+            block_ids = self.block_tables[request.request_id]
             if item.num_new_tokens == 1:  # the common decode case, without building lists
                 input_ids.append(_token_id_at(request, start))
                 positions.append(start)
@@ -111,7 +149,7 @@ class ModelRunner:
                 sampled_requests.append(request)
 
         device = self.input_device
-        metadata = PagedAttentionMetadata(
+        metadata = self.backend.metadata(
             key_caches=self.kv_cache.key_caches,
             value_caches=self.kv_cache.value_caches,
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
@@ -120,8 +158,6 @@ class ModelRunner:
             query_start_loc=query_start_loc,
             context_lens_list=context_lens,
             num_decode_seqs=sum(1 for s in ordered if s.num_new_tokens == 1),
-            workspace=self.gather_workspace,
-            backend=self.attention_backend,
             max_query_len=max(s.num_new_tokens for s in ordered),
         )
         token_ids = torch.tensor([input_ids], dtype=torch.long, device=device)  # [1, T]
@@ -154,8 +190,9 @@ class ModelRunner:
                 return None
             if request.prompt_embeds is not None and position < request.num_prompt_tokens:
                 return None  # fed from embeddings, not an id
-            rows.append(DecodeRow(_token_id_at(request, position), position,
-                                  _slot_of(request.block_ids, position, block_size), request.block_ids))
+            block_ids = self.block_tables[request.request_id]
+            rows.append(DecodeRow(_token_id_at(request, position), position, _slot_of(block_ids, position, block_size),
+                                  request.request_id, self.block_tables.version(request.request_id), block_ids))
         return rows
 
     def _embeddings_with_prompts(self, token_ids: torch.Tensor, segments) -> torch.Tensor:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from llm_api.sampling import SamplingParams
+    from llm_api.engine.sampler import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -25,8 +25,11 @@ class RequestStatus(enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"  # hit an EOS token
-    LENGTH = "length"  # hit max_new_tokens or the model's length limit
+    """Why a request ended. The engine reports STOP (an EOS token), LENGTH and ABORT; the service adds
+    STOP for a matched stop string (the same thing to a client)."""
+
+    STOP = "stop"  # an EOS token, or a stop string
+    LENGTH = "length"  # max_new_tokens or the model's length limit
     ABORT = "abort"
 
 
@@ -37,7 +40,7 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    finish_reason: FinishReason | None = None  # set once finished
 
 
 @dataclass(eq=False)
@@ -45,13 +48,11 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: "SamplingParams"
-    arrival_index: int  # order of add_request calls; ties nothing, used for logs and tests
-    sampling_state: Any = None  # llm_api.sampling.SamplingState, built by the engine
+    sampling_state: Any = None  # llm_api.engine.sampler.SamplingState, built by the engine
     prompt_embeds: Any = None  # torch.Tensor [num_prompt_tokens, hidden_size] or None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # leading tokens whose K/V are in the cache
-    # Only ever appended to while held; freeing replaces the list (the graph runner relies on both).
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # the scheduler's; the runner keeps its own copy
     # Chained content hash of each full block of (prompt + output) tokens, filled as blocks fill up.
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading block_ids already registered in the prefix cache

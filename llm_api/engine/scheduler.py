@@ -9,6 +9,12 @@ of recomputed (prefix caching). When a request needs a block and none is free, t
 request is preempted: its blocks are freed, it goes back to the front of the waiting queue and its
 prompt + output tokens are recomputed later, so its output is the same as without preemption.
 
+``schedule()`` returns a ``SchedulerOutput``: per scheduled request, its new tokens, whether it samples,
+and the block ids it got this step (``new_block_ids``; all of its blocks when ``is_new``, i.e. admitted or
+resumed after preemption), plus the ids of requests that finished or were preempted since the last
+output. The model runner keeps its own copy of each request's block table from these deltas (vLLM v1's
+shape), so nothing below the scheduler depends on how the scheduler stores its lists.
+
 ``update()`` takes the token sampled for each request whose scheduled tokens reached its end, appends
 it, finishes the request at EOS (unless ``ignore_eos``), at ``max_new_tokens`` or at ``max_model_len``,
 and frees its blocks at once. ``abort()`` frees a request's blocks in any state.
@@ -40,6 +46,8 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
     samples: bool  # this step reaches the request's last token, so a new token is sampled for it
+    new_block_ids: list[int] = field(default_factory=list)  # blocks it got this step, in table order
+    is_new: bool = False  # admitted or resumed this step: new_block_ids is its whole block table
 
 
 @dataclass
@@ -47,6 +55,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Requests that left the running set since the previous output (finished, aborted, preempted): the
+    # model runner drops its copy of their block tables.
+    ended_request_ids: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -72,6 +83,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.counters = SchedulerCounters()
+        self._ended_request_ids: list[str] = []  # reported by the next schedule()
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -108,7 +120,8 @@ class Scheduler:
     # ----------------------------------------------------------------- one step
 
     def schedule(self) -> SchedulerOutput:
-        output = SchedulerOutput()
+        output = SchedulerOutput(ended_request_ids=self._ended_request_ids)
+        self._ended_request_ids = []
         budget = self.config.max_num_batched_tokens
 
         # Running requests first: decodes and unfinished chunked prefills.
@@ -116,14 +129,16 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_blocks_before = len(request.block_ids)
             while not self._allocate_slots(request, num_new_tokens):
                 victim = self.running.pop()
                 self._preempt(victim)
                 output.preempted_request_ids.append(victim.request_id)
+                output.ended_request_ids.append(victim.request_id)
                 if victim is request:
                     break
             else:
-                self._schedule(output, request, num_new_tokens)
+                self._schedule(output, request, num_new_tokens, request.block_ids[num_blocks_before:], False)
                 budget -= num_new_tokens
                 index += 1
                 continue
@@ -150,7 +165,7 @@ class Scheduler:
             request.num_cached_blocks = len(hit_block_ids)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._schedule(output, request, num_new_tokens)
+            self._schedule(output, request, num_new_tokens, list(request.block_ids), True)
             budget -= num_new_tokens
         return output
 
@@ -170,20 +185,19 @@ class Scheduler:
             reason = self._stop_reason(request, token_id)
             if reason is not None:
                 self._finish(request, reason)
-            outputs.append(
-                RequestOutput(request.request_id, [token_id], reason is not None, reason.value if reason else None)
-            )
+            outputs.append(RequestOutput(request.request_id, [token_id], reason is not None, reason))
         if any(r.is_finished for r in self.running):
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
 
     # ----------------------------------------------------------------- helpers
 
-    def _schedule(self, output: SchedulerOutput, request: Request, num_new_tokens: int) -> None:
+    def _schedule(self, output: SchedulerOutput, request: Request, num_new_tokens: int, new_block_ids: list[int],
+                  is_new: bool) -> None:
         start = request.num_computed_tokens
         end = start + num_new_tokens
         samples = end == request.num_tokens
-        output.scheduled.append(ScheduledRequest(request, num_new_tokens, samples))
+        output.scheduled.append(ScheduledRequest(request, num_new_tokens, samples, new_block_ids, is_new))
         output.num_batched_tokens += num_new_tokens
         num_prompt_positions = max(0, min(end, request.num_prompt_tokens) - start)
         self.counters.num_prefill_tokens_computed += num_prompt_positions
@@ -252,6 +266,8 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self._ended_request_ids.append(request.request_id)
         self._release_blocks(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llm_api.engine.attention import reference_paged_attention
+from llm_api.kernels.reference import reference_paged_attention
 from llm_api.kernels.common import (check_index_vector, check_out, check_paged_inputs, device_guard, dot,
                                     dot_options, load_kv_tile, scores_log2)
 

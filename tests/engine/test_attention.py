@@ -9,13 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llm_api.engine.attention import (
-    GatherWorkspace,
-    PagedAttentionMetadata,
-    decode_attention,
-    paged_attention_forward,
-    reference_paged_attention,
-)
+from llm_api.engine.attention import TorchBackend, paged_attention_forward
+from llm_api.engine.attention.torch_backend import GatherWorkspace, decode_attention, decode_key_mask
+from llm_api.kernels.reference import reference_paged_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 64
 
@@ -81,9 +77,11 @@ def test_batched_decode_matches_reference(sliding_window, softcap):
     generator = torch.Generator().manual_seed(1)
     context_lens = [1, 4, 5, 23, 40]
     key_cache, value_cache, block_tables, _, _, query, starts = _paged_batch(generator, context_lens, [1] * 5)
-    metadata = PagedAttentionMetadata([key_cache], [value_cache], torch.zeros(0, dtype=torch.long), block_tables,
-                                      torch.tensor(context_lens), starts, context_lens, num_decode_seqs=5)
-    tables, key_mask = metadata.decode_inputs(query.device, sliding_window)
+    metadata = TorchBackend().metadata(key_caches=[key_cache], value_caches=[value_cache],
+                                       slot_mapping=torch.zeros(0, dtype=torch.long), block_tables=block_tables,
+                                       context_lens=torch.tensor(context_lens), query_start_loc=starts,
+                                       context_lens_list=context_lens, num_decode_seqs=5)
+    tables, key_mask = decode_key_mask(metadata, query.device, sliding_window)
     expected = reference_paged_attention(query, key_cache, value_cache, block_tables, starts, context_lens, 0.3,
                                          sliding_window, softcap)
     workspace = GatherWorkspace()
@@ -110,8 +108,9 @@ def test_forward_writes_new_kv_and_mixes_decode_and_prefill():
     slot_mapping = torch.tensor(slots)
     key_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slot_mapping] = 0.0  # forget them: the forward must store them
     value_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slot_mapping] = 0.0
-    metadata = PagedAttentionMetadata([key_cache], [value_cache], slot_mapping, block_tables,
-                                      torch.tensor(context_lens), starts, context_lens, num_decode_seqs=2)
+    metadata = TorchBackend().metadata(key_caches=[key_cache], value_caches=[value_cache], slot_mapping=slot_mapping,
+                                       block_tables=block_tables, context_lens=torch.tensor(context_lens),
+                                       query_start_loc=starts, context_lens_list=context_lens, num_decode_seqs=2)
 
     class Layer(torch.nn.Module):
         layer_idx = 0

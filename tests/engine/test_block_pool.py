@@ -11,7 +11,7 @@ import pytest
 from llm_api.engine.block_pool import BlockPool, NoFreeBlocksError, hash_block
 from llm_api.engine.request import Request
 from llm_api.engine.scheduler import PromptTooLongError, Scheduler, SchedulerConfig
-from llm_api.sampling import SamplingParams
+from llm_api.engine.sampler import SamplingParams
 
 BLOCK_SIZE = 4
 

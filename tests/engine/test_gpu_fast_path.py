@@ -41,7 +41,7 @@ def test_engine_with_graphs_matches_generate(arch):
     model = _cuda_model(arch, torch.float32)
     reference = copy.deepcopy(model)  # the engine switches its model's attention to the paged one
     engine = make_engine(model, num_blocks=256, max_num_seqs=8, cuda_graph_max_batch_size=8)
-    assert engine.attention_backend == "triton"
+    assert engine.attention.name == "triton"
     assert engine.cuda_graph_batch_sizes == capture_batch_sizes(8)
     generator = torch.Generator().manual_seed(11)
     arrivals = {step: [(f"r{step}-{i}", random_prompt(generator, 3 + 7 * i + step), greedy(12 + i))

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from types import SimpleNamespace
@@ -18,11 +19,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Lfm2Config, MambaConfig
 
-from llm_api import model_loader
-from llm_api.config import Settings
+from llm_api.model import loader as model_loader
+from llm_api.model.settings import Settings
 from llm_api.engine.support import UnsupportedModelError, check_supported, unsupported_reason
-from llm_api.generation import GenerationJob
-from llm_api.serving import ModelService
+from llm_api.service.service import ModelService
 
 from engine_helpers import assert_engine_idle, greedy, make_engine, random_prompt, reference_greedy
 
@@ -58,18 +58,22 @@ def test_undrivable_model_falls_back_to_generate_with_one_log_line(arch, caplog)
     assert why in unsupported_reason(model)
     with pytest.raises(UnsupportedModelError):
         check_supported(model)
-    with caplog.at_level(logging.INFO, logger="llm_api.serving"):
+    with caplog.at_level(logging.INFO, logger="llm_api.service.service"):
         service = _service_for(model)
     assert service.engine is None and service.path_name == "generate() reference"
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "cannot drive" in warnings[0] and why in warnings[0]
 
-    # The fallback answers, token for token as a plain generate() call.
+    # The fallback answers through the engine loop, token for token as a plain generate() call.
     prompt = random_prompt(torch.Generator().manual_seed(0), 7)
-    tokens = []
-    service.path.run([GenerationJob("r", greedy(6), prompt_token_ids=prompt)],
-                     lambda outputs: tokens.extend(t for o in outputs for t in o.new_token_ids))
-    assert tokens == reference_greedy(model, prompt, 6)
+
+    async def run():
+        return [t async for o in service.loop.generate("r", prompt, greedy(6)) for t in o.new_token_ids]
+
+    try:
+        assert asyncio.run(run()) == reference_greedy(model, prompt, 6)
+    finally:
+        service.shutdown()
 
 
 def test_supported_families_pass_the_check(tiny_models):

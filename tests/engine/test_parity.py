@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llm_api.engine.scheduler import PromptTooLongError
-from llm_api.sampling import SamplingParams
+from llm_api.engine.sampler import SamplingParams
 
 from engine_helpers import (
     assert_engine_idle,
@@ -163,7 +163,7 @@ def test_batch_stream_helper(tiny_models):
 
 
 def test_engine_config_from_settings():
-    from llm_api.config import Settings
+    from llm_api.model.settings import Settings
     from llm_api.engine.engine import EngineConfig
 
     settings = Settings.from_env({"KV_BLOCK_SIZE": "32", "MAX_NUM_SEQS": "8", "MAX_NUM_BATCHED_TOKENS": "512",
@@ -200,7 +200,7 @@ def test_triton_kernels_match_generate(tiny_models, arch):
     model, reference_model = get_model(tiny_models, arch)
     arrivals = _workload(seed=1)
     engine = make_engine(model, attention_backend="triton")
-    assert engine.attention_backend == "triton"
+    assert engine.attention.name == "triton"
     results = run_engine(engine, arrivals)
     _check_against_generate(reference_model, arrivals, results)
 

@@ -6,7 +6,7 @@ it), and saves a normal Hugging Face checkpoint folder: config, bf16 safetensors
 template. The result is cached (outside git) and reused; the folder appears atomically, so a crashed
 or concurrent preparation never leaves a half-written model behind.
 
-Run as ``python -m llm_api.embedded_model [TARGET_DIR]``; prints the checkpoint path.
+Run as ``python -m llm_api.model.embedded [TARGET_DIR]``; prints the checkpoint path.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def _convert(gguf_dir: Path, out_dir: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from llm_api.config import default_model_path
+    from llm_api.model.settings import default_model_path
 
     target = Path(argv[1]) if len(argv) > 1 else default_model_path(os.environ)
     print(prepare(target))

@@ -1,4 +1,4 @@
-"""AsyncLLMEngine: streams interleave, aborts and cancelled consumers free blocks, errors end streams."""
+"""EngineLoop: streams interleave, aborts and cancelled consumers free blocks, errors end streams."""
 
 from __future__ import annotations
 
@@ -10,25 +10,25 @@ import pytest
 import torch
 
 from engine_helpers import assert_engine_idle, get_model, greedy, make_engine, random_prompt, reference_greedy
-from llm_api.engine.async_engine import AsyncLLMEngine
+from llm_api.service.engine_loop import EngineLoop
 from llm_api.engine.scheduler import PromptTooLongError
 
 
 @pytest.fixture
 def async_engine(tiny_models):
     model, reference_model = get_model(tiny_models, "llama")
-    engine = AsyncLLMEngine(make_engine(model, num_blocks=32))
+    engine = EngineLoop(make_engine(model, num_blocks=32))
     yield engine, reference_model
     engine.shutdown()
 
 
-def _wait_idle(engine: AsyncLLMEngine, timeout: float = 10.0) -> None:
+def _wait_idle(engine: EngineLoop, timeout: float = 10.0) -> None:
     """The engine thread applies aborts between steps: wait for it, then check every block is free."""
     deadline = time.monotonic() + timeout
-    while engine.engine.has_unfinished_requests() or engine._commands:
+    while engine.core.has_unfinished_requests() or engine._commands:
         assert time.monotonic() < deadline, "engine did not go idle"
         time.sleep(0.01)
-    assert_engine_idle(engine.engine)
+    assert_engine_idle(engine.core)
 
 
 def test_concurrent_streams_interleave_and_match_generate(async_engine):
@@ -136,12 +136,12 @@ def test_consumer_that_stops_or_is_cancelled_aborts_its_request(async_engine):
 
     asyncio.run(main())
     _wait_idle(engine)
-    assert engine.engine.stats().num_decode_tokens_computed < 150  # both stopped long before 100 tokens
+    assert engine.core.stats().num_decode_tokens_computed < 150  # both stopped long before 100 tokens
 
 
 def test_step_error_ends_every_stream_with_the_error(async_engine):
     engine, _ = async_engine
-    runner = engine.engine.runner
+    runner = engine.core.runner
     real_execute = runner.execute
     calls = {"n": 0}
 

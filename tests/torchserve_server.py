@@ -36,7 +36,7 @@ def build_archive(workdir: Path, model_name: str, model_config: str | None, mar:
     store.mkdir(parents=True, exist_ok=True)
     cmd = [
         str(BIN / "torch-model-archiver"), "--model-name", model_name, "--version", "1.0",
-        "--handler", str(REPO / "llm_api" / "custom_handler.py"),
+        "--handler", str(REPO / "llm_api" / "torchserve" / "llm_handler.py"),
         "--export-path", str(store), "--force",
     ]
     if not mar:

@@ -4,8 +4,10 @@ import json
 
 import pytest
 
-from llm_api.openai_api import OpenAIError, OpenAICall, models_list, parse_call, route
-from llm_api.protocol import Limits
+from llm_api.api.errors import ApiError
+from llm_api.engine.request import FinishReason
+from llm_api.api.openai import OpenAICall, models_list, parse_call, route
+from llm_api.api.native import Limits
 
 LIMITS = Limits(max_input_tokens=2048, max_new_tokens=2048, hidden_size=576)
 
@@ -18,7 +20,7 @@ def test_route():
     assert route(None) is None and route("") is None and route("/") is None
     assert route("v1/chat/completions") == "chat" and route("/v1/completions/") == "completions"
     assert route("v1/models") == "models" and route("v1/health") == "health"
-    with pytest.raises(OpenAIError) as err:
+    with pytest.raises(ApiError) as err:
         route("v2/nothing")
     assert err.value.status == 404
 
@@ -55,17 +57,17 @@ def test_completion_defaults_follow_openai():
     ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens", 400),
 ])
 def test_errors_name_the_parameter(body, param, status):
-    with pytest.raises(OpenAIError) as err:
+    with pytest.raises(ApiError) as err:
         parse("chat", body)
     assert err.value.param == param and err.value.status == status
-    shape = err.value.to_json()["error"]
+    shape = err.value.openai_json()["error"]
     assert set(shape) == {"message", "type", "param", "code"} and shape["type"] == "invalid_request_error"
 
 
 def test_bad_json():
-    with pytest.raises(OpenAIError):
+    with pytest.raises(ApiError):
         parse_call("chat", b"{nope", "smollm2", LIMITS)
-    with pytest.raises(OpenAIError):
+    with pytest.raises(ApiError):
         parse_call("chat", b"[1]", "smollm2", LIMITS)
 
 
@@ -76,7 +78,7 @@ def events(text):
 
 def test_chat_stream_encoding():
     call = OpenAICall("chat", "smollm2", stream=True, include_usage=True)
-    out = call.delta("Hel") + call.delta("") + call.delta("lo") + call.finish("!", "stop", 5, 3)
+    out = call.delta("Hel") + call.delta("") + call.delta("lo") + call.delta("!") + call.finish(FinishReason.STOP, 5, 3)
     data = events(out)
     assert data[-1] == "[DONE]"
     chunks = [json.loads(d) for d in data[:-1]]
@@ -90,14 +92,14 @@ def test_chat_stream_encoding():
 
 def test_completion_json_encoding():
     call = OpenAICall("completions", "smollm2", stream=False, include_usage=False)
-    assert call.delta("a") == ""
-    body = json.loads(call.finish("b", "length", 2, 2))
+    assert call.delta("a") == "" and call.delta("b") == ""
+    body = json.loads(call.finish(FinishReason.LENGTH, 2, 2))
     assert body["object"] == "text_completion" and body["choices"][0] == {"index": 0, "text": "ab", "logprobs": None, "finish_reason": "length"}
     assert body["usage"]["total_tokens"] == 4
 
 
 def test_error_event_and_models():
     call = OpenAICall("chat", "smollm2", stream=True, include_usage=False)
-    data = events(call.error_event(OpenAIError("late", 408, None, "timeout")))
+    data = events(call.error_event(ApiError(408, "timeout", "late")))
     assert json.loads(data[0])["error"]["code"] == "timeout" and data[-1] == "[DONE]"
     assert json.loads(models_list("smollm2", 1))["data"][0]["id"] == "smollm2"

@@ -1,13 +1,19 @@
-"""AsyncLLMEngine: one engine thread stepping ``LLMEngine``, and per-request asyncio streams.
+"""EngineLoop: the one owner of the engine, stepping it on its own thread, fed by messages.
 
-The engine (and its scheduler) is not thread-safe, so every add and abort is queued and applied by the
-engine thread between steps. The thread steps while there is work and sleeps on a condition when idle
-(no busy spinning). Outputs reach each request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``.
+The engine core (``LLMEngine``, or the ``generate()`` reference core) is not thread-safe, so nothing but
+this loop's thread touches it: callers submit ``_Add`` and ``_Abort`` messages, which the thread applies
+between steps (and, for the reference core, between the token steps of its batch). The thread steps
+while there is work and sleeps on a condition when idle. Outputs reach each request's ``asyncio.Queue``
+through ``loop.call_soon_threadsafe``; after every step the loop publishes a snapshot of the engine's
+stats (``stats``) and the time it last made progress, so readers (metrics, health) never touch the core.
 
-``generate()`` raises add_request's error (bad input, prompt too long) before yielding anything; if
-``step()`` raises, every stream then in the engine ends with that error and their requests are aborted,
-so no stream hangs; if the consumer stops iterating or is cancelled, its request is aborted in a
-``finally``.
+``generate()`` raises the core's refusal (bad input, prompt too long) before yielding anything; if a step
+raises, every stream in the engine ends with that error and their requests are aborted, so no stream
+hangs; if the consumer stops iterating or is cancelled, its request is aborted in a ``finally``.
+
+Threads: with GNU OpenMP, a thread that first enters a parallel region becomes the master of its own
+team, sized from its own copy of the thread-count setting; the loop thread sets torch's thread count
+again when it starts, so the model runs on every core the process was given (see docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -15,15 +21,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Protocol
 
 import torch
 
-from llm_api.engine.engine import LLMEngine, RequestOutput
-from llm_api.sampling import SamplingParams
+from llm_api.engine.request import RequestOutput
+from llm_api.engine.sampler import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+class EngineCore(Protocol):
+    def add_request(self, request_id: str, prompt_token_ids: list[int] | None, params: SamplingParams,
+                    prompt_embeds: torch.Tensor | None = None) -> None: ...
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def run_step(self, on_outputs) -> None: ...
+
+    def stats(self) -> Any: ...
 
 
 class EngineDeadError(RuntimeError):
@@ -58,15 +78,22 @@ class _Add:
     added: asyncio.Future  # resolved (or failed) once add_request ran on the engine thread
 
 
-class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+class EngineLoop:
+    def __init__(self, core: EngineCore, num_threads: int | None = None):
+        self.core = core
+        self.stats = core.stats()  # the latest snapshot (None for a core without a paged cache)
+        self.last_progress = time.monotonic()  # when a step last produced output (or the loop went idle)
+        self._num_threads = num_threads or torch.get_num_threads()
         self._streams: dict[str, _Stream] = {}  # owned by the engine thread
         self._commands: list[_Add | _Abort] = []
         self._wakeup = threading.Condition()
         self._shutdown = False
         self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._shutdown
 
     # ----------------------------------------------------------------- caller side
 
@@ -115,18 +142,21 @@ class AsyncLLMEngine:
     # ----------------------------------------------------------------- engine thread
 
     def _run(self) -> None:
+        torch.set_num_threads(self._num_threads)  # this thread's OpenMP team (module docstring)
         try:
             while True:
                 with self._wakeup:
-                    while not (self._commands or self._shutdown or self.engine.has_unfinished_requests()):
+                    while not (self._commands or self._shutdown or self.core.has_unfinished_requests()):
+                        self.last_progress = time.monotonic()  # idle is not stalled
                         self._wakeup.wait()
                     if self._shutdown:
                         break
                     commands, self._commands = self._commands, []
                 for command in commands:
                     self._apply(command)
-                if self.engine.has_unfinished_requests():
+                if self.core.has_unfinished_requests():
                     self._step()
+                self.stats = self.core.stats()
         finally:
             dead = EngineDeadError("the engine is shut down")
             self._end_streams(dead)
@@ -140,28 +170,30 @@ class AsyncLLMEngine:
     def _apply(self, command) -> None:
         if isinstance(command, _Abort):
             if command.stream is None or self._streams.get(command.request_id) is command.stream:
-                self.engine.abort_request(command.request_id)
+                self.core.abort_request(command.request_id)
             return
         try:
-            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                    command.prompt_embeds)
+            self.core.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                  command.prompt_embeds)
         except Exception as error:  # bad input: this caller's problem only
             _resolve(command.stream.loop, command.added, error)
             return
         self._streams[command.request_id] = command.stream
         _resolve(command.stream.loop, command.added, None)
 
-    def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as error:
-            logger.exception("engine step failed; ending %d streams", len(self._streams))
-            # The scheduler may be mid-step: abort every request so its blocks are freed.
-            for request_id in list(self.engine.scheduler.requests):
-                self.engine.abort_request(request_id)
-            self.engine.step()  # drains the abort notices; schedules nothing
-            self._end_streams(error)
-            return
+    def _apply_aborts(self) -> None:
+        """Aborts that arrived during a step; adds wait for the next one (the reference core runs a whole
+        batch per step and calls back between its token steps)."""
+        with self._wakeup:
+            aborts = [c for c in self._commands if isinstance(c, _Abort)]
+            self._commands = [c for c in self._commands if not isinstance(c, _Abort)]
+        for command in aborts:
+            self._apply(command)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        self.stats = self.core.stats()  # before the outputs: a reader woken by them sees this step's state
+        if outputs:
+            self.last_progress = time.monotonic()
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
@@ -169,6 +201,19 @@ class AsyncLLMEngine:
             stream.put(output)
             if output.finished:
                 del self._streams[output.request_id]
+        self._apply_aborts()
+
+    def _step(self) -> None:
+        try:
+            self.core.run_step(self._deliver)
+        except Exception as error:
+            logger.exception("engine step failed; ending %d streams", len(self._streams))
+            # The core may be mid-step: abort every request it knows so its blocks are freed.
+            for request_id in list(self._streams):
+                self.core.abort_request(request_id)
+            if self.core.has_unfinished_requests():
+                self.core.run_step(lambda outputs: None)  # drains the abort notices; schedules nothing
+            self._end_streams(error)
 
     def _end_streams(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}

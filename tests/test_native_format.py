@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from llm_api.protocol import Limits, RequestError, parse_request
+from llm_api.api.errors import ApiError
+from llm_api.api.native import parse_request
+from llm_api.api.request import Limits
 
 LIMITS = Limits(max_input_tokens=8, max_new_tokens=100, hidden_size=4)
 
@@ -13,15 +15,15 @@ def body(obj) -> dict:
     return {"body": json.dumps(obj).encode()}
 
 
-def refused(row, type_=None, needle=None) -> RequestError:
-    with pytest.raises(RequestError) as err:
+def refused(row, type_=None, needle=None) -> ApiError:
+    with pytest.raises(ApiError) as err:
         parse_request(row, LIMITS)
     if type_:
-        assert err.value.type == type_, err.value.message
+        assert err.value.code == type_, err.value.message
     if needle:
         assert needle in err.value.message
-    assert err.value.code == 400
-    assert set(err.value.to_json()) == {"code", "type", "message"}
+    assert err.value.status == 400
+    assert set(err.value.native_json()) == {"code", "type", "message"}
     return err.value
 
 
@@ -60,7 +62,7 @@ def test_messages_and_embeds():
     [
         ({"body": b""}, "empty_body", "empty"),
         ({"body": b"   "}, "empty_body", "empty"),
-        ({"body": b'{"text": "hi"'}, "invalid_json", "invalid JSON"),
+        ({"body": b'{"text": "hi"'}, "invalid_json", "not valid JSON"),
         ({"body": b"[1, 2]"}, "invalid_json", "must be an object"),
         ({"body": b'"text"'}, "invalid_json", "must be an object"),
         ({"body": b'{"text": "\xff\xfe"}'}, "invalid_encoding", "UTF-8"),
@@ -122,7 +124,7 @@ def test_invalid_requests(obj, type_, needle):
 
 
 def test_cancel_request():
-    from llm_api.protocol import CancelRequest
+    from llm_api.api.request import CancelRequest
 
     assert parse_request(body({"cancel": "abc"}), LIMITS) == CancelRequest("abc")
     refused(body({"cancel": "abc", "text": "x"}), "invalid_request", "only the field")

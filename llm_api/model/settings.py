@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
@@ -44,6 +44,7 @@ class Settings:
     max_input_tokens: int = 2048
     max_new_tokens: int = 2048
     dtype: str = "bfloat16"
+    dtype_from_env: bool = False  # DTYPE was set: always honoured (else a CPU may run float32, see loader)
     quantization: str = "none"
     bnb_4bit_quant_type: str = "nf4"  # the 4-bit data type of QUANTIZATION=4bit
     offload_folder: str = ""  # where DEVICE_MAP "disk" entries put weights; empty: <cache dir>/offload/<model>
@@ -76,11 +77,12 @@ class Settings:
             "max_input_tokens": _int(env, "MAX_INPUT_TOKENS", cls.max_input_tokens, minimum=1),
             "max_new_tokens": _int(env, "MAX_NEW_TOKENS", cls.max_new_tokens, minimum=1),
             "dtype": _choice(env, "DTYPE", cls.dtype, DTYPES),
+            "dtype_from_env": bool(env.get("DTYPE", "").strip()),
             "quantization": _choice(env, "QUANTIZATION", cls.quantization, QUANTIZATIONS),
             "bnb_4bit_quant_type": _choice(env, "BNB_4BIT_QUANT_TYPE", cls.bnb_4bit_quant_type, BNB_4BIT_QUANT_TYPES),
             "offload_folder": env.get("OFFLOAD_FOLDER", "")
             or str(default_cache_dir(env) / "offload" / _nonempty(env, "MODEL_NAME", cls.model_name)),
-            "end_of_stream_token": _nonempty(env, "END_OF_STREAM_TOKEN", cls.end_of_stream_token),
+            "end_of_stream_token": _marker(env.get("END_OF_STREAM_TOKEN", cls.end_of_stream_token)),
             "engine": _choice(env, "ENGINE", cls.engine, ENGINES),
             "kv_block_size": _int(env, "KV_BLOCK_SIZE", cls.kv_block_size, minimum=1),
             "kv_cache_memory_mib": _int(env, "KV_CACHE_MEMORY_MIB", cls.kv_cache_memory_mib, minimum=0),
@@ -101,19 +103,22 @@ class Settings:
         }
         return cls(**values)
 
-    def replace(self, **changes) -> "Settings":
-        known = {f.name for f in fields(self)}
-        unknown = set(changes) - known
-        if unknown:
-            raise TypeError(f"unknown settings: {sorted(unknown)}")
-        return type(self)(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
-
 
 def _nonempty(env: Mapping[str, str], name: str, default: str) -> str:
     value = env.get(name, default)
     if not value.strip():
         raise ConfigError(f"{name} must not be empty")
     return value
+
+
+def _marker(raw: str) -> str:
+    """END_OF_STREAM_TOKEN: at least 2 characters, starting with one that can only occur inside a JSON
+    string of an error object (so an error can always be written without the marker in it, see
+    llm_api.api.errors.hide_marker), and without line breaks."""
+    allowed = "at least 2 characters, no line breaks, not starting with a space, digit, '-' or one of {}[]\":,\\"
+    if len(raw) < 2 or raw[0] in ' \t{}[]":,\\-0123456789' or any(c in raw for c in "\r\n"):
+        raise ConfigError(f"END_OF_STREAM_TOKEN={raw!r} is not supported; allowed values: {allowed}")
+    return raw
 
 
 def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -204,3 +209,31 @@ def parse_device_map(value: str) -> str | int | dict:
     if value.startswith("{"):
         return json.loads(value)
     return value
+
+
+def main() -> int:
+    """``python -m llm_api.model.settings``: check the environment's settings before a server starts, so
+    a bad value stops ``make serve`` with its message instead of a worker that fails to load forever."""
+    import sys
+
+    try:
+        settings = Settings.from_env()
+        if settings.quantization != "none":
+            try:
+                import bitsandbytes  # noqa: F401
+            except ImportError:
+                raise ConfigError(f"QUANTIZATION={settings.quantization} needs bitsandbytes: "
+                                  f"pip install 'llm_api[quant]' (make serve installs it when QUANTIZATION is set)") \
+                    from None
+        if not (Path(settings.model_path) / "config.json").is_file():
+            raise ConfigError(f"MODEL_PATH={settings.model_path!r} is not a Hugging Face checkpoint folder "
+                              f"(no config.json)")
+    except ConfigError as err:
+        print(f"llm_api: {err}", file=sys.stderr)
+        return 2
+    print(f"llm_api: settings OK (model {settings.model_name} from {settings.model_path})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

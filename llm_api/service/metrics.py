@@ -12,8 +12,9 @@ token would flood the worker's stdout pipe that TorchServe parses). Gauges are p
 request starts or ends and at most once per ``gauge_interval_s`` while tokens flow; engine counters
 (preemptions, prefix-cache lookups) are published as increments since the last publication.
 
-``health()`` is the readiness signal: not ready when requests are in flight and no token has been
-produced for ``stall_after_s`` seconds (the engine is not making progress).
+``health()`` is the readiness signal: not ready when the engine loop is gone, or when requests are in
+flight and no token has been produced for ``stall_after_s`` seconds (the engine is not making progress).
+It reads only counters kept here and the engine loop's published snapshot: it never waits on the engine.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ RATE_WINDOW_S = 10.0
 @dataclass(frozen=True)
 class Health:
     ready: bool
-    status: str  # "ok" | "idle" | "stalled"
+    status: str  # "ok" | "idle" | "stalled" | "stopped"
     num_active_requests: int
     tokens_per_second: float
     seconds_since_progress: float | None
@@ -62,9 +63,11 @@ class Health:
 
 class ServingMetrics:
     def __init__(self, sink: Sink, stats_fn: Callable[[], Any] | None = None, clock: Callable[[], float] = time.monotonic,
-                 stall_after_s: float = 30.0, gauge_interval_s: float = 1.0):
+                 stall_after_s: float = 30.0, gauge_interval_s: float = 1.0,
+                 engine_alive: Callable[[], bool] = lambda: True):
         self.sink = sink
         self.stats_fn = stats_fn
+        self.engine_alive = engine_alive
         self.clock = clock
         self.stall_after_s = stall_after_s
         self.gauge_interval_s = gauge_interval_s
@@ -144,14 +147,16 @@ class ServingMetrics:
             active, last = self._num_active, self._last_progress
         since = None if last is None else now - last
         stats = self.stats_fn() if self.stats_fn is not None else None
-        if active == 0:
+        if not self.engine_alive():
+            status = "stopped"
+        elif active == 0:
             status = "idle"
         elif since is not None and since > self.stall_after_s:
             status = "stalled"
         else:
             status = "ok"
         return Health(
-            ready=status != "stalled", status=status, num_active_requests=active, tokens_per_second=round(rate, 3),
+            ready=status in ("idle", "ok"), status=status, num_active_requests=active, tokens_per_second=round(rate, 3),
             seconds_since_progress=None if since is None else round(since, 3), stall_after_s=self.stall_after_s,
             engine=None if stats is None else {
                 "num_running": stats.num_running, "num_waiting": stats.num_waiting,

@@ -1,0 +1,86 @@
+"""One error type for every refused or failed request, rendered per request format.
+
+``ApiError(status, code, message, param)``: ``status`` is the HTTP status (4xx for the client's mistake,
+5xx for ours), ``code`` a stable machine-readable name (``invalid_parameter``, ``prompt_too_long``,
+``overloaded``, ...), ``message`` one sentence naming the problem, ``param`` the offending field when
+there is one. Two renderings:
+
+* native (``/predictions/<model>``, gRPC): ``{"code": <status>, "type": <code>, "message": ...}``;
+* OpenAI (``/v1/...``): ``{"error": {"message", "type", "param", "code"}}`` with OpenAI's ``type``
+  (``invalid_request_error`` for 4xx, ``server_error`` for 5xx).
+
+Whatever a request sent may end up in a message, so every echoed value goes through ``echo()``: shown as
+an ASCII-only Python literal (control characters, CR/LF and non-ASCII escaped) and cut to a short length,
+so no request can make an error message carry raw bytes, line breaks or megabytes. The status phrase and
+headers an edge sends never carry a message (``status_phrase`` is a fixed ASCII text per status).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from http import HTTPStatus
+
+MAX_ECHO_CHARS = 60
+SAFE_PARAM = re.compile(r"[A-Za-z0-9_.\[\]]{1,100}")  # a field path such as messages[0].content
+
+
+def echo(value: object, limit: int = MAX_ECHO_CHARS) -> str:
+    """A request-supplied value, safe to put in a message: ASCII, escaped, at most ~``limit`` characters."""
+    if isinstance(value, str) and len(value) > limit:
+        value = value[:limit]
+        shown = ascii(value)[: limit * 2] + "..."
+    else:
+        shown = ascii(value)
+        if len(shown) > limit * 2:
+            shown = shown[: limit * 2] + "..."
+    return shown
+
+
+def status_phrase(status: int) -> str:
+    """The fixed reason phrase of an HTTP status (never request data: TorchServe copies it into the
+    status line, and its framing counts characters where it writes UTF-8 bytes)."""
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        # The param names a field; one from the request (an unknown field's name) is echoed safely.
+        self.param = param if param is None or SAFE_PARAM.fullmatch(param) else echo(param)
+
+    def native_json(self) -> dict:
+        return {"code": self.status, "type": self.code, "message": self.message}
+
+    def native_text(self, marker: str = "") -> str:
+        """The native rendering, with the end-of-stream marker (a setting) never appearing in it."""
+        return hide_marker(json.dumps(self.native_json()), marker)
+
+    def openai_json(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def openai_text(self) -> str:
+        return json.dumps(self.openai_json())
+
+    def __repr__(self) -> str:
+        return f"ApiError({self.status}, {self.code!r}, {self.message!r})"
+
+
+def hide_marker(json_text: str, marker: str) -> str:
+    """``json_text`` with every occurrence of ``marker`` broken by a JSON escape of its first character,
+    which parses to the same value. Settings guarantee the marker starts with a character that can only
+    occur inside a JSON string here (not a quote, brace, digit or space), so the escape stays valid."""
+    if not marker or marker not in json_text:
+        return json_text
+    return json_text.replace(marker, f"\\u{ord(marker[0]):04x}" + marker[1:])
+
+
+def internal_error(message: str = "generation failed") -> ApiError:
+    return ApiError(500, "internal_error", message)

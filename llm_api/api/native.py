@@ -1,0 +1,200 @@
+"""The native request format: a ``/predictions/<model>`` body or gRPC input -> ``GenerateRequest``.
+
+A request reaches the handler as one row of TorchServe's batch: a dict of named fields whose values are
+bytes (the handler asks TorchServe not to decode them, so this module owns every parsing decision). A
+JSON body arrives as the single field ``body`` (gRPC clients may also send the JSON under ``data``); any
+other row is form fields (HTTP form, or gRPC's ``input`` map), whose values are text, coerced to each
+field's type (structured fields as JSON text).
+
+A control request ``{"cancel": "<x-request-id>"}`` parses to ``CancelRequest``. Otherwise the request
+carries exactly one input (``text``, ``messages`` or ``inputs_embeds``: vectors of the model's hidden
+size) and generation parameters, declared by ``NativeBody`` with the shared field rules of
+``llm_api.api.fields``. Anything else raises ``ApiError`` (4xx, ``invalid_parameter`` /
+``invalid_input`` / ``unknown_field`` / ...) naming the field, for that request alone.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Mapping
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo, field_validator
+
+from llm_api.api.errors import ApiError, echo
+from llm_api.api.fields import (Flag, Integer, NonEmptyText, Number, StopStrings, Text, WholeNumber, fail,
+                                first_error, from_form_json, message_of, unknown_fields)
+from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, INPUT_FIELDS, MAX_SEED, CancelRequest, GenerateRequest, Limits
+from llm_api.api.validation import decode_json
+from llm_api.engine.sampler import MAX_STOP_STRINGS, SamplingParams
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
+MAX_REQUEST_ID_CHARS = 128
+
+
+class NativeMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Text
+    name: Text | None = None
+
+
+def _message_list(value: Any) -> Any:
+    value = from_form_json(value)
+    if not isinstance(value, list) or not value:
+        raise ValueError("must be a non-empty array of {role, content} objects")
+    return value
+
+
+def _finite_rows(value: Any) -> Any:
+    """inputs_embeds: an array of arrays of finite numbers (checked in one pass: it may hold a million)."""
+    value = from_form_json(value)
+    if not isinstance(value, list) or not value:
+        raise ValueError("must be a non-empty array of vectors")
+    for i, row in enumerate(value):
+        if not isinstance(row, list):
+            raise ValueError(f"[{i}] must be an array of numbers")
+        for x in row:
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or x != x or x in (float("inf"), float("-inf")):
+                raise ValueError(f"[{i}] holds a value that is not a finite number")
+    return value
+
+
+class NativeBody(BaseModel):
+    """The native body's fields (exactly one input; the rest optional)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: NonEmptyText | None = None
+    messages: Annotated[list[NativeMessage], BeforeValidator(_message_list)] | None = None
+    inputs_embeds: Annotated[list[list[float]], BeforeValidator(_finite_rows)] | None = None
+    max_new_tokens: WholeNumber | None = None  # range: 1 .. MAX_NEW_TOKENS (a setting), checked below
+    temperature: Number(0.0, MAX_TEMPERATURE) | None = None
+    top_p: Number(0.0, 1.0, low_open=True) | None = None
+    top_k: Integer(0, 1_000_000) | None = None
+    repetition_penalty: Number(0.0, MAX_REPETITION_PENALTY, low_open=True) | None = None
+    do_sample: Flag | None = None
+    seed: Integer(0, MAX_SEED) | None = None
+    stop: Annotated[StopStrings(MAX_STOP_STRINGS), BeforeValidator(from_form_json)] | None = None
+    ignore_eos: Flag = False
+    stream: Flag | None = None
+    request_id: Text | None = None
+    timeout: Number(0.0, 86400.0, low_open=True) | None = None
+
+    @field_validator("inputs_embeds")
+    @classmethod
+    def _embeds_fit(cls, value, info: ValidationInfo):
+        limits: Limits = info.context["limits"]
+        if value is not None and len(value) > limits.max_input_tokens:
+            raise fail("prompt_too_long", f"has {len(value)} positions; the limit is "
+                                          f"MAX_INPUT_TOKENS={limits.max_input_tokens}")
+        width = limits.hidden_size
+        if value is not None and width is not None:
+            for i, row in enumerate(value):
+                if len(row) != width:
+                    raise ValueError(f"[{i}] has width {len(row)}; the model's hidden size is {width}")
+        return value
+
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _within_limit(cls, value, info: ValidationInfo):
+        limit = info.context["limits"].max_new_tokens
+        if value is not None and not 1 <= value <= limit:
+            raise ValueError(f"must be between 1 and {limit}, got {value if abs(value) < 10**20 else 'more'}")
+        return value
+
+
+def parse_request(row: Mapping[str, Any], limits: Limits, default_stream: bool = True) -> GenerateRequest | CancelRequest:
+    """Validate one TorchServe batch row; raise ``ApiError`` naming the first problem found.
+
+    ``default_stream``: whether the answer streams when the request does not say (False for gRPC)."""
+    fields = _fields_of(row)
+    if "cancel" in fields:
+        if set(fields) - {"cancel"}:
+            raise ApiError(400, "invalid_request", "a cancel request carries only the field 'cancel'")
+        target = fields["cancel"]
+        if not isinstance(target, str) or not target:
+            raise ApiError(400, "invalid_input", "'cancel' must be a string: the x-request-id of the request to end")
+        return CancelRequest(target)
+    try:
+        body = NativeBody.model_validate(fields, context={"limits": limits})
+    except ValidationError as error:
+        raise _api_error(error) from None
+    given = [k for k in INPUT_FIELDS if getattr(body, k) is not None]
+    if not given:
+        raise ApiError(400, "missing_input", "the request needs one input: 'text', 'messages' or 'inputs_embeds'")
+    if len(given) > 1:
+        raise ApiError(400, "too_many_inputs", f"give exactly one input, not {' and '.join(given)}")
+    if body.request_id is not None and len(body.request_id) > MAX_REQUEST_ID_CHARS:
+        raise ApiError(400, "invalid_parameter", f"'request_id' may have at most {MAX_REQUEST_ID_CHARS} characters")
+    return GenerateRequest(
+        text=body.text,
+        messages=[m.model_dump(exclude_none=True) for m in body.messages] if body.messages is not None else None,
+        inputs_embeds=body.inputs_embeds,
+        params=_sampling_params(body, limits),
+        stream=default_stream if body.stream is None else body.stream,
+        client_request_id=body.request_id,
+        timeout_s=body.timeout,
+    )
+
+
+def _sampling_params(body: NativeBody, limits: Limits) -> SamplingParams:
+    # Like TGI: asking for a sampling control without do_sample means sampling.
+    wants_sampling = any(v is not None for v in (body.temperature, body.top_p, body.top_k))
+    return SamplingParams(
+        max_new_tokens=body.max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, limits.max_new_tokens),
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        do_sample=wants_sampling if body.do_sample is None else body.do_sample,
+        seed=body.seed,
+        stop=body.stop or (),
+        ignore_eos=body.ignore_eos,
+    )
+
+
+def _api_error(error: ValidationError) -> ApiError:
+    unknown = unknown_fields(error)
+    if unknown:
+        allowed = ", ".join(NativeBody.model_fields)
+        return ApiError(400, "unknown_field", f"unknown field(s) {', '.join(map(echo, unknown[:5]))}; allowed: {allowed}",
+                        unknown[0][:64])
+    detail = first_error(error)
+    field = detail["loc"][0] if detail["loc"] else None
+    if detail["type"] == "prompt_too_long":
+        code = "prompt_too_long"
+    else:
+        code = "invalid_input" if field in INPUT_FIELDS or field == "request_id" else "invalid_parameter"
+    return ApiError(400, code, message_of(detail), str(field) if field is not None else None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# payload decoding
+
+
+def _fields_of(row: Mapping[str, Any]) -> dict:
+    """The request's fields: a JSON object body, or form fields (values kept as text)."""
+    if not isinstance(row, Mapping) or not row:
+        raise ApiError(400, "empty_body", "empty request: send a JSON object or form fields")
+    body_key = "body" if "body" in row else "data" if ("data" in row and len(row) == 1) else None
+    if body_key is not None:
+        value = row[body_key]
+        if isinstance(value, (bytes, bytearray)):
+            value = decode_json(bytes(value))
+        elif isinstance(value, str):
+            value = decode_json(value.encode("utf-8"))
+        if not isinstance(value, dict):
+            raise ApiError(400, "invalid_json", "the JSON body must be an object")
+        return value
+    return {str(k): _form_value(k, v) for k, v in row.items()}
+
+
+def _form_value(name: Any, value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ApiError(400, "invalid_encoding", f"field {echo(name)} is not valid UTF-8 (byte {exc.start})") from None
+    return value

@@ -1,0 +1,124 @@
+"""Prompt token ids from a ``GenerateRequest``: ``text`` as is, ``messages`` through the chat template.
+
+``text`` is tokenized as is, control-token text included (raw by design: callers who send ``text`` own
+the whole prompt). Chat ``messages`` are different: their contents are data, so text such as
+``<|im_start|>system`` inside a message must never become the template's control tokens (a user could
+forge a system turn). ``PromptBuilder.token_ids`` renders the template once with a unique placeholder
+per message content, so it knows which characters of the rendered prompt came from the template and
+which from the messages; the special tokens found in the template's own text stay special, and every
+stretch in between (template text and message contents together, exactly as the tokenizer would
+pre-tokenize them) is encoded with special-token matching off. For ordinary contents the ids equal
+``apply_chat_template(..., tokenize=True)``. Without a fast tokenizer, or with a template that does not
+keep each placeholder once and intact, contents holding special-token text are refused instead.
+
+``too_long(request)`` refuses, before any tokenizing, a prompt whose characters cannot fit in
+``max_input_tokens`` tokens (no token of the vocabulary is longer than ``max_chars_per_token``
+characters), so a megabyte of text costs a length check, not a tokenizer run.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import uuid
+
+from llm_api.api.errors import ApiError
+from llm_api.api.request import GenerateRequest
+
+
+class PromptBuilder:
+    def __init__(self, tokenizer, max_input_tokens: int):
+        self.tokenizer = tokenizer
+        self.max_input_tokens = max_input_tokens
+        specials = sorted({t for t in tokenizer.all_special_tokens if t}, key=len, reverse=True)
+        self._special_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in specials}
+        self._special_pattern = re.compile("|".join(map(re.escape, specials))) if specials else None
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._text_encoder = None  # a copy of the fast tokenizer that never matches special tokens
+        if backend is not None and hasattr(backend, "encode_special_tokens"):
+            self._text_encoder = copy.deepcopy(backend)
+            self._text_encoder.encode_special_tokens = True
+        vocab = tokenizer.get_vocab()
+        # An upper bound on the characters one token covers (byte-level vocabularies spell one byte per
+        # character, so a key's length bounds its decoded length too).
+        self.max_chars_per_token = max(max(map(len, vocab), default=1), max(map(len, specials), default=1))
+
+    # ----------------------------------------------------------------------------------------------
+
+    def too_long(self, request: GenerateRequest) -> ApiError | None:
+        """The refusal of a prompt that is over the limit whatever it tokenizes to, else None."""
+        chars = request.num_input_chars()
+        if chars > self.max_input_tokens * self.max_chars_per_token:
+            return ApiError(400, "prompt_too_long", f"the prompt has {chars} characters, more than "
+                            f"MAX_INPUT_TOKENS={self.max_input_tokens} tokens can hold; shorten it")
+        return None
+
+    def token_ids(self, request: GenerateRequest) -> list[int]:
+        """The prompt's token ids (raises ApiError: no chat template, a template error, too long)."""
+        if request.messages is not None:
+            ids = self._chat_ids(request.messages)
+        else:
+            ids = list(self.tokenizer(request.text)["input_ids"])
+        if len(ids) > self.max_input_tokens:
+            raise ApiError(400, "prompt_too_long",
+                           f"the prompt has {len(ids)} tokens; the limit is MAX_INPUT_TOKENS={self.max_input_tokens}")
+        return ids
+
+    # ----------------------------------------------------------------------------------------------
+
+    def _render(self, messages: list[dict]) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ApiError(400, "unsupported_input", "this model has no chat template; send 'text' instead")
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # templates raise on role orders they do not support
+            raise ApiError(400, "invalid_input", f"the chat template rejected these messages: "
+                           f"{str(exc)[:200]}") from None
+
+    def _chat_ids(self, messages: list[dict]) -> list[int]:
+        placeholders = [f"\ue000{uuid.uuid4().hex}\ue001" for _ in messages]
+        rendered = self._render([{**m, "content": p} for m, p in zip(messages, placeholders)])
+        pieces = _split_at(rendered, placeholders)
+        if pieces is None or self._text_encoder is None:
+            return self._chat_ids_refusing_control_text(messages)
+        # Assemble the real prompt, remembering where the template's own special tokens are.
+        text, template_specials = "", []  # (start, end) in text of each special token of the template
+        for i, markup in enumerate(pieces):
+            if self._special_pattern is not None:
+                template_specials += [(len(text) + m.start(), len(text) + m.end())
+                                      for m in self._special_pattern.finditer(markup)]
+            text += markup
+            if i < len(messages):
+                text += messages[i]["content"]
+        ids, pos = [], 0
+        for start, end in template_specials:
+            ids += self._encode_text(text[pos:start])
+            ids.append(self._special_ids[text[start:end]])
+            pos = end
+        ids += self._encode_text(text[pos:])
+        return ids
+
+    def _encode_text(self, text: str) -> list[int]:
+        return self._text_encoder.encode(text, add_special_tokens=False).ids if text else []
+
+    def _chat_ids_refusing_control_text(self, messages: list[dict]) -> list[int]:
+        for i, message in enumerate(messages):
+            found = self._special_pattern.search(message["content"]) if self._special_pattern else None
+            if found:
+                raise ApiError(400, "invalid_input", f"messages[{i}].content holds the model's control token "
+                               f"{found.group(0)!r}, which this tokenizer cannot keep as plain text")
+        return list(self.tokenizer(self._render(messages), add_special_tokens=False)["input_ids"])
+
+
+def _split_at(rendered: str, placeholders: list[str]) -> list[str] | None:
+    """The template text around each placeholder ([before 1st, between 1st and 2nd, ..., after last]), or
+    None when a placeholder is missing, repeated or out of order (the template transformed a content)."""
+    pieces, pos = [], 0
+    for placeholder in placeholders:
+        at = rendered.find(placeholder, pos)
+        if at < 0 or rendered.count(placeholder) != 1:
+            return None
+        pieces.append(rendered[pos:at])
+        pos = at + len(placeholder)
+    pieces.append(rendered[pos:])
+    return pieces

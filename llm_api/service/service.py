@@ -1,0 +1,302 @@
+"""ModelService: one loaded model served to every front end, and the one driver of a request's life.
+
+The service owns the loaded model, the generation core (the paged engine, or ``generate()`` when
+ENGINE=generate or the engine cannot drive the model), the ``EngineLoop`` thread that alone steps it,
+the table of live requests, and the serving metrics. Front ends (the TorchServe handler, the standalone
+server) parse a body into a ``GenerateRequest`` with the request formats of ``llm_api.api``, then:
+
+``async for event in service.generate(request, request_id)``:
+
+1. before the first event, the request is admitted or ``ApiError`` is raised (nothing was sent yet, so
+   the edge answers with the error's status): a duplicate live ``request_id`` label (409), a prompt over
+   MAX_INPUT_TOKENS (refused by its length before tokenizing when it cannot fit), one that cannot fit the
+   KV cache, a full server (503). Large prompts are tokenized, and embeddings converted, on a small
+   thread pool, off the event loop;
+2. then ``TextDelta``s, then exactly one ``Finished`` (a finish reason, or an error). This is the only
+   place that decides how a request ends: its EOS or length (engine), a stop string (detokenizer), a
+   cancel (``service.cancel``), its deadline, an engine failure. Leaving the iteration early (a client
+   that went away) aborts the request and frees its blocks; the request leaves the service's tables in
+   a ``finally``.
+
+``request_id`` is the id the edge issued for the request (TorchServe's ``x-request-id``, a random UUID;
+the standalone server's own): unguessable, returned to the client with the response, and the only handle
+``cancel`` accepts, so no client can end another's request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import torch
+
+from llm_api.api.detokenizer import TextStream
+from llm_api.api.errors import ApiError, echo, internal_error
+from llm_api.api.prompt import PromptBuilder
+from llm_api.api.request import GenerateRequest, Limits
+from llm_api.engine.engine import EngineConfig, LLMEngine
+from llm_api.engine.reference import ReferenceCore
+from llm_api.engine.request import FinishReason
+from llm_api.engine.scheduler import PromptTooLongError
+from llm_api.engine.support import unsupported_reason
+from llm_api.model.loader import LoadedModel, load
+from llm_api.model.settings import Settings
+from llm_api.service.engine_loop import EngineLoop
+from llm_api.service.metrics import ServingMetrics, Sink
+
+logger = logging.getLogger(__name__)
+
+# Prompts longer than this (characters, or embedding values) are prepared on the thread pool: below it
+# the work (well under a millisecond) costs less than the hand-off.
+OFF_LOOP_MIN_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """How a request ended: complete (``reason``), or ``error``. Token counts for usage reports."""
+
+    reason: FinishReason | None
+    error: ApiError | None
+    num_prompt_tokens: int
+    num_generated_tokens: int
+
+
+Event = TextDelta | Finished
+
+
+class ModelService:
+    def __init__(self, settings: Settings, lm: LoadedModel, metrics_sink: Sink | None = None):
+        self.settings = settings
+        self.lm = lm
+        self.model_name = settings.model_name
+        self.created = int(time.time())
+        self.limits = Limits(settings.max_input_tokens, settings.max_new_tokens, lm.hidden_size)
+        self.engine: LLMEngine | None = self._build_engine() if settings.engine == "paged" else None
+        core = self.engine if self.engine is not None else ReferenceCore(lm.model, lm.eos_token_ids,
+                                                                         lm.tokenizer.pad_token_id)
+        self.loop = EngineLoop(core)
+        self.metrics = ServingMetrics(metrics_sink or (lambda *args: None), lambda: self.loop.stats,
+                                      engine_alive=lambda: self.loop.alive)
+        self._prepare_pool = ThreadPoolExecutor(2, thread_name_prefix="llm-prepare")
+        self._live: dict[str, Generation] = {}  # request id -> admitted request
+        self._labels: set[str] = set()  # client request_id labels of live requests
+        self._tokens_in_flight = 0
+
+    @classmethod
+    def load(cls, settings: Settings, metrics_sink: Sink | None = None) -> "ModelService":
+        return cls(settings, load(settings), metrics_sink)
+
+    @functools.cached_property
+    def prompts(self) -> PromptBuilder:
+        return PromptBuilder(self.lm.tokenizer, self.settings.max_input_tokens)
+
+    @property
+    def path_name(self) -> str:
+        return "paged engine" if self.engine is not None else "generate() reference"
+
+    def _build_engine(self) -> LLMEngine | None:
+        # Decided from the model before building (llm_api.engine.support); any other error building the
+        # engine for a model it supports is a bug to surface, not a reason to serve silently slower.
+        reason = unsupported_reason(self.lm.model)
+        if reason is not None:
+            logger.warning("the paged engine cannot drive this model: %s; using the generate() reference path", reason)
+            return None
+        engine = LLMEngine(self.lm.model, EngineConfig.from_settings(self.settings), set(self.lm.eos_token_ids))
+        stats = engine.stats()
+        logger.info(
+            "paged engine: %d KV blocks of %d tokens, max concurrent tokens %d, max_model_len %d, attention %s, "
+            "CUDA graphs for batch sizes %s, max %d tokens per step", stats.num_total_blocks, stats.block_size,
+            stats.num_total_blocks * stats.block_size, stats.max_model_len, engine.attention.name,
+            engine.cuda_graph_batch_sizes or "none", engine.config.max_num_batched_tokens,
+        )
+        return engine
+
+    def shutdown(self) -> None:
+        self.loop.shutdown()
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------------------------------
+    # admission
+
+    async def generate(self, request: GenerateRequest, request_id: str, marker: str = "") -> AsyncIterator[Event]:
+        """Admit the request (or raise ApiError), then its events. ``marker``: text the detokenizer keeps
+        out of the answer (the native format's end-of-stream marker)."""
+        generation = await self._admit_request(request, request_id, marker)
+        try:
+            logger.info("request %s: %s, %d prompt tokens", request_id, request.input_kind,
+                        generation.num_prompt_tokens)
+            async with aclosing(generation.events()) as events:
+                async for event in events:
+                    yield event
+        finally:
+            self._release(generation)  # (events() releases too; this covers a consumer that left before it ran)
+
+    async def _admit_request(self, request: GenerateRequest, request_id: str, marker: str) -> "Generation":
+        arrival = time.monotonic()
+        label = request.client_request_id
+        if label is not None and label in self._labels:
+            raise ApiError(409, "duplicate_request_id", f"a request with request_id {echo(label)} is still running; "
+                           f"request ids must be unique among live requests")
+        refusal = self.prompts.too_long(request)
+        if refusal is not None:
+            raise refusal
+        prompt_ids, prompt_embeds = await self._prepare(request)
+        num_prompt_tokens = len(prompt_ids) if prompt_ids is not None else int(prompt_embeds.shape[0])
+        self._check_fits(num_prompt_tokens, request.params.max_new_tokens)
+        if label is not None and label in self._labels:  # (another request took it while we tokenized)
+            raise ApiError(409, "duplicate_request_id", f"a request with request_id {echo(label)} is still running")
+        cost = num_prompt_tokens + request.params.max_new_tokens
+        self._admit(cost)
+        timeout = min(request.timeout_s or self.settings.request_timeout_s, self.settings.request_timeout_s)
+        generation = Generation(self, request_id, request, prompt_ids, prompt_embeds, num_prompt_tokens,
+                                cost, marker, arrival, arrival + timeout)
+        self._live[request_id] = generation
+        if label is not None:
+            self._labels.add(label)
+        self._tokens_in_flight += cost
+        return generation
+
+    async def _prepare(self, request: GenerateRequest) -> tuple[list[int] | None, torch.Tensor | None]:
+        if request.inputs_embeds is not None:
+            work, size = self._embeds_tensor, len(request.inputs_embeds) * (self.limits.hidden_size or 1)
+        else:
+            work, size = self.prompts.token_ids, request.num_input_chars()
+        if size < OFF_LOOP_MIN_SIZE:
+            result = work(request)
+        else:
+            result = await asyncio.get_running_loop().run_in_executor(self._prepare_pool, work, request)
+        return (None, result) if request.inputs_embeds is not None else (result, None)
+
+    def _embeds_tensor(self, request: GenerateRequest) -> torch.Tensor:
+        return torch.tensor(request.inputs_embeds, dtype=self.lm.model.dtype, device=self.lm.device)
+
+    def _check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
+        if self.engine is None:
+            return
+        limit = self.engine.max_model_len
+        if num_prompt_tokens + max_new_tokens > limit:
+            raise ApiError(400, "prompt_too_long",
+                           f"prompt ({num_prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
+                           f"{limit} tokens the KV cache can hold for one request (KV_CACHE_MEMORY_MIB, "
+                           f"MAX_INPUT_TOKENS, MAX_NEW_TOKENS)")
+
+    def _admit(self, cost: int) -> None:
+        max_live = self.settings.max_num_seqs + self.settings.max_waiting_requests
+        if len(self._live) >= max_live:
+            raise ApiError(503, "overloaded", f"the server is busy: {len(self._live)} requests in flight "
+                           f"(MAX_NUM_SEQS + MAX_WAITING_REQUESTS = {max_live}); retry later")
+        if self._tokens_in_flight + cost > self.settings.max_tokens_in_flight:
+            raise ApiError(503, "overloaded", f"the server is busy: {self._tokens_in_flight} tokens in flight, this "
+                           f"request needs {cost} more (MAX_TOKENS_IN_FLIGHT={self.settings.max_tokens_in_flight}); "
+                           f"retry later")
+
+    def _release(self, generation: "Generation") -> None:
+        if self._live.get(generation.request_id) is generation:
+            del self._live[generation.request_id]
+            self._tokens_in_flight -= generation.cost
+            if generation.label is not None:
+                self._labels.discard(generation.label)
+
+    # ------------------------------------------------------------------------------------------
+
+    def cancel(self, request_id: str) -> bool:
+        """End a live request by its server-issued id; False for any other id (unknown or finished)."""
+        generation = self._live.get(request_id)
+        if generation is None:
+            return False
+        self.loop.abort(request_id)
+        return True
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._live)
+
+    def kv_usage(self) -> str:
+        stats = self.loop.stats
+        if stats is None:
+            return f"no paged KV cache; live requests {self.num_live_requests}"
+        return f"KV blocks free {stats.num_free_blocks}/{stats.num_total_blocks}; live requests {self.num_live_requests}"
+
+
+class Generation:
+    """One admitted request (in the live table from admission until ``events()`` ends)."""
+
+    def __init__(self, service: ModelService, request_id: str, request: GenerateRequest,
+                 prompt_ids: list[int] | None, prompt_embeds: torch.Tensor | None, num_prompt_tokens: int,
+                 cost: int, marker: str, arrival: float, deadline: float):
+        self.service = service
+        self.request_id = request_id
+        self.label = request.client_request_id
+        self.params = request.params
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_generated_tokens = 0
+        self.cost = cost
+        self._prompt_ids = prompt_ids
+        self._prompt_embeds = prompt_embeds
+        self._marker = marker
+        self._arrival = arrival
+        self._deadline = deadline
+
+    def _log_end(self, end: Finished) -> None:
+        how = end.reason.value if end.error is None else end.error.code
+        logger.info("request %s ended: %s after %d tokens; %s", self.request_id, how, self.num_generated_tokens,
+                    self.service.kv_usage())
+
+    async def events(self) -> AsyncIterator[Event]:
+        service = self.service
+        text = TextStream(service.lm.tokenizer, self.params.stop, self._marker)
+        timer = service.metrics.start(self.num_prompt_tokens, self._arrival)
+        end: Finished | None = None
+        try:
+            outputs = service.loop.generate(self.request_id, self._prompt_ids, self.params, self._prompt_embeds)
+            async with aclosing(outputs):
+                while end is None:
+                    # The deadline bounds each wait on the engine, never the consumer's own awaits.
+                    remaining = self._deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TimeoutError
+                    async with asyncio.timeout(remaining):
+                        out = await anext(outputs)
+                    timer.tokens(len(out.new_token_ids))
+                    self.num_generated_tokens += len(out.new_token_ids)
+                    delta = text.push(out.new_token_ids)
+                    if delta.text:
+                        yield TextDelta(delta.text)
+                    if delta.stopped:
+                        end = self._finished(FinishReason.STOP)
+                    elif out.finished and out.finish_reason is FinishReason.ABORT:
+                        end = self._failed(ApiError(499, "cancelled", "the request was cancelled"))
+                    elif out.finished:
+                        tail = text.finish()
+                        if tail:
+                            yield TextDelta(tail)
+                        end = self._finished(out.finish_reason)
+        except TimeoutError:
+            end = self._failed(ApiError(408, "timeout", "the request exceeded its deadline"))
+        except PromptTooLongError as exc:
+            end = self._failed(ApiError(400, "prompt_too_long", str(exc)))
+        except Exception:  # an engine failure ends this stream with an error, never a hang
+            logger.exception("request %s failed", self.request_id)
+            end = self._failed(internal_error())
+        finally:
+            service._release(self)
+            timer.finish()
+        self._log_end(end)
+        yield end
+
+    def _finished(self, reason: FinishReason) -> Finished:
+        return Finished(reason, None, self.num_prompt_tokens, self.num_generated_tokens)
+
+    def _failed(self, error: ApiError) -> Finished:
+        return Finished(None, error, self.num_prompt_tokens, self.num_generated_tokens)

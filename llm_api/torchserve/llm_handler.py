@@ -1,0 +1,154 @@
+"""LLMHandler: the TorchServe entry point (the archive's handler; the module defines this one class).
+
+TorchServe calls ``initialize`` once per worker and ``handle`` with the requests it collected. Every row
+runs through the same coroutine, ``_serve_row``, whatever the worker mode:
+
+* ``asyncCommunication: true`` (the shipped model-config.yaml, batchSize 1): ``handle`` returns the
+  coroutine and TorchServe awaits it once per request, many at a time, so requests join the running
+  engine at its next step;
+* classic batching (model-config.classic.yaml): up to ``batchSize`` requests arrive in one call;
+  ``handle`` runs their coroutines together on the handler's own event loop and returns when all ended
+  (every stream of the batch stays open until then, TorchServe's rule), while the engine batches them
+  with whatever else is running.
+
+A row is routed on what follows ``/predictions/<model>/<version>/`` (the ``url_path`` header): nothing
+-> the native format (``llm_api.api.native``), ``v1/...`` -> the OpenAI-compatible routes
+(``llm_api.api.openai``). Each becomes a ``GenerateRequest`` for ``ModelService.generate``, whose events
+are encoded per format and written with ``llm_api.torchserve.reply.Reply``. Nothing a row does can
+escape it: every exception while handling one request becomes that request's own error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from contextlib import aclosing
+
+from ts.torch_handler.base_handler import BaseHandler
+
+from llm_api.api import openai
+from llm_api.api.errors import ApiError, internal_error
+from llm_api.api.native import parse_request
+from llm_api.api.native_stream import NativeStream
+from llm_api.api.request import CancelRequest, GenerateRequest
+from llm_api.model.settings import Settings
+from llm_api.service.service import ModelService, TextDelta
+from llm_api.torchserve.metrics_sink import TorchServeMetricSink
+from llm_api.torchserve.reply import JSON_CONTENT_TYPE, Reply
+
+logger = logging.getLogger(__name__)
+
+
+class LLMHandler(BaseHandler):
+    def __init__(self):
+        super().__init__()
+        self.service: ModelService | None = None
+        self.async_mode = False
+        self.marker = ""
+        self._loop: asyncio.AbstractEventLoop | None = None  # classic mode's own event loop
+
+    def initialize(self, context):
+        settings = Settings.from_env()  # a bad value raises here and the model does not load
+        # Parse request bodies ourselves: TorchServe's own JSON decoding accepts NaN, duplicate keys
+        # and invalid UTF-8 silently (it falls back to bytes), and we want one clear error per case.
+        # The worker reads this variable for every incoming message.
+        os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
+        yaml_config = getattr(context, "model_yaml_config", None) or {}
+        self.async_mode = bool(yaml_config.get("asyncCommunication", False))
+        if not self.async_mode:
+            self._loop = asyncio.new_event_loop()
+        self.marker = settings.end_of_stream_token
+        self.service = ModelService.load(settings, TorchServeMetricSink(settings.model_name))
+        self.service.metrics.announce()
+        self.initialized = True
+        logger.info("LLMHandler ready: model=%s path=%s mode=%s batch_size=%s", settings.model_name,
+                    self.service.path_name, "async" if self.async_mode else "classic",
+                    context.system_properties.get("batch_size"))
+
+    def handle(self, data, context):
+        if self.async_mode:
+            return self._serve_rows(data, context)  # TorchServe awaits the coroutine
+        return self._loop.run_until_complete(self._serve_rows(data, context))
+
+    async def _serve_rows(self, data, context) -> list:
+        if len(data) > 1:
+            logger.info("handle: %d requests in one call", len(data))
+        return list(await asyncio.gather(*(self._serve_row(idx, row, context) for idx, row in enumerate(data))))
+
+    async def _serve_row(self, idx: int, row, context):
+        reply = Reply(context, idx, self.async_mode)
+        api = None
+        try:
+            api = openai.route(reply.url_path) if not reply.is_grpc else None
+            if api is not None:
+                return await self._serve_openai(reply, api, row)
+            return await self._serve_native(reply, row)
+        except ApiError as err:  # a refusal before anything was sent
+            logger.info("request %s refused: %s", reply.request_id, err.code)
+            body = err.openai_text() if api is not None or reply.url_path else err.native_text(self.marker)
+            return reply.refuse(err.status, body)
+        except Exception:  # a bug must cost this request only, never the worker or the other streams
+            logger.exception("request %s failed", reply.request_id)
+            error = internal_error("the server failed to handle this request")
+            if reply.started:
+                return reply.finish("\n" + error.native_text(self.marker))
+            return reply.refuse(500, error.native_text(self.marker))
+
+    # -------------------------------------------------------------------------------------------
+    # native: /predictions/<model> and gRPC
+
+    async def _serve_native(self, reply: Reply, row):
+        # gRPC streams only when asked: a unary Predictions call looks the same as StreamPredictions here.
+        request = parse_request(row, self.service.limits, default_stream=not reply.is_grpc)
+        if isinstance(request, CancelRequest):
+            found = self.service.cancel(request.target_id)
+            logger.info("cancel of request %s: %s", request.target_id[:64], "done" if found else "not running")
+            return reply.finish(json.dumps({"cancelled": found}), JSON_CONTENT_TYPE)
+        stream = NativeStream(self.marker, streaming=request.stream)
+        async with aclosing(self.service.generate(request, reply.request_id, self.marker)) as events:
+            async for event in events:
+                if isinstance(event, TextDelta):
+                    reply.send(stream.delta(event.text))
+                elif event.error is None:
+                    return reply.finish(stream.finish())
+                elif not reply.started:
+                    return reply.refuse(event.error.status, event.error.native_text(self.marker))
+                else:
+                    return reply.finish(stream.fail(event.error))
+        raise RuntimeError("the request ended without a final event")
+
+    # -------------------------------------------------------------------------------------------
+    # OpenAI-compatible: /predictions/<model>/<version>/v1/...
+
+    async def _serve_openai(self, reply: Reply, api: str, row):
+        service = self.service
+        if api == "models":
+            return reply.finish(openai.models_list(service.model_name, service.created), JSON_CONTENT_TYPE)
+        if api == "health":
+            health = service.metrics.health()
+            if not health.ready:
+                return reply.refuse(503, json.dumps(health.to_json()))
+            return reply.finish(json.dumps(health.to_json()), JSON_CONTENT_TYPE)
+        body = row.get("body") if hasattr(row, "get") else None
+        if body is None:
+            raise ApiError(400, "invalid_json", "send a JSON body (Content-Type: application/json)")
+        request, call = openai.parse_call(api, body, service.model_name, service.limits)
+        return await self._stream_openai(reply, request, call)
+
+    async def _stream_openai(self, reply: Reply, request: GenerateRequest, call: openai.OpenAICall):
+        async with aclosing(self.service.generate(request, reply.request_id)) as events:
+            async for event in events:
+                if isinstance(event, TextDelta):
+                    reply.send(call.delta(event.text), call.content_type)
+                elif event.error is None:
+                    reply.send(call.finish(event.reason, event.num_prompt_tokens, event.num_generated_tokens),
+                               call.content_type)
+                    return reply.finish("", call.content_type)
+                elif not reply.started:
+                    return reply.refuse(event.error.status, event.error.openai_text())
+                else:
+                    reply.send(call.error_event(event.error), call.content_type)
+                    return reply.finish("", call.content_type)
+        raise RuntimeError("the request ended without a final event")

@@ -1,0 +1,85 @@
+"""The package's layers, read from the import statements: no module imports from a layer above it.
+
+Layers, top to bottom (docs/architecture.md): the edges (``torchserve``, ``server``, ``client``) ->
+``service`` -> ``api`` -> ``engine`` -> ``model`` -> ``kernels`` (and the generated ``proto`` stubs).
+A module may import its own layer and the layers below. Besides: only ``llm_api.torchserve`` imports
+TorchServe (``ts``); the scheduler, block pool and request state import no torch; the kernels import
+nothing from the engine.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "llm_api"
+RANK = {"torchserve": 0, "server": 0, "client": 0, "service": 1, "api": 2, "engine": 3, "model": 4,
+        "kernels": 5, "proto": 5}
+TORCH_FREE = {"llm_api.engine.scheduler", "llm_api.engine.block_pool", "llm_api.engine.request"}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "llm_api" else None
+
+
+def test_every_module_belongs_to_a_layer():
+    unplaced = sorted(m for m in _modules() if m != "llm_api" and _layer(m) not in RANK)
+    assert not unplaced, f"modules outside the layers: {unplaced}"
+
+
+def test_no_module_imports_from_a_layer_above_it():
+    modules = _modules()
+    upward = []
+    for module, path in modules.items():
+        layer = _layer(module)
+        if layer is None:
+            continue
+        for imported in _imports(path):
+            target = _layer(imported)
+            if target in RANK and RANK[target] < RANK[layer]:
+                upward.append(f"{module} imports {imported}")
+    assert not upward, "\n".join(sorted(upward))
+
+
+def test_only_the_torchserve_edge_imports_ts():
+    offenders = [m for m, path in _modules().items()
+                 if _layer(m) != "torchserve" and any(i == "ts" or i.startswith("ts.") for i in _imports(path))]
+    assert not offenders, offenders
+
+
+def test_scheduler_state_is_torch_free_and_kernels_stand_alone():
+    modules = _modules()
+    for module in TORCH_FREE:
+        assert not any(i == "torch" or i.startswith("torch.") for i in _imports(modules[module])), module
+    for module, path in modules.items():
+        if _layer(module) == "kernels":
+            assert not any(i.startswith("llm_api.engine") for i in _imports(path)), module
+
+
+def test_the_rule_catches_an_upward_import(tmp_path):
+    """The check itself can fail: an engine module importing the service is reported."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("from llm_api.service.service import ModelService\n")
+    imported = _imports(bad)
+    assert any(RANK[_layer(i)] < RANK["engine"] for i in imported if _layer(i) in RANK)
