@@ -50,13 +50,14 @@ def embedded_lm(embedded_model_path):
     return model_loader.load(Settings.from_env({"MODEL_PATH": str(embedded_model_path)}))
 
 
-def _serve(tmp_path_factory, embedded_model_path, name: str, model_config: str | None, **kw):
+def _serve(tmp_path_factory, embedded_model_path, name: str, model_config: str | None, wait_ready: bool = True,
+           **kw):
     from torchserve_server import TorchServe
 
     env = {"MODEL_PATH": str(embedded_model_path), **kw.pop("env", {})}
     server = TorchServe(tmp_path_factory.mktemp(name), model_config=model_config, env=env, **kw)
     try:
-        server.start()
+        server.start(wait_ready=wait_ready)
     except Exception:
         server.stop()
         raise
@@ -87,7 +88,8 @@ def classic_server(tmp_path_factory, embedded_model_path):
 
     float32 so that greedy output can be compared token for token with generate(): in bfloat16 the
     two paths may part at a one-ulp tie between the top two logits."""
-    server = _serve(tmp_path_factory, embedded_model_path, "classic", CLASSIC_CONFIG, mar=True, env={"DTYPE": "float32"})
+    server = _serve(tmp_path_factory, embedded_model_path, "classic", CLASSIC_CONFIG, mar=True,
+                    env={"DTYPE": "float32", "GRPC_STREAMING": "true"})
     yield server
     server.stop()
 
@@ -95,17 +97,20 @@ def classic_server(tmp_path_factory, embedded_model_path):
 @pytest.fixture(scope="session")
 def batch4_server(tmp_path_factory, embedded_model_path):
     """The generate() reference path with batchSize 4 (one call per four requests)."""
-    server = _serve(tmp_path_factory, embedded_model_path, "batch4", BATCH4_CONFIG, env={"ENGINE": "generate"})
+    server = _serve(tmp_path_factory, embedded_model_path, "batch4", BATCH4_CONFIG,
+                    env={"ENGINE": "generate", "GRPC_STREAMING": "true"})
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="session")
 def async_server(tmp_path_factory, embedded_model_path):
-    """The shipped model-config.yaml (async mode, engine, bfloat16) with a small KV pool (64 MiB)."""
+    """The shipped model-config.yaml (async mode, engine) with a small KV pool (64 MiB), and gRPC streaming
+    on (its clients here are trusted; the shipped default, off, is tested with a server of its own)."""
     from torchserve_server import REPO
 
     config = (REPO / "model-config.yaml").read_text()
-    server = _serve(tmp_path_factory, embedded_model_path, "async", config, env={"KV_CACHE_MEMORY_MIB": "64"})
+    server = _serve(tmp_path_factory, embedded_model_path, "async", config,
+                    env={"KV_CACHE_MEMORY_MIB": "64", "GRPC_STREAMING": "true"})
     yield server
     server.stop()

@@ -31,7 +31,12 @@ def test_values_are_read():
         ("MAX_NEW_TOKENS", "0", "allowed values: integers >= 1"),
         ("DEVICE_MAP", "gpu-please", "allowed values: auto, cpu, cuda, cuda:N"),
         ("DEVICE_MAP", "{not json", "is not valid JSON"),
-        ("END_OF_STREAM_TOKEN", "  ", "must not be empty"),
+        ("END_OF_STREAM_TOKEN", "  ", "not starting with a space"),
+        ("END_OF_STREAM_TOKEN", "}", "at least 2 characters"),
+        ("END_OF_STREAM_TOKEN", '"done"', "not starting with"),
+        ("END_OF_STREAM_TOKEN", "<end>\n", "no line breaks"),
+        ("MAX_NUM_BATCHED_TOKENS", "8", "below MAX_NUM_SEQS=64"),
+        ("GRPC_STREAMING", "sometimes", "allowed values: true, false"),
         ("ENGINE", "fast", "allowed values: paged, generate"),
         ("GPU_MEMORY_UTILIZATION", "1.5", "allowed values"),
         ("ATTENTION_BACKEND", "flash", "allowed values: auto, torch, triton"),
@@ -49,3 +54,22 @@ def test_device_map_forms():
     assert parse_device_map("auto") == "auto"
     assert parse_device_map("1") == 1
     assert parse_device_map('{"model.embed_tokens": "cpu", "lm_head": 0}') == {"model.embed_tokens": "cpu", "lm_head": 0}
+
+
+def test_dtype_default_and_the_token_budget():
+    s = Settings.from_env({})
+    assert s.dtype == "bfloat16" and not s.dtype_from_env and s.max_num_batched_tokens == 0 and not s.grpc_streaming
+    assert Settings.from_env({"DTYPE": "bfloat16"}).dtype_from_env
+    assert Settings.from_env({"MAX_NUM_BATCHED_TOKENS": "64"}).max_num_batched_tokens == 64
+
+
+def test_settings_check_command(tmp_path, capsys, monkeypatch):
+    from llm_api.model import settings
+
+    monkeypatch.setattr("os.environ", {"DTYPE": "float8"})
+    assert settings.main() == 2 and "DTYPE='float8' is not supported" in capsys.readouterr().err
+    monkeypatch.setattr("os.environ", {"MODEL_PATH": str(tmp_path)})
+    assert settings.main() == 2 and "no config.json" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr("os.environ", {"MODEL_PATH": str(tmp_path), "QUANTIZATION": "8bit"})
+    assert settings.main() == 0 and "settings OK" in capsys.readouterr().out

@@ -69,6 +69,23 @@ def test_auto_dtype_is_the_checkpoints_but_float32_for_float16_on_cpu():
     assert model_loader.resolve_dtype(Settings.from_env({"DTYPE": "float16"}), None, on_gpu=False) == torch.float16
 
 
+def test_unset_dtype_on_a_cpu_with_slow_bf16_loads_float32(monkeypatch, caplog):
+    bf16 = Settings.from_env({})  # DTYPE not set: bfloat16 unless this CPU's bf16 products are slower
+    monkeypatch.setattr(model_loader, "cpu_bf16_slowdown", lambda: 2.5)
+    with caplog.at_level("INFO", logger="llm_api.model.loader"):
+        assert model_loader.resolve_dtype(bf16, torch.bfloat16, on_gpu=False) == torch.float32
+    assert any("using float32" in r.getMessage() for r in caplog.records)
+    assert model_loader.resolve_dtype(bf16, torch.bfloat16, on_gpu=True) == torch.bfloat16
+    explicit = Settings.from_env({"DTYPE": "bfloat16"})
+    assert model_loader.resolve_dtype(explicit, torch.bfloat16, on_gpu=False) == torch.bfloat16  # always honoured
+    monkeypatch.setattr(model_loader, "cpu_bf16_slowdown", lambda: 0.9)
+    assert model_loader.resolve_dtype(bf16, torch.bfloat16, on_gpu=False) == torch.bfloat16
+
+
+def test_the_bf16_probe_measures_something():
+    assert 0.05 < model_loader.cpu_bf16_slowdown() < 100
+
+
 @pytest.mark.parametrize(
     "env, needle",
     [

@@ -103,3 +103,17 @@ def test_error_event_and_models():
     data = events(call.error_event(ApiError(408, "timeout", "late")))
     assert json.loads(data[0])["error"]["code"] == "timeout" and data[-1] == "[DONE]"
     assert json.loads(models_list("smollm2", 1))["data"][0]["id"] == "smollm2"
+
+
+def test_duplicate_keys_are_refused_as_on_the_native_route():
+    with pytest.raises(ApiError) as err:
+        parse_call("chat", b'{"model": "smollm2", "model": "other", "messages": [{"role": "user", "content": "x"}]}',
+                   "smollm2", LIMITS)
+    assert err.value.status == 400 and "duplicate" in err.value.message
+
+
+def test_huge_integer_literal_is_a_400():
+    body = b'{"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "seed": ' + b"9" * 5000 + b"}"
+    with pytest.raises(ApiError) as err:
+        parse_call("chat", body, "smollm2", LIMITS)
+    assert err.value.status == 400

@@ -46,13 +46,24 @@ def test_bad_env_value_stops_the_model_loading(tmp_path, embedded_model_path):
         server.stop()
 
 
+def test_main_job_stops_on_a_bad_setting_before_torchserve_starts(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path), "TEMP": str(tmp_path), "DTYPE": "float8"}
+    done = subprocess.run(["make", "serve"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    assert "DTYPE='float8' is not supported; allowed values" in done.stderr + done.stdout
+    assert "starting TorchServe" not in done.stdout
+
+
 @pytest.mark.server
-def test_main_job_serves_the_embedded_model(tmp_path):
-    """`make serve` as a user runs it, with ports moved by TorchServe's TS_* variables."""
+@pytest.mark.parametrize("quantization", [None, "8bit", "4bit"])
+def test_main_job_serves_the_embedded_model(tmp_path, quantization):
+    """`make serve` as a user runs it (also with QUANTIZATION), ports moved by TorchServe's TS_* variables."""
     ports = {name: free_port() for name in ("inference", "management", "metrics", "grpc", "grpc_mgmt")}
     env = {
         **os.environ,
+        **({"QUANTIZATION": quantization} if quantization else {}),
         "TMPDIR": str(tmp_path),
+        "TEMP": str(tmp_path),  # the Java frontend's temp dir (its worker socket) comes from TEMP
         "TS_INFERENCE_ADDRESS": f"http://127.0.0.1:{ports['inference']}",
         "TS_MANAGEMENT_ADDRESS": f"http://127.0.0.1:{ports['management']}",
         "TS_METRICS_ADDRESS": f"http://127.0.0.1:{ports['metrics']}",

@@ -13,7 +13,8 @@ from llm_api.client import GRPCClient, HTTPClient, RequestRefused
 
 pytestmark = pytest.mark.server
 MARKER = "<|endoftext|>"
-LONG = {"text": "Write a very long story about a dragon and a knight.", "max_new_tokens": 1500, "ignore_eos": True}
+# Fits the fixture's 64 MiB KV pool in float32 too (about 1.4k tokens; DTYPE is not set, see the startup test).
+LONG = {"text": "Write a very long story about a dragon and a knight.", "max_new_tokens": 1000, "ignore_eos": True}
 
 
 def open_stream(server, payload):
@@ -116,7 +117,7 @@ def test_errors_are_per_request_in_async_mode(async_server):
 
 
 def test_request_that_cannot_fit_the_kv_pool_is_refused(async_server):
-    # 64 MiB of bfloat16 KV for this model holds about 2.9k tokens.
+    # 64 MiB of KV for this model holds about 2.9k tokens in bfloat16, 1.4k in float32.
     http = HTTPClient(async_server.http, "smollm2", async_server.key())
     with pytest.raises(RequestRefused) as err:
         http.generate({"text": "word " * 1900, "max_new_tokens": 1500})
@@ -126,10 +127,52 @@ def test_request_that_cannot_fit_the_kv_pool_is_refused(async_server):
 
 def test_startup_log_states_the_kv_pool(async_server):
     """The worker says at startup how many KV blocks it has and how many tokens they hold at once
-    (KV_CACHE_MEMORY_MIB=64 here: SmolLM2-135M's bf16 K/V take 30 layers x 2 x 3 heads x 64 x 2 bytes
-    = 23040 bytes per token), and whether the decode step is captured (never on CPU)."""
+    (KV_CACHE_MEMORY_MIB=64 here: SmolLM2-135M's K/V take 30 layers x 2 x 3 heads x 64 x dtype bytes per
+    token), and whether the decode step is captured (never on CPU). DTYPE is not set: bfloat16, or
+    float32 on a CPU whose bf16 matrix products are slower (the loader says which)."""
+    loaded = async_server.wait_for_log_lines("loaded SmolLM2")[0]
+    dtype_bytes = {"torch.bfloat16": 2, "torch.float32": 4}[re.search(r"dtype=(\S+)", loaded).group(1)]
     line = async_server.wait_for_log_lines("paged engine:")[0]
     blocks, block_size, max_tokens = map(int, re.search(
         r"(\d+) KV blocks of (\d+) tokens, max concurrent tokens (\d+)", line).groups())
-    assert blocks == (64 << 20) // (23040 * block_size) and max_tokens == blocks * block_size
+    assert blocks == (64 << 20) // (30 * 2 * 3 * 64 * dtype_bytes * block_size) and max_tokens == blocks * block_size
     assert "attention torch" in line and "CUDA graphs for batch sizes none" in line
+
+
+def test_cancel_needs_the_server_issued_id(async_server):
+    """A client's own request_id is a label: it cancels nothing, and no answer tells whether it exists."""
+    resp = open_stream(async_server, {**LONG, "request_id": "guessable-1"})
+    resp.read1(1)
+    try:
+        for guess in ("guessable-1", "00000000-0000-0000-0000-000000000000", "x" * 64):
+            assert post_json(async_server, {"cancel": guess}) == {"cancelled": False}
+        assert post_json(async_server, {"cancel": resp.headers["x-request-id"]}) == {"cancelled": True}
+    finally:
+        body = read_rest(resp)
+    assert json.loads(body.strip().splitlines()[-1])["type"] == "cancelled"
+
+
+def test_a_live_request_id_label_is_unique(async_server):
+    resp = open_stream(async_server, {**LONG, "request_id": "mine-1"})
+    resp.read1(1)
+    http = HTTPClient(async_server.http, "smollm2", async_server.key())
+    try:
+        with pytest.raises(RequestRefused) as err:
+            http.generate({"text": "hi", "max_new_tokens": 2, "request_id": "mine-1"})
+        assert err.value.status == 409 and err.value.error["type"] == "duplicate_request_id"
+    finally:
+        post_json(async_server, {"cancel": resp.headers["x-request-id"]})
+        read_rest(resp)
+    # Once the first one ended, the label is free again.
+    assert http.generate({"text": "hi", "max_new_tokens": 2, "request_id": "mine-1"}) is not None
+
+
+def test_grpc_refusal_raises_in_every_client_even_with_the_marker_in_it(async_server):
+    with GRPCClient(async_server.grpc, "smollm2", async_server.key()) as client:
+        for call in (client.generate, lambda inputs: list(client.stream(inputs))):
+            with pytest.raises(RequestRefused) as err:
+                call({"text": "x", "top_p": MARKER})
+            assert err.value.status == 400
+    http = HTTPClient(async_server.http, "smollm2", async_server.key())
+    with pytest.raises(RequestRefused):
+        http.generate({"text": "x", "top_p": MARKER})

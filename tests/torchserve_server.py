@@ -56,6 +56,7 @@ class TorchServe:
     model_config: str | None = None
     env: dict = field(default_factory=dict)
     mar: bool = False
+    extra_properties: str = ""  # appended to the shipped config.properties (a user's own settings)
     proc: subprocess.Popen | None = None
     ports: dict = field(default_factory=dict)
 
@@ -97,10 +98,11 @@ class TorchServe:
         props = re.sub(r"(?m)^grpc_inference_port=.*$", f"grpc_inference_port={self.ports['grpc']}", props)
         props = re.sub(r"(?m)^grpc_management_port=.*$", f"grpc_management_port={self.ports['grpc_mgmt']}", props)
         props = re.sub(r"(?m)^model_store=.*$", f"model_store={store}", props)
-        (self.workdir / "config.properties").write_text(props)
+        (self.workdir / "config.properties").write_text(props + self.extra_properties)
         tmp = self.workdir / "tmp"
         tmp.mkdir(exist_ok=True)
-        env = {**os.environ, "TMPDIR": str(tmp), "LOG_LOCATION": str(self.log_dir), "METRICS_LOCATION": str(self.log_dir), **self.env}
+        # TEMP too: the Java frontend takes its temp dir (and the worker socket's) from it, not TMPDIR.
+        env = {**os.environ, "TMPDIR": str(tmp), "TEMP": str(tmp), "LOG_LOCATION": str(self.log_dir), "METRICS_LOCATION": str(self.log_dir), **self.env}
         env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
         target = self.model_name + (".mar" if self.mar else "")
         self.proc = subprocess.Popen(
@@ -134,6 +136,18 @@ class TorchServe:
         except (OSError, KeyError, ValueError, urllib.error.URLError):
             return None
         return workers[0]["status"] if workers else None
+
+    def worker_pid(self) -> int | None:
+        """The pid of the model's worker process (a restart changes it)."""
+        try:
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{self.ports['management']}/models/{self.model_name}",
+                headers={"Authorization": f"Bearer {self.key('management')}"},
+            )
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return json.loads(resp.read())[0]["workers"][0]["pid"]
+        except (OSError, KeyError, IndexError, ValueError, urllib.error.URLError):
+            return None
 
     def tail(self, n: int = 4000) -> str:
         out_file = self.workdir / "torchserve.out"

@@ -14,6 +14,7 @@ synchronously for tests and benchmarks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Iterable, Iterator
@@ -29,6 +30,7 @@ from llm_api.engine.memory_profile import profile_device_memory, profile_sequenc
 from llm_api.engine.model_runner import ModelRunner
 from llm_api.engine.request import FinishReason, Request, RequestOutput
 from llm_api.engine.scheduler import PromptTooLongError, Scheduler, SchedulerConfig
+from llm_api.engine.step_budget import CUDA_TOKEN_BUDGET, cpu_token_budget
 from llm_api.engine.support import check_supported
 from llm_api.engine.sampler import Sampler, SamplerBatch, SamplingParams, SamplingState
 
@@ -44,7 +46,7 @@ class EngineConfig:
     kv_cache_memory_mib: int = 0
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = 2048  # tokens per step; None: sized to the device (step_budget)
     max_model_len: int | None = None  # prompt + output tokens; None: the model's position limit
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | torch | triton (llm_api.kernels; auto: triton on CUDA)
@@ -59,7 +61,7 @@ class EngineConfig:
             kv_cache_memory_mib=settings.kv_cache_memory_mib,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_num_batched_tokens=settings.max_num_batched_tokens or None,
             max_model_len=settings.max_input_tokens + settings.max_new_tokens,
             attention_backend=settings.attention_backend,
             cuda_graphs=settings.cuda_graphs,
@@ -96,7 +98,11 @@ class LLMEngine:
         layout = layout_for_model(model)
         self.attention = select_backend(config.attention_backend, layout.layer_devices)
         device_memory = None
-        if not config.num_blocks and not config.kv_cache_memory_mib and cuda_layer_devices(layout):
+        on_cuda = bool(cuda_layer_devices(layout))
+        if config.max_num_batched_tokens is None and on_cuda:
+            config = dataclasses.replace(config, max_num_batched_tokens=CUDA_TOKEN_BUDGET)
+            self.config = config
+        if not config.num_blocks and not config.kv_cache_memory_mib and on_cuda:
             lengths = profile_sequence_lengths(config.max_num_batched_tokens, config.max_num_seqs, wanted_max_len)
             device_memory = profile_device_memory(model, layout, config.block_size, self.attention, lengths)
             for device, memory in device_memory.items():
@@ -114,6 +120,9 @@ class LLMEngine:
         # One request never needs more than the whole pool, so it can always run alone.
         self.max_model_len = min(wanted_max_len, self.kv_cache.max_num_tokens)
         self.runner = ModelRunner(model, self.kv_cache, self.attention)
+        if config.max_num_batched_tokens is None:  # a CPU: size the step to it (chunked prefill)
+            budget = cpu_token_budget(self.runner, config.block_size, num_blocks, config.max_num_seqs, self.max_model_len)
+            config = self.config = dataclasses.replace(config, max_num_batched_tokens=budget)
         self._enable_decode_graphs(config)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),

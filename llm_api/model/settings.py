@@ -56,13 +56,17 @@ class Settings:
     kv_cache_memory_mib: int = 0  # 0: sized automatically (GPU: free memory x utilization)
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 0  # tokens per engine step; 0: sized to the device (2048 on CUDA, probed on CPU)
     # GPU fast path: attention kernels (auto: Triton on CUDA when importable, else torch) and the
     # CUDA-graph-captured decode step for batch sizes up to the maximum (then eager).
     attention_backend: str = "auto"
     cuda_graphs: bool = True
     cuda_graph_max_batch_size: int = 128
     request_timeout_s: float = 600.0
+    # TorchServe only: stream gRPC answers when a request asks ("stream": "true"). TorchServe's backend
+    # cannot tell a unary Predictions call from StreamPredictions, and a second message to a unary call
+    # kills the worker, so this is off unless every gRPC client is trusted (docs/reliability.md).
+    grpc_streaming: bool = False
     # Backpressure (async mode): requests beyond these get 503 at once instead of queueing unbounded.
     max_waiting_requests: int = 256  # accepted but not yet running, on top of MAX_NUM_SEQS
     max_tokens_in_flight: int = 1_048_576  # sum over live requests of prompt + max_new_tokens
@@ -91,16 +95,21 @@ class Settings:
             ),
             "max_num_seqs": _int(env, "MAX_NUM_SEQS", cls.max_num_seqs, minimum=1),
             "max_num_batched_tokens": _int(
-                env, "MAX_NUM_BATCHED_TOKENS", cls.max_num_batched_tokens, minimum=1
+                env, "MAX_NUM_BATCHED_TOKENS", cls.max_num_batched_tokens, minimum=0
             ),
             "attention_backend": _choice(env, "ATTENTION_BACKEND", cls.attention_backend, ATTENTION_BACKENDS),
             "cuda_graphs": _bool(env, "CUDA_GRAPHS", cls.cuda_graphs),
             "cuda_graph_max_batch_size": _int(env, "CUDA_GRAPH_MAX_BATCH_SIZE", cls.cuda_graph_max_batch_size,
                                               minimum=1),
             "request_timeout_s": _float(env, "REQUEST_TIMEOUT_S", cls.request_timeout_s, 0.0, None),
+            "grpc_streaming": _bool(env, "GRPC_STREAMING", cls.grpc_streaming),
             "max_waiting_requests": _int(env, "MAX_WAITING_REQUESTS", cls.max_waiting_requests, minimum=0),
             "max_tokens_in_flight": _int(env, "MAX_TOKENS_IN_FLIGHT", cls.max_tokens_in_flight, minimum=1),
         }
+        if 0 < values["max_num_batched_tokens"] < values["max_num_seqs"]:
+            # The scheduler serves running requests first: a smaller budget would starve the newest.
+            raise ConfigError(f"MAX_NUM_BATCHED_TOKENS={values['max_num_batched_tokens']} is below MAX_NUM_SEQS="
+                              f"{values['max_num_seqs']}; allowed values: 0 (sized to the device) or >= MAX_NUM_SEQS")
         return cls(**values)
 
 

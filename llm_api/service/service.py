@@ -122,6 +122,11 @@ class ModelService:
         )
         return engine
 
+    async def offload(self, fn, *args):
+        """Run ``fn(*args)`` on the service's small worker pool (large prompts and bodies): the event loop
+        keeps serving the other requests meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, functools.partial(fn, *args))
+
     def shutdown(self) -> None:
         self.loop.shutdown()
         self._prepare_pool.shutdown(wait=False, cancel_futures=True)

@@ -33,12 +33,19 @@ from llm_api.api.errors import ApiError, internal_error
 from llm_api.api.native import parse_request
 from llm_api.api.native_stream import NativeStream
 from llm_api.api.request import CancelRequest, GenerateRequest
-from llm_api.model.settings import Settings
+from llm_api.model.settings import ConfigError, Settings
 from llm_api.service.service import ModelService, TextDelta
 from llm_api.torchserve.metrics_sink import TorchServeMetricSink
 from llm_api.torchserve.reply import JSON_CONTENT_TYPE, Reply
 
 logger = logging.getLogger(__name__)
+
+LARGE_BODY_BYTES = 64 * 1024  # bodies above this are parsed off the event loop
+
+
+def _row_size(row) -> int:
+    values = row.values() if hasattr(row, "values") else ()
+    return sum(len(v) for v in values if isinstance(v, (bytes, bytearray, str)))
 
 
 class LLMHandler(BaseHandler):
@@ -47,6 +54,7 @@ class LLMHandler(BaseHandler):
         self.service: ModelService | None = None
         self.async_mode = False
         self.marker = ""
+        self.grpc_streaming = False
         self._loop: asyncio.AbstractEventLoop | None = None  # classic mode's own event loop
 
     def initialize(self, context):
@@ -57,9 +65,16 @@ class LLMHandler(BaseHandler):
         os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
         yaml_config = getattr(context, "model_yaml_config", None) or {}
         self.async_mode = bool(yaml_config.get("asyncCommunication", False))
+        batch_size = int(context.system_properties.get("batch_size") or 1)
+        if self.async_mode and batch_size != 1:
+            # The frontend's async aggregator breaks on batches (ConcurrentModificationException: every
+            # request in flight hangs); refuse to serve rather than take requests we would lose.
+            raise ConfigError(f"asyncCommunication needs batchSize 1, got {batch_size}: set batchSize: 1 in the "
+                              f"archive's model-config.yaml (it wins over config.properties' models= block)")
         if not self.async_mode:
             self._loop = asyncio.new_event_loop()
         self.marker = settings.end_of_stream_token
+        self.grpc_streaming = settings.grpc_streaming
         self.service = ModelService.load(settings, TorchServeMetricSink(settings.model_name))
         self.service.metrics.announce()
         self.initialized = True
@@ -100,8 +115,11 @@ class LLMHandler(BaseHandler):
     # native: /predictions/<model> and gRPC
 
     async def _serve_native(self, reply: Reply, row):
-        # gRPC streams only when asked: a unary Predictions call looks the same as StreamPredictions here.
-        request = parse_request(row, self.service.limits, default_stream=not reply.is_grpc)
+        request = await self._parse_native(row, default_stream=not reply.is_grpc)
+        if reply.is_grpc and not self.grpc_streaming:
+            # A unary Predictions call looks the same as StreamPredictions here, and a second message to a
+            # unary call kills the worker: without GRPC_STREAMING every gRPC answer is one message.
+            request.stream = False
         if isinstance(request, CancelRequest):
             found = self.service.cancel(request.target_id)
             logger.info("cancel of request %s: %s", request.target_id[:64], "done" if found else "not running")
@@ -119,6 +137,13 @@ class LLMHandler(BaseHandler):
                     return reply.finish(stream.fail(event.error))
         raise RuntimeError("the request ended without a final event")
 
+    async def _parse_native(self, row, default_stream: bool):
+        # A large body (embeddings: up to ~6 MB of JSON) is validated on the service's worker threads,
+        # so the event loop keeps serving the other streams meanwhile.
+        if _row_size(row) > LARGE_BODY_BYTES:
+            return await self.service.offload(parse_request, row, self.service.limits, default_stream)
+        return parse_request(row, self.service.limits, default_stream)
+
     # -------------------------------------------------------------------------------------------
     # OpenAI-compatible: /predictions/<model>/<version>/v1/...
 
@@ -134,7 +159,10 @@ class LLMHandler(BaseHandler):
         body = row.get("body") if hasattr(row, "get") else None
         if body is None:
             raise ApiError(400, "invalid_json", "send a JSON body (Content-Type: application/json)")
-        request, call = openai.parse_call(api, body, service.model_name, service.limits)
+        if _row_size(row) > LARGE_BODY_BYTES:
+            request, call = await service.offload(openai.parse_call, api, body, service.model_name, service.limits)
+        else:
+            request, call = openai.parse_call(api, body, service.model_name, service.limits)
         return await self._stream_openai(reply, request, call)
 
     async def _stream_openai(self, reply: Reply, request: GenerateRequest, call: openai.OpenAICall):

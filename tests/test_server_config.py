@@ -1,0 +1,67 @@
+"""A user's own TorchServe configuration, as the common TorchServe LLM guide writes it.
+
+The guide puts a ``models={...}`` block in config.properties (batchSize 2, maxBatchDelay 1000,
+responseTimeout 600). With the archive's model-config.yaml, the yaml wins for every value it sets (so the
+shipped async mode keeps batchSize 1) and the block fills in the rest: every stream must complete, with
+its own text. An async yaml that leaves batchSize to such a block would get batches, which TorchServe's
+async aggregator cannot take (every request in flight would hang): the worker refuses to load, saying
+why, instead of serving requests it would lose.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from llm_api.client import HTTPClient
+
+pytestmark = pytest.mark.server
+MARKER = "<|endoftext|>"
+GUIDE_MODELS_BLOCK = (
+    '\nmodels={"smollm2": {"1.0": {"defaultVersion": true, "marName": "smollm2", "minWorkers": 1, "maxWorkers": 1, '
+    '"batchSize": 2, "maxBatchDelay": 1000, "responseTimeout": 600}}}\n'
+)
+QUESTIONS = {"france": ("What is the capital of France?", "Paris"), "japan": ("What is the capital of Japan?", "Tokyo"),
+             "italy": ("What is the capital of Italy?", "Rome"), "germany": ("What is the capital of Germany?", "Berlin")}
+
+
+def test_the_guides_config_properties_serves_every_stream_its_own_answer(start_server):
+    from torchserve_server import REPO
+
+    server = start_server("guide", (REPO / "model-config.yaml").read_text(), extra_properties=GUIDE_MODELS_BLOCK)
+    try:
+        http = HTTPClient(server.http, "smollm2", server.key())
+        answers: dict = {}
+
+        def ask(name, question):
+            try:
+                answers[name] = "".join(http.stream({"messages": [{"role": "user", "content": question}],
+                                                     "max_new_tokens": 24}))
+            except Exception as exc:  # reported below
+                answers[name] = exc
+
+        threads = [threading.Thread(target=ask, args=(name, q)) for name, (q, _) in QUESTIONS.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        for name, (_, city) in QUESTIONS.items():
+            assert isinstance(answers.get(name), str) and city in answers[name], (name, answers.get(name))
+            assert all(other not in answers[name] for n, (_, other) in QUESTIONS.items() if n != name)
+        assert "batch_size=1" in server.wait_for_log_lines("LLMHandler ready")[0]
+    finally:
+        server.stop()
+
+
+def test_async_mode_with_batches_refuses_to_load(start_server):
+    async_without_batch_size = "minWorkers: 1\nmaxWorkers: 1\nasyncCommunication: true\nresponseTimeout: 600\n"
+    server = start_server("async-batched", async_without_batch_size, extra_properties=GUIDE_MODELS_BLOCK,
+                          wait_ready=False)
+    try:
+        lines = server.wait_for_log_lines("asyncCommunication needs batchSize 1", timeout=180)
+        assert lines and "got 2" in lines[0]
+        assert server.worker_status() != "READY"
+    finally:
+        server.stop()
