@@ -127,8 +127,11 @@ def _check_http(name: str, status: int, headers: dict, body: bytes, openai: bool
             problems.append(f"{name}: a {len(body)}-byte refusal")
         try:
             error = json.loads(body)
-            shape_ok = (set(error) == {"error"} and {"message", "type", "param", "code"} <= set(error["error"])
-                        if openai else set(error) == {"code", "type", "message"} and error["code"] == status)
+            openai_shape = set(error) == {"error"} and {"message", "type", "param", "code"} <= set(error["error"])
+            native_shape = set(error) == {"code", "type", "message"} and error["code"] == status
+            # (a path the frontend itself refuses, e.g. CR/LF it cannot put in a header, gets its own native
+            # shape: that answer never reached the worker)
+            shape_ok = openai_shape or native_shape if openai else native_shape
         except (ValueError, TypeError):
             shape_ok = False
         if not shape_ok and status not in (404, 405, 413):  # (the frontend's own answers for paths and sizes)

@@ -23,8 +23,8 @@ GUIDE_MODELS_BLOCK = (
     '\nmodels={"smollm2": {"1.0": {"defaultVersion": true, "marName": "smollm2", "minWorkers": 1, "maxWorkers": 1, '
     '"batchSize": 2, "maxBatchDelay": 1000, "responseTimeout": 600}}}\n'
 )
-QUESTIONS = {"france": ("What is the capital of France?", "Paris"), "japan": ("What is the capital of Japan?", "Tokyo"),
-             "italy": ("What is the capital of Italy?", "Rome"), "germany": ("What is the capital of Germany?", "Berlin")}
+QUESTIONS = {"france": "What is the capital of France?", "japan": "What is the capital of Japan?",
+             "germany": "What is the capital of Germany?", "colours": "Name three colours."}
 
 
 def test_the_guides_config_properties_serves_every_stream_its_own_answer(start_server):
@@ -35,21 +35,24 @@ def test_the_guides_config_properties_serves_every_stream_its_own_answer(start_s
         http = HTTPClient(server.http, "smollm2", server.key())
         answers: dict = {}
 
-        def ask(name, question):
+        def ask(question):
+            return "".join(http.stream({"messages": [{"role": "user", "content": question}], "max_new_tokens": 24}))
+
+        def ask_into(name, question):
             try:
-                answers[name] = "".join(http.stream({"messages": [{"role": "user", "content": question}],
-                                                     "max_new_tokens": 24}))
+                answers[name] = ask(question)
             except Exception as exc:  # reported below
                 answers[name] = exc
 
-        threads = [threading.Thread(target=ask, args=(name, q)) for name, (q, _) in QUESTIONS.items()]
+        threads = [threading.Thread(target=ask_into, args=item) for item in QUESTIONS.items()]
         for t in threads:
             t.start()
         for t in threads:
             t.join(300)
-        for name, (_, city) in QUESTIONS.items():
-            assert isinstance(answers.get(name), str) and city in answers[name], (name, answers.get(name))
-            assert all(other not in answers[name] for n, (_, other) in QUESTIONS.items() if n != name)
+        # Each stream complete and its own: the same greedy answer as the question asked alone.
+        for name, question in QUESTIONS.items():
+            assert isinstance(answers.get(name), str) and answers[name] == ask(question), (name, answers.get(name))
+        assert "Paris" in answers["france"] and "Tokyo" in answers["japan"]
         assert "batch_size=1" in server.wait_for_log_lines("LLMHandler ready")[0]
     finally:
         server.stop()
@@ -60,8 +63,8 @@ def test_async_mode_with_batches_refuses_to_load(start_server):
     server = start_server("async-batched", async_without_batch_size, extra_properties=GUIDE_MODELS_BLOCK,
                           wait_ready=False)
     try:
-        lines = server.wait_for_log_lines("asyncCommunication needs batchSize 1", timeout=180)
-        assert lines and "got 2" in lines[0]
+        lines = server.wait_for_log_lines("asyncCommunication needs batchSize 1, got", timeout=180)
+        assert lines and "got 2:" in lines[-1]
         assert server.worker_status() != "READY"
     finally:
         server.stop()

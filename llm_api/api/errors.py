@@ -66,8 +66,8 @@ class ApiError(Exception):
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
-    def openai_text(self) -> str:
-        return json.dumps(self.openai_json())
+    def openai_text(self, marker: str = "") -> str:
+        return hide_marker(json.dumps(self.openai_json()), marker)
 
     def __repr__(self) -> str:
         return f"ApiError({self.status}, {self.code!r}, {self.message!r})"

@@ -30,10 +30,10 @@ logger = logging.getLogger(__name__)
 CUDA_TOKEN_BUDGET = 2048
 MAX_TOKEN_BUDGET = 2048
 STEP_TARGET_S = 0.4  # a step's target length on CPU: streams' inter-token gaps stay well under a second
-PROBE_TOKENS = (32, 160)  # two chunk sizes: the difference gives the cost per token, without fixed costs
+PROBE_TOKENS = (16, 80)  # two chunk sizes: the difference gives the cost per token, without fixed costs
 
 
-def _timed_prefill(runner: ModelRunner, num_tokens: int, block_size: int, repeats: int = 2) -> float:
+def _timed_prefill(runner: ModelRunner, num_tokens: int, block_size: int, repeats: int = 1) -> float:
     num_blocks = -(-num_tokens // block_size)
     best = float("inf")
     for attempt in range(repeats + 1):  # the first run warms up (allocator, kernels)

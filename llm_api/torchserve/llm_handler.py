@@ -102,7 +102,7 @@ class LLMHandler(BaseHandler):
             return await self._serve_native(reply, row)
         except ApiError as err:  # a refusal before anything was sent
             logger.info("request %s refused: %s", reply.request_id, err.code)
-            body = err.openai_text() if api is not None or reply.url_path else err.native_text(self.marker)
+            body = err.openai_text(self.marker) if api is not None or reply.url_path else err.native_text(self.marker)
             return reply.refuse(err.status, body)
         except Exception:  # a bug must cost this request only, never the worker or the other streams
             logger.exception("request %s failed", reply.request_id)
@@ -175,7 +175,7 @@ class LLMHandler(BaseHandler):
                                call.content_type)
                     return reply.finish("", call.content_type)
                 elif not reply.started:
-                    return reply.refuse(event.error.status, event.error.openai_text())
+                    return reply.refuse(event.error.status, event.error.openai_text(self.marker))
                 else:
                     reply.send(call.error_event(event.error), call.content_type)
                     return reply.finish("", call.content_type)

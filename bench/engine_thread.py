@@ -1,0 +1,87 @@
+"""Decode speed on the thread that runs the model: the main thread, a second thread as it comes, and a second
+thread that sets torch's thread count first (what llm_api.service.engine_loop.EngineLoop does).
+
+With GNU OpenMP, each thread that enters a parallel region leads its own team, sized from that thread's
+own copy of the thread-count setting; a thread started after the main thread used torch may get a team
+of one. The served path steps the engine on its own thread, so this measures whether that costs speed.
+
+One process, alternating rounds (this machine's timings swing by 30% between runs; ratios inside one run
+hold): each round decodes the same greedy batch on the main thread, then on a fresh plain thread, then on a
+fresh thread that calls torch.set_num_threads(torch.get_num_threads()) first.
+
+    python bench/engine_thread.py [--rounds 3] [--batch 8] [--tokens 32] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from llm_api.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from llm_api.engine.sampler import SamplingParams  # noqa: E402
+from llm_api.model.loader import load  # noqa: E402
+from llm_api.model.settings import Settings, default_model_path  # noqa: E402
+
+
+def decode_rate(engine: LLMEngine, tokenizer, batch: int, tokens: int, tag: str) -> float:
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    requests = [(f"{tag}-{i}", tokenizer(f"Story {i}: once upon a time")["input_ids"], params, None) for i in range(batch)]
+    outputs = engine.generate_batch_stream(requests)
+    next(outputs)  # the prefill step (and the first tokens) are not decode
+    start, produced = time.perf_counter(), 0
+    for step in outputs:
+        produced += sum(len(o.new_token_ids) for o in step)
+    return produced / (time.perf_counter() - start)
+
+
+def on_thread(fn, set_threads: bool) -> float:
+    result = {}
+    num_threads = torch.get_num_threads()
+
+    def run():
+        if set_threads:
+            torch.set_num_threads(num_threads)
+        result["rate"] = fn()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return result["rate"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+    model_path = os.environ.get("MODEL_PATH") or str(default_model_path(os.environ))
+    lm = load(Settings.from_env({"MODEL_PATH": model_path, "DTYPE": args.dtype}))
+    engine = LLMEngine(lm.model, EngineConfig(kv_cache_memory_mib=256, max_num_batched_tokens=2048),
+                       set(lm.eos_token_ids))
+    rates: dict[str, list[float]] = {"main thread": [], "new thread": [], "new thread + set_num_threads": []}
+    for r in range(args.rounds):
+        run = lambda tag: decode_rate(engine, lm.tokenizer, args.batch, args.tokens, f"{tag}{r}")  # noqa: E731
+        rates["main thread"].append(run("m"))
+        rates["new thread"].append(on_thread(lambda: run("t"), set_threads=False))
+        rates["new thread + set_num_threads"].append(on_thread(lambda: run("s"), set_threads=True))
+        print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in rates.items()), flush=True)
+    base = statistics.median(rates["main thread"])
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, batch {args.batch}:")
+    for name, values in rates.items():
+        print(f"  {name:30s} median {statistics.median(values):6.1f} tok/s  ({statistics.median(values) / base:.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
