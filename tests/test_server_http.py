@@ -155,5 +155,6 @@ def test_deadline_in_classic_mode(frontend):
     status, _, body = post_raw(frontend, json.dumps(
         {"text": "Once upon a time", "max_new_tokens": 1000, "ignore_eos": True, "timeout": 1}).encode())
     text = body.decode()
-    assert status == 200 and not text.endswith(MARKER)
+    # A deadline that passes before the first token is the request's status (on a busy machine it may).
+    assert status in (200, 408) and not text.endswith(MARKER)
     assert json.loads(text.strip().splitlines()[-1])["type"] == "timeout"
