@@ -37,5 +37,6 @@ RUN scripts/setup.sh
 ENV TS_INFERENCE_ADDRESS=http://0.0.0.0:8080 \
     TS_METRICS_ADDRESS=http://0.0.0.0:8082 \
     TS_GRPC_INFERENCE_ADDRESS=0.0.0.0
-EXPOSE 8080 7070 8082
+# 8080, 7070, 8082: TorchServe (the entrypoint); 8000, 50051: `llm_api serve` (deploy/standalone-deployment.yaml)
+EXPOSE 8080 7070 8082 8000 50051
 ENTRYPOINT ["scripts/serve.sh"]

@@ -1,6 +1,8 @@
-.PHONY: serve test archive proto
+.PHONY: serve serve-standalone test archive proto
 serve:   ## set up and serve the embedded model with TorchServe
 	scripts/serve.sh
+serve-standalone: ## set up and serve the embedded model with `llm_api serve` (no TorchServe)
+	scripts/serve_standalone.sh
 test:    ## set up and run the tests
 	scripts/test.sh
 archive: ## build the archive into model-store/

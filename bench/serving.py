@@ -1,4 +1,5 @@
-"""Serving benchmark: the paged engine against the generate() reference, both behind a real TorchServe.
+"""Serving benchmark: the paged engine against the generate() reference behind TorchServe (``--compare
+reference``), or the two front ends over the same engine (``--compare frontends``).
 
 Each configuration gets its own TorchServe (own ports and TMPDIR), a warm-up, then the same workload
 over HTTP streaming:
@@ -14,7 +15,14 @@ batching at each ``--batch-sizes`` with a short ``maxBatchDelay``; the best refe
 is the one compared. Records output tokens/s, time to first token (TTFT), inter-token latency (gaps
 between chunks) and end-to-end latency at p50/p95/p99; prints a table and the ratios; writes JSON.
 
-    .venv/bin/python bench/serving.py --out bench/results/serving.json
+``--compare frontends``: TorchServe (shipped async mode) and ``llm_api serve`` run side by side with the
+same settings (the per-step token budget pinned, ``--max-num-batched-tokens``, so neither start's CPU
+probe decides it), both warmed up, then ``--rounds`` rounds of the same workload against each in
+alternating order (the idle one costs nothing: its engine thread sleeps); each front end's records are
+pooled over its rounds.
+
+    flock /work/notes/bench.lock .venv/bin/python bench/serving.py --compare reference
+    flock /work/notes/bench.lock .venv/bin/python bench/serving.py --compare frontends --rounds 2
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the
 
 from llm_api.client import AsyncHTTPClient  # noqa: E402
 from llm_api.model.settings import default_model_path  # noqa: E402
+from standalone_server import StandaloneServer  # noqa: E402
 from torchserve_server import REPO, TorchServe  # noqa: E402
 
 TEXT = (
@@ -79,7 +88,7 @@ def make_workload(tokenizer, args) -> list[tuple[str, int, int]]:
     return work
 
 
-async def run_workload(server: TorchServe, work, args) -> tuple[list[RequestRecord], float]:
+async def run_workload(server, work, args) -> tuple[list[RequestRecord], float]:
     queue: asyncio.Queue = asyncio.Queue()
     for item in work:
         queue.put_nowait(item)
@@ -146,9 +155,7 @@ def serve_and_measure(name: str, model_config: str, env: dict, work, args, root:
     print(f"[{name}] starting TorchServe", flush=True)
     try:
         server.start(timeout=600)
-        warm = [(work[0][0], work[0][1], 8)] * 2
-        warm_args = argparse.Namespace(**{**vars(args), "in_flight": 2, "think": 0.01})
-        asyncio.run(run_workload(server, warm, warm_args))
+        warm_up(server, work, args)
         records, wall = asyncio.run(run_workload(server, work, args))
     finally:
         server.stop()
@@ -156,6 +163,39 @@ def serve_and_measure(name: str, model_config: str, env: dict, work, args, root:
     print(f"[{name}] {result['completed']}/{result['requests']} ok, {result['throughput_tok_s']:.1f} tok/s, "
           f"TTFT p95 {result['ttft_s']['p95']:.2f}s", flush=True)
     return result
+
+
+def warm_up(server, work, args) -> None:
+    warm = [(work[0][0], work[0][1], 8)] * 2
+    warm_args = argparse.Namespace(**{**vars(args), "in_flight": 2, "think": 0.01})
+    asyncio.run(run_workload(server, warm, warm_args))
+
+
+def compare_frontends(work, args, env: dict, root: Path) -> dict[str, dict]:
+    env = {**env, "ENGINE": "paged", "MAX_NUM_BATCHED_TOKENS": str(args.max_num_batched_tokens)}
+    servers = {
+        "TorchServe (async)": TorchServe(root / "torchserve", model_config=(REPO / "model-config.yaml").read_text(),
+                                         env=env),
+        "llm_api serve": StandaloneServer(root / "standalone", env=env),
+    }
+    pooled: dict[str, tuple[list, float]] = {name: ([], 0.0) for name in servers}
+    try:
+        for name, server in servers.items():
+            print(f"[{name}] starting", flush=True)
+            server.start(timeout=600)
+            warm_up(server, work, args)
+        names = list(servers)
+        for round_index in range(args.rounds):
+            for name in names if round_index % 2 == 0 else names[::-1]:
+                records, wall = asyncio.run(run_workload(servers[name], work, args))
+                pooled[name] = (pooled[name][0] + records, pooled[name][1] + wall)
+                one = summarize(records, wall)
+                print(f"[{name}] round {round_index + 1}: {one['completed']}/{one['requests']} ok, "
+                      f"{one['throughput_tok_s']:.1f} tok/s, TTFT p95 {one['ttft_s']['p95']:.2f}s", flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    return {name: summarize(records, wall) for name, (records, wall) in pooled.items()}
 
 
 def main() -> int:
@@ -171,13 +211,30 @@ def main() -> int:
     parser.add_argument("--batch-sizes", default="4,8,16,32")
     parser.add_argument("--max-batch-delay-ms", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "serving.json"))
+    parser.add_argument("--out", default=None, help="JSON report (default bench/results/serving[-frontends].json)")
     parser.add_argument("--skip-reference", action="store_true")
+    parser.add_argument("--compare", choices=("reference", "frontends"), default="reference")
+    parser.add_argument("--rounds", type=int, default=2, help="--compare frontends: rounds per front end")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=128,
+                        help="--compare frontends: the engine's per-step token budget, the same for both")
     args = parser.parse_args()
+    if args.out is None:
+        args.out = str(REPO / "bench" / "results" / ("serving-frontends.json" if args.compare == "frontends"
+                                                     else "serving.json"))
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     work = make_workload(tokenizer, args)
     env = {"MODEL_PATH": args.model, "DTYPE": args.dtype}
+    if args.compare == "frontends":
+        with tempfile.TemporaryDirectory(prefix="bench-frontends-") as tmp:
+            results = compare_frontends(work, args, env, Path(tmp))
+        print_table(results)
+        torchserve, standalone = results["TorchServe (async)"], results["llm_api serve"]
+        ratios = {"throughput_x": standalone["throughput_tok_s"] / torchserve["throughput_tok_s"],
+                  "ttft_p95_x": standalone["ttft_s"]["p95"] / torchserve["ttft_s"]["p95"]}
+        print(f"\nllm_api serve / TorchServe: throughput x{ratios['throughput_x']:.2f}, p95 TTFT "
+              f"x{ratios['ttft_p95_x']:.2f} (aims: >= 1, <= 1)")
+        return write_report(args, results, ratios)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         root = Path(tmp)
@@ -203,8 +260,16 @@ def main() -> int:
         }
         print(f"\nbest reference: {best_name}; engine throughput x{ratios['throughput_x']:.2f}, "
               f"p95 TTFT {ratios['ttft_p95_lower_x']:.1f}x lower (aims: >= 1.5x, >= 5x)")
+    return write_report(args, results, ratios)
+
+
+def write_report(args, results: dict, ratios: dict) -> int:
+    import grpc
+
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": {"aiohttp": aiohttp.__version__, "grpcio": grpc.__version__,
+                     "torchserve": _version("torchserve")},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                     "python": sys.version.split()[0]},
         "args": {k: v for k, v in vars(args).items()},
@@ -215,6 +280,15 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
     return 0
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def print_table(results: dict) -> None:

@@ -1,6 +1,7 @@
 """Stream an answer over gRPC (StreamPredictions with stream=true), then one unary call.
 
-Usage (with `make serve` running, from the repo root so key_file.json is found):
+Usage (with `make serve` running, from the repo root so key_file.json is found; or LLM_API_KEY set to the
+key of `llm_api serve`, with LLM_API_HTTP=http://127.0.0.1:8000 / LLM_API_GRPC=127.0.0.1:50051):
     .venv/bin/python examples/grpc_stream.py "Once upon a time"
 """
 
@@ -10,7 +11,7 @@ import sys
 from llm_api.client import GRPCClient, read_key
 
 prompt = sys.argv[1] if len(sys.argv) > 1 else "Once upon a time"
-with GRPCClient(os.environ.get("LLM_API_GRPC", "127.0.0.1:7070"), os.environ.get("MODEL_NAME", "smollm2"), key=read_key("key_file.json")) as client:
+with GRPCClient(os.environ.get("LLM_API_GRPC", "127.0.0.1:7070"), os.environ.get("MODEL_NAME", "smollm2"), key=os.environ.get("LLM_API_KEY") or read_key("key_file.json")) as client:
     for text in client.stream({"text": prompt, "max_new_tokens": "64"}):
         print(text, end="", flush=True)
     print()

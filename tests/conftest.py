@@ -64,6 +64,29 @@ def _serve(tmp_path_factory, embedded_model_path, name: str, model_config: str |
     return server
 
 
+def _serve_standalone(tmp_path_factory, embedded_model_path, name: str, env: dict | None = None, **kw):
+    from standalone_server import StandaloneServer
+
+    server = StandaloneServer(tmp_path_factory.mktemp(name), env={"MODEL_PATH": str(embedded_model_path),
+                                                                 **(env or {})}, **kw)
+    try:
+        server.start()
+    except Exception:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="session")
+def start_standalone(tmp_path_factory, embedded_model_path):
+    """A factory for tests that need an `llm_api serve` of their own: start_standalone(name, env=...)."""
+
+    def start(name: str, env: dict | None = None, **kw):
+        return _serve_standalone(tmp_path_factory, embedded_model_path, name, env, **kw)
+
+    return start
+
+
 @pytest.fixture(scope="session")
 def start_server(tmp_path_factory, embedded_model_path):
     """A factory for tests that need a server of their own: start_server(name, model_config, env=...)."""
@@ -114,3 +137,28 @@ def async_server(tmp_path_factory, embedded_model_path):
                     env={"KV_CACHE_MEMORY_MIB": "64", "GRPC_STREAMING": "true"})
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def standalone_server(tmp_path_factory, embedded_model_path):
+    """`llm_api serve` (the standalone front end) for the tests shared by both front ends: float32 like the
+    classic server (greedy answers comparable with generate()), the default KV pool."""
+    server = _serve_standalone(tmp_path_factory, embedded_model_path, "standalone", {"DTYPE": "float32"})
+    yield server
+    server.stop()
+
+
+FRONT_ENDS = ["torchserve", "standalone"]
+
+
+@pytest.fixture(params=FRONT_ENDS)
+def frontend(request):
+    """A running front end of each kind (same surface: tests/standalone_server.py): TorchServe in classic
+    batching (float32), or `llm_api serve`."""
+    return request.getfixturevalue("classic_server" if request.param == "torchserve" else "standalone_server")
+
+
+@pytest.fixture(params=FRONT_ENDS)
+def async_frontend(request):
+    """TorchServe in the shipped async mode, or `llm_api serve`."""
+    return request.getfixturevalue("async_server" if request.param == "torchserve" else "standalone_server")

@@ -1,4 +1,5 @@
-"""A corpus of malformed requests, over HTTP and gRPC, against the shipped async server.
+"""A corpus of malformed requests, over HTTP and gRPC, against both front ends (TorchServe in the shipped
+async mode, and `llm_api serve`).
 
 Each one gets its 4xx with the JSON error shape; none causes a 5xx or a worker restart, and a stream
 running at the same time still ends with its marker.
@@ -90,33 +91,25 @@ def post(server, body: bytes):
         return err.code, err.read()
 
 
-def worker_pid(server) -> int:
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{server.ports['management']}/models/smollm2",
-        headers={"Authorization": f"Bearer {server.key('management')}"},
-    )
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return json.loads(resp.read())[0]["workers"][0]["pid"]
-
-
 def test_corpus_size():
     assert len(CORPUS) >= 30
 
 
-def test_every_malformed_request_gets_its_4xx(async_server):
-    pid = worker_pid(async_server)
+def test_every_malformed_request_gets_its_4xx(async_frontend):
+    pid = async_frontend.worker_pid()
+    assert pid
     background = {}
-    http = HTTPClient(async_server.http, "smollm2", async_server.key())
+    http = HTTPClient(async_frontend.http, "smollm2", async_frontend.key())
     thread = threading.Thread(
         target=lambda: background.setdefault("text", http.generate({"text": "Once upon a time", "max_new_tokens": 120, "ignore_eos": True}))
     )
     thread.start()
     failures = []
-    with grpc.insecure_channel(async_server.grpc) as channel:
+    with grpc.insecure_channel(async_frontend.grpc) as channel:
         stub = inference_pb2_grpc.InferenceAPIsServiceStub(channel)
-        auth = (("authorization", f"Bearer {async_server.key()}"),)
+        auth = (("authorization", f"Bearer {async_frontend.key()}"),)
         for name, body in CORPUS.items():
-            status, answer = post(async_server, body)
+            status, answer = post(async_frontend, body)
             try:
                 error = json.loads(answer)
                 ok = 400 <= status < 500 and set(error) == {"code", "type", "message"} and error["code"] == status
@@ -136,4 +129,4 @@ def test_every_malformed_request_gets_its_4xx(async_server):
     thread.join(300)
     assert not failures, "\n".join(failures)
     assert background.get("text"), "the stream running beside the corpus did not complete"
-    assert worker_pid(async_server) == pid, "the worker restarted"
+    assert async_frontend.worker_pid() == pid, "the worker restarted"

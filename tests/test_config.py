@@ -42,6 +42,10 @@ def test_values_are_read():
         ("ATTENTION_BACKEND", "flash", "allowed values: auto, torch, triton"),
         ("CUDA_GRAPHS", "maybe", "allowed values: true, false"),
         ("CUDA_GRAPH_MAX_BATCH_SIZE", "0", "allowed values: integers >= 1"),
+        ("DRAIN_GRACE_S", "0", "allowed values: numbers > 0"),
+        ("MAX_REQUEST_BYTES", "100", "allowed values: integers >= 1024"),
+        ("LLM_API_KEY", "abc", "at least 8 visible ASCII characters"),
+        ("LLM_API_KEY", "tab\there-key", "without spaces"),
     ],
 )
 def test_bad_values_name_the_variable(name, value, needle):
@@ -73,3 +77,12 @@ def test_settings_check_command(tmp_path, capsys, monkeypatch):
     (tmp_path / "config.json").write_text("{}")
     monkeypatch.setattr("os.environ", {"MODEL_PATH": str(tmp_path), "QUANTIZATION": "8bit"})
     assert settings.main() == 0 and "settings OK" in capsys.readouterr().out
+
+
+def test_the_api_key_is_never_shown():
+    secret = "s3cret-key-value"
+    s = Settings.from_env({"LLM_API_KEY": secret})
+    assert s.api_key == secret and secret not in repr(s)
+    with pytest.raises(ConfigError) as err:
+        Settings.from_env({"LLM_API_KEY": "bad key " + secret})
+    assert secret not in str(err.value)

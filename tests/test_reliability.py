@@ -5,6 +5,7 @@
   answers equal each prompt's solo answer (no mixing between requests), and afterwards every KV
   block is free and no request is left in the service's tables;
 * a flood beyond the admission limits gets 503 at once while the accepted requests complete;
+  (these two run against TorchServe and against `llm_api serve`)
 * killing the worker with streams in flight ends each stream, TorchServe starts a new worker, and
   the next request succeeds.
 
@@ -34,10 +35,16 @@ def start(start_server, name, env):
 
 
 @pytest.fixture(scope="module")
-def server(start_server):
+def torchserve_reliable(start_server):
     srv = start(start_server, "reliable", {})
     yield srv
     srv.stop()
+
+
+@pytest.fixture(params=["torchserve", "standalone"])
+def server(request):
+    """TorchServe in the shipped async mode (its own), or the session's `llm_api serve` (also float32)."""
+    return request.getfixturevalue("torchserve_reliable" if request.param == "torchserve" else "standalone_server")
 
 
 def test_load_without_loss(server):
@@ -48,8 +55,13 @@ def test_load_without_loss(server):
     assert free == total and live == 0
 
 
-def test_flood_gets_503_while_accepted_requests_complete(start_server):
-    srv = start(start_server, "flood", {"MAX_NUM_SEQS": "2", "MAX_WAITING_REQUESTS": "2"})
+@pytest.mark.parametrize("kind", ["torchserve", "standalone"])
+def test_flood_gets_503_while_accepted_requests_complete(start_server, start_standalone, kind):
+    limits = {"MAX_NUM_SEQS": "2", "MAX_WAITING_REQUESTS": "2"}
+    if kind == "torchserve":
+        srv = start(start_server, "flood", limits)
+    else:
+        srv = start_standalone("flood-standalone", {"DTYPE": "float32", **limits})
     try:
         results = []
         lock = threading.Lock()
@@ -75,7 +87,8 @@ def test_flood_gets_503_while_accepted_requests_complete(start_server):
         srv.stop()
 
 
-def test_worker_kill_ends_streams_and_recovers(server):
+def test_worker_kill_ends_streams_and_recovers(torchserve_reliable):
+    server = torchserve_reliable
     results, lock = [], threading.Lock()
 
     def one(i):

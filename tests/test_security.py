@@ -33,7 +33,8 @@ def test_shipped_config_is_closed():
 def test_docker_image_opens_only_inference_and_metrics():
     dockerfile = (REPO / "Dockerfile").read_text()
     exposed = {int(p) for line in re.findall(r"(?m)^EXPOSE (.*)$", dockerfile) for p in line.split()}
-    assert exposed == {8080, 7070, 8082}
+    # TorchServe's inference, gRPC inference and metrics ports; llm_api serve's HTTP and gRPC (no management API).
+    assert exposed == {8080, 7070, 8082, 8000, 50051}
     assert "TS_MANAGEMENT_ADDRESS" not in dockerfile and "TS_GRPC_MANAGEMENT_ADDRESS" not in dockerfile
     assert re.search(r"(?m)^USER (?!root)", dockerfile)
 

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible API, the metrics and the readiness path against the shipped async server."""
+"""The OpenAI-compatible API, the metrics and the readiness path against both front ends: TorchServe in the
+shipped async mode (routes below /predictions/<model>/1.0/v1) and `llm_api serve` (routes at /v1)."""
 
 import asyncio
 import json
@@ -12,14 +13,16 @@ pytestmark = pytest.mark.server
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def base_url(async_server):
-    return f"{async_server.http}/predictions/smollm2/1.0/v1"
+@pytest.fixture()
+def base_url(async_frontend):
+    return async_frontend.openai_base
 
 
 def call(async_server, path, body=None, method=None):
+    """``path`` below the OpenAI base (``chat/completions``), or an absolute URL."""
+    url = path if path.startswith("http") else f"{async_server.openai_base}/{path}"
     req = urllib.request.Request(
-        f"{async_server.http}/predictions/smollm2/1.0/{path}", data=None if body is None else json.dumps(body).encode(),
+        url, data=None if body is None else json.dumps(body).encode(),
         headers={"Authorization": f"Bearer {async_server.key()}", "Content-Type": "application/json"}, method=method,
     )
     try:
@@ -29,10 +32,10 @@ def call(async_server, path, body=None, method=None):
         return err.code, err.headers, err.read().decode()
 
 
-def test_openai_client_streams_a_chat_answer_and_raises_bad_request(async_server, base_url):
+def test_openai_client_streams_a_chat_answer_and_raises_bad_request(async_frontend, base_url):
     import openai
 
-    client = openai.OpenAI(base_url=base_url, api_key=async_server.key(), max_retries=0)
+    client = openai.OpenAI(base_url=base_url, api_key=async_frontend.key(), max_retries=0)
     stream = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=24, temperature=0, stream=True)
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -45,14 +48,14 @@ def test_openai_client_streams_a_chat_answer_and_raises_bad_request(async_server
         client.chat.completions.create(model="smollm2", messages=CHAT, n=2)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4", messages=CHAT)
-    assert async_server.worker_status() == "READY"
+    assert async_frontend.worker_status() == "READY"
 
 
-def test_openai_async_client_usage_stop_seed_and_finish_reasons(async_server, base_url):
+def test_openai_async_client_usage_stop_seed_and_finish_reasons(async_frontend, base_url):
     import openai
 
     async def main():
-        client = openai.AsyncOpenAI(base_url=base_url, api_key=async_server.key(), max_retries=0)
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=async_frontend.key(), max_retries=0)
         chat = await client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=24, temperature=0)
         short = await client.completions.create(model="smollm2", prompt="One, two, three,", max_tokens=3, temperature=0)
         stopped = await client.completions.create(model="smollm2", prompt="One, two, three,", max_tokens=20, temperature=0, stop=[","])
@@ -73,38 +76,38 @@ def test_openai_async_client_usage_stop_seed_and_finish_reasons(async_server, ba
     assert [m.id for m in models.data] == ["smollm2"]
 
 
-def test_sse_wire_format_and_errors(async_server):
-    status, headers, body = call(async_server, "v1/chat/completions", {"model": "smollm2", "messages": CHAT, "max_tokens": 4, "stream": True})
+def test_sse_wire_format_and_errors(async_frontend):
+    status, headers, body = call(async_frontend, "chat/completions", {"model": "smollm2", "messages": CHAT, "max_tokens": 4, "stream": True})
     assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
     blocks = [b for b in body.split("\n\n") if b]
     assert all(b.startswith("data: ") for b in blocks) and blocks[-1] == "data: [DONE]"
-    status, headers, body = call(async_server, "v1/completions", {"model": "smollm2", "prompt": "Hi", "max_tokens": 2})
+    status, headers, body = call(async_frontend, "completions", {"model": "smollm2", "prompt": "Hi", "max_tokens": 2})
     assert status == 200 and headers["Content-Type"].startswith("application/json")
     assert json.loads(body)["object"] == "text_completion"
-    for path, payload, code in (("v1/chat/completions", {"model": "smollm2", "messages": CHAT, "top_p": 2}, 400),
-                                ("v1/completions", {"model": "smollm2"}, 400),
-                                ("v1/nothing", {}, 404)):
-        status, headers, body = call(async_server, path, payload)
+    for path, payload, code in (("chat/completions", {"model": "smollm2", "messages": CHAT, "top_p": 2}, 400),
+                                ("completions", {"model": "smollm2"}, 400),
+                                ("nothing", {}, 404)):
+        status, headers, body = call(async_frontend, path, payload)
         assert status == code and set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
 
 
-def test_health_is_ready_while_tokens_flow(async_server):
-    status, _, body = call(async_server, "v1/health")
+def test_health_is_ready_while_tokens_flow(async_frontend):
+    status, _, body = call(async_frontend, async_frontend.ready_url)
     assert status == 200 and json.loads(body)["ready"] is True
     long = {"text": "Write a long story.", "max_new_tokens": 200, "ignore_eos": True}
-    req = urllib.request.Request(f"{async_server.http}/predictions/smollm2", data=json.dumps(long).encode(),
-                                 headers={"Authorization": f"Bearer {async_server.key()}", "Content-Type": "application/json"})
+    req = urllib.request.Request(f"{async_frontend.http}/predictions/smollm2", data=json.dumps(long).encode(),
+                                 headers={"Authorization": f"Bearer {async_frontend.key()}", "Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as resp:
         resp.read1(1)
-        status, _, body = call(async_server, "v1/health")
+        status, _, body = call(async_frontend, async_frontend.ready_url)
         health = json.loads(body)
         resp.read()
     assert status == 200 and health["status"] == "ok" and health["num_active_requests"] >= 1
     assert health["tokens_per_second"] > 0
 
 
-def scrape(async_server) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{async_server.ports['metrics']}/metrics", timeout=30) as resp:
+def scrape(async_frontend) -> dict[str, float]:
+    with urllib.request.urlopen(async_frontend.metrics_url, timeout=30) as resp:
         text = resp.read().decode()
     values = {}
     for line in text.splitlines():
@@ -115,15 +118,15 @@ def scrape(async_server) -> dict[str, float]:
     return values
 
 
-def test_metrics_endpoint_shows_each_metric(async_server):
+def test_metrics_endpoint_shows_each_metric(async_frontend):
     from llm_api.client import HTTPClient
     from llm_api.service.metrics import METRICS
 
-    http = HTTPClient(async_server.http, "smollm2", async_server.key())
+    http = HTTPClient(async_frontend.http, "smollm2", async_frontend.key())
     system = "You are a helpful assistant who answers in one short sentence. " * 4
     for question in ("What is the capital of France?", "What is the capital of Spain?"):
         http.generate({"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}], "max_new_tokens": 16})
-    values = scrape(async_server)
+    values = scrape(async_frontend)
     for name, (kind, _, _) in METRICS.items():
         if kind == "histogram":
             assert values.get(f"{name}_count", 0) >= 2, name

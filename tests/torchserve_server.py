@@ -68,6 +68,24 @@ class TorchServe:
     def grpc(self) -> str:
         return f"127.0.0.1:{self.ports['grpc']}"
 
+    kind = "torchserve"  # (the front-end surface shared with tests/standalone_server.py)
+
+    @property
+    def native_url(self) -> str:
+        return f"{self.http}/predictions/{self.model_name}"
+
+    @property
+    def openai_base(self) -> str:
+        return f"{self.http}/predictions/{self.model_name}/1.0/v1"
+
+    @property
+    def ready_url(self) -> str:
+        return f"{self.openai_base}/health"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['metrics']}/metrics"
+
     @property
     def log_dir(self) -> Path:
         return self.workdir / "logs"

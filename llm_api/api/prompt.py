@@ -55,10 +55,14 @@ class PromptBuilder:
 
     def token_ids(self, request: GenerateRequest) -> list[int]:
         """The prompt's token ids (raises ApiError: no chat template, a template error, too long)."""
-        if request.messages is not None:
-            ids = self._chat_ids(request.messages)
+        return self.ids_of(request.text, request.messages)
+
+    def ids_of(self, text: str | None, messages: list[dict] | None, add_special_tokens: bool = True) -> list[int]:
+        """``text`` (with the tokenizer's special tokens unless told not to) or chat ``messages`` -> ids."""
+        if messages is not None:
+            ids = self._chat_ids(messages)
         else:
-            ids = list(self.tokenizer(request.text)["input_ids"])
+            ids = list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
         if len(ids) > self.max_input_tokens:
             raise ApiError(400, "prompt_too_long",
                            f"the prompt has {len(ids)} tokens; the limit is MAX_INPUT_TOKENS={self.max_input_tokens}")

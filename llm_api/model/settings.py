@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
@@ -70,6 +70,10 @@ class Settings:
     # Backpressure (async mode): requests beyond these get 503 at once instead of queueing unbounded.
     max_waiting_requests: int = 256  # accepted but not yet running, on top of MAX_NUM_SEQS
     max_tokens_in_flight: int = 1_048_576  # sum over live requests of prompt + max_new_tokens
+    # The standalone server (llm_api serve). Its bearer key: LLM_API_KEY, or one generated per start.
+    api_key: str = field(default="", repr=False)
+    drain_grace_s: float = 30.0  # after SIGTERM: how long in-flight requests may take to finish
+    max_request_bytes: int = 6_553_500  # largest request body (TorchServe's max_request_size default)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -105,6 +109,9 @@ class Settings:
             "grpc_streaming": _bool(env, "GRPC_STREAMING", cls.grpc_streaming),
             "max_waiting_requests": _int(env, "MAX_WAITING_REQUESTS", cls.max_waiting_requests, minimum=0),
             "max_tokens_in_flight": _int(env, "MAX_TOKENS_IN_FLIGHT", cls.max_tokens_in_flight, minimum=1),
+            "api_key": _api_key(env.get("LLM_API_KEY", "")),
+            "drain_grace_s": _float(env, "DRAIN_GRACE_S", cls.drain_grace_s, 0.0, None),
+            "max_request_bytes": _int(env, "MAX_REQUEST_BYTES", cls.max_request_bytes, minimum=1024),
         }
         if 0 < values["max_num_batched_tokens"] < values["max_num_seqs"]:
             # The scheduler serves running requests first: a smaller budget would starve the newest.
@@ -127,6 +134,21 @@ def _marker(raw: str) -> str:
     allowed = "at least 2 characters, no line breaks, not starting with a space, digit, '-' or one of {}[]\":,\\"
     if len(raw) < 2 or raw[0] in ' \t{}[]":,\\-0123456789' or any(c in raw for c in "\r\n"):
         raise ConfigError(f"END_OF_STREAM_TOKEN={raw!r} is not supported; allowed values: {allowed}")
+    return raw
+
+
+MIN_API_KEY_CHARS = 8
+
+
+def _api_key(raw: str) -> str:
+    """LLM_API_KEY: empty (a key is generated at start), or what clients send after ``Bearer ``: visible
+    ASCII without spaces (it travels in a header), long enough not to be guessed in a few tries. The
+    message never shows the value."""
+    if raw == "":
+        return raw
+    if len(raw) < MIN_API_KEY_CHARS or not all("!" <= c <= "~" for c in raw):
+        raise ConfigError(f"LLM_API_KEY is not usable ({len(raw)} characters); allowed values: at least "
+                          f"{MIN_API_KEY_CHARS} visible ASCII characters without spaces, or unset to generate one")
     return raw
 
 

@@ -40,6 +40,7 @@ from llm_api.api.detokenizer import TextStream
 from llm_api.api.errors import ApiError, echo, internal_error
 from llm_api.api.prompt import PromptBuilder
 from llm_api.api.request import GenerateRequest, Limits
+from llm_api.api.tokenize import TokenizeRequest
 from llm_api.engine.engine import EngineConfig, LLMEngine
 from llm_api.engine.reference import ReferenceCore
 from llm_api.engine.request import FinishReason
@@ -212,6 +213,38 @@ class ModelService:
             self._tokens_in_flight -= generation.cost
             if generation.label is not None:
                 self._labels.discard(generation.label)
+
+    # ------------------------------------------------------------------------------------------
+    # the tokenizer routes (vLLM's /tokenize and /detokenize)
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + output tokens one request may reach (the KV cache's limit with the paged engine)."""
+        if self.engine is not None:
+            return self.engine.max_model_len
+        return self.settings.max_input_tokens + self.settings.max_new_tokens
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.lm.tokenizer)
+
+    async def tokenize(self, request: TokenizeRequest) -> list[int]:
+        """The ids a prompt or chat becomes, exactly as ``generate`` would tokenize it (ApiError when it
+        cannot be served: over MAX_INPUT_TOKENS, no chat template)."""
+        as_generate = GenerateRequest(text=request.text, messages=request.messages)
+        refusal = self.prompts.too_long(as_generate)
+        if refusal is not None:
+            raise refusal
+        work = functools.partial(self.prompts.ids_of, request.text, request.messages, request.add_special_tokens)
+        if as_generate.num_input_chars() < OFF_LOOP_MIN_SIZE:
+            return work()
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, work)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        work = functools.partial(self.lm.tokenizer.decode, token_ids)
+        if len(token_ids) < OFF_LOOP_MIN_SIZE // 4:
+            return work()
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, work)
 
     # ------------------------------------------------------------------------------------------
 

@@ -30,22 +30,14 @@ from ts.torch_handler.base_handler import BaseHandler
 
 from llm_api.api import openai
 from llm_api.api.errors import ApiError, internal_error
-from llm_api.api.native import parse_request
-from llm_api.api.native_stream import NativeStream
-from llm_api.api.request import CancelRequest, GenerateRequest
+from llm_api.api.request import CancelRequest
 from llm_api.model.settings import ConfigError, Settings
-from llm_api.service.service import ModelService, TextDelta
+from llm_api.service.answer import Chunk, Refusal, native_parts, openai_parts, parse_native, parse_openai
+from llm_api.service.service import ModelService
 from llm_api.torchserve.metrics_sink import TorchServeMetricSink
 from llm_api.torchserve.reply import JSON_CONTENT_TYPE, Reply
 
 logger = logging.getLogger(__name__)
-
-LARGE_BODY_BYTES = 64 * 1024  # bodies above this are parsed off the event loop
-
-
-def _row_size(row) -> int:
-    values = row.values() if hasattr(row, "values") else ()
-    return sum(len(v) for v in values if isinstance(v, (bytes, bytearray, str)))
 
 
 class LLMHandler(BaseHandler):
@@ -115,7 +107,7 @@ class LLMHandler(BaseHandler):
     # native: /predictions/<model> and gRPC
 
     async def _serve_native(self, reply: Reply, row):
-        request = await self._parse_native(row, default_stream=not reply.is_grpc)
+        request = await parse_native(self.service, row, default_stream=not reply.is_grpc)
         if reply.is_grpc and not self.grpc_streaming:
             # A unary Predictions call looks the same as StreamPredictions here, and a second message to a
             # unary call kills the worker: without GRPC_STREAMING every gRPC answer is one message.
@@ -124,25 +116,15 @@ class LLMHandler(BaseHandler):
             found = self.service.cancel(request.target_id)
             logger.info("cancel of request %s: %s", request.target_id[:64], "done" if found else "not running")
             return reply.finish(json.dumps({"cancelled": found}), JSON_CONTENT_TYPE)
-        stream = NativeStream(self.marker, streaming=request.stream)
-        async with aclosing(self.service.generate(request, reply.request_id, self.marker)) as events:
-            async for event in events:
-                if isinstance(event, TextDelta):
-                    reply.send(stream.delta(event.text))
-                elif event.error is None:
-                    return reply.finish(stream.finish())
-                elif not reply.started:
-                    return reply.refuse(event.error.status, event.error.native_text(self.marker))
+        async with aclosing(native_parts(self.service, request, reply.request_id, self.marker)) as parts:
+            async for part in parts:
+                if isinstance(part, Chunk):
+                    reply.send(part.payload)
+                elif isinstance(part, Refusal):
+                    return reply.refuse(part.status, part.body)
                 else:
-                    return reply.finish(stream.fail(event.error))
-        raise RuntimeError("the request ended without a final event")
-
-    async def _parse_native(self, row, default_stream: bool):
-        # A large body (embeddings: up to ~6 MB of JSON) is validated on the service's worker threads,
-        # so the event loop keeps serving the other streams meanwhile.
-        if _row_size(row) > LARGE_BODY_BYTES:
-            return await self.service.offload(parse_request, row, self.service.limits, default_stream)
-        return parse_request(row, self.service.limits, default_stream)
+                    return reply.finish(part.payload)
+        raise RuntimeError("the request ended without a final part")
 
     # -------------------------------------------------------------------------------------------
     # OpenAI-compatible: /predictions/<model>/<version>/v1/...
@@ -159,24 +141,14 @@ class LLMHandler(BaseHandler):
         body = row.get("body") if hasattr(row, "get") else None
         if body is None:
             raise ApiError(400, "invalid_json", "send a JSON body (Content-Type: application/json)")
-        if _row_size(row) > LARGE_BODY_BYTES:
-            request, call = await service.offload(openai.parse_call, api, body, service.model_name, service.limits)
-        else:
-            request, call = openai.parse_call(api, body, service.model_name, service.limits)
-        return await self._stream_openai(reply, request, call)
-
-    async def _stream_openai(self, reply: Reply, request: GenerateRequest, call: openai.OpenAICall):
-        async with aclosing(self.service.generate(request, reply.request_id)) as events:
-            async for event in events:
-                if isinstance(event, TextDelta):
-                    reply.send(call.delta(event.text), call.content_type)
-                elif event.error is None:
-                    reply.send(call.finish(event.reason, event.num_prompt_tokens, event.num_generated_tokens),
-                               call.content_type)
-                    return reply.finish("", call.content_type)
-                elif not reply.started:
-                    return reply.refuse(event.error.status, event.error.openai_text(self.marker))
+        request, call = await parse_openai(service, api, body)
+        async with aclosing(openai_parts(service, request, call, reply.request_id, self.marker)) as parts:
+            async for part in parts:
+                if isinstance(part, Chunk):
+                    reply.send(part.payload, call.content_type)
+                elif isinstance(part, Refusal):
+                    return reply.refuse(part.status, part.body)
                 else:
-                    reply.send(call.error_event(event.error), call.content_type)
+                    reply.send(part.payload, call.content_type)
                     return reply.finish("", call.content_type)
-        raise RuntimeError("the request ended without a final event")
+        raise RuntimeError("the request ended without a final part")

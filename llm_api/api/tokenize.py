@@ -1,0 +1,125 @@
+"""The tokenizer routes in vLLM's shapes: ``POST /tokenize`` and ``POST /detokenize`` (no TorchServe here).
+
+* ``parse_tokenize(body, model_name)`` -> ``TokenizeRequest``: ``{"prompt": str}`` (tokenized as is,
+  ``add_special_tokens`` default true: the BOS a completion would get) or ``{"messages": [...]}`` (the
+  chat template with the generation prompt, contents kept as data exactly as for a chat call;
+  ``add_special_tokens`` may only be false there, vLLM's default, since the template writes its own),
+  plus an optional ``model`` that must name the served model. The answer (``tokenize_answer``) is
+  ``{"tokens": [...], "count": n, "max_model_len": m}``.
+* ``parse_detokenize(body, model_name, vocab_size, max_tokens)`` -> token ids: ``{"tokens": [ints]}``,
+  each in ``[0, vocab_size)``, at most ``max_tokens`` of them. The answer (``detokenize_answer``) is
+  ``{"prompt": text}``.
+
+Errors are ``ApiError``s, rendered in the OpenAI shape by the edge (as vLLM does for these routes).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
+
+from llm_api.api.errors import ApiError, echo
+from llm_api.api.fields import NonEmptyText, StrictFlag, Text, field_path, first_error, message_of, unknown_fields
+from llm_api.api.openai import ChatMessage
+from llm_api.api.validation import decode_json
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    text: str | None
+    messages: list[dict] | None
+    add_special_tokens: bool
+
+
+def _nonempty_list(value: Any) -> Any:
+    if not isinstance(value, list) or not value:
+        raise ValueError("must be a non-empty array")
+    return value
+
+
+class TokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Text | None = None
+    prompt: NonEmptyText | None = None
+    messages: Annotated[list[ChatMessage], BeforeValidator(_nonempty_list)] | None = None
+    add_special_tokens: StrictFlag | None = None
+
+
+def _token_id(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError("must be an array of integer token ids")
+    return value
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Text | None = None
+    tokens: list[Annotated[int, BeforeValidator(_token_id)]]
+
+
+def parse_tokenize(body: bytes, model_name: str) -> TokenizeRequest:
+    data = _object(body)
+    try:
+        call = TokenizeBody.model_validate(data)
+    except ValidationError as error:
+        raise _api_error(error) from None
+    _check_model(call.model, model_name)
+    if (call.prompt is None) == (call.messages is None):
+        raise ApiError(400, "invalid_value", "give exactly one of 'prompt' or 'messages'", "prompt")
+    if call.messages is not None:
+        if call.add_special_tokens:
+            raise ApiError(400, "unsupported_parameter", "'add_special_tokens' must be false with 'messages' (the "
+                           "chat template writes the special tokens)", "add_special_tokens")
+        return TokenizeRequest(None, [m.to_turn() for m in call.messages], False)
+    return TokenizeRequest(call.prompt, None, True if call.add_special_tokens is None else call.add_special_tokens)
+
+
+def parse_detokenize(body: bytes, model_name: str, vocab_size: int, max_tokens: int) -> list[int]:
+    data = _object(body)
+    try:
+        call = DetokenizeBody.model_validate(data)
+    except ValidationError as error:
+        raise _api_error(error) from None
+    _check_model(call.model, model_name)
+    if len(call.tokens) > max_tokens:
+        raise ApiError(400, "invalid_value", f"'tokens' may hold at most {max_tokens} ids", "tokens")
+    for i, token in enumerate(call.tokens):
+        if not 0 <= token < vocab_size:
+            raise ApiError(400, "invalid_value", f"tokens[{i}] is not a token id of this model (0 to "
+                           f"{vocab_size - 1})", "tokens")
+    return call.tokens
+
+
+def tokenize_answer(token_ids: list[int], max_model_len: int) -> str:
+    return json.dumps({"tokens": token_ids, "count": len(token_ids), "max_model_len": max_model_len})
+
+
+def detokenize_answer(text: str) -> str:
+    return json.dumps({"prompt": text}, ensure_ascii=False)
+
+
+def _object(body: bytes) -> dict:
+    data = decode_json(body)
+    if not isinstance(data, dict):
+        raise ApiError(400, "invalid_json", "the body must be a JSON object")
+    return data
+
+
+def _check_model(model: str | None, model_name: str) -> None:
+    if model is not None and model != model_name:
+        raise ApiError(404, "model_not_found", f"The model {echo(model)} does not exist; this server serves "
+                       f"{model_name!r}", "model")
+
+
+def _api_error(error: ValidationError) -> ApiError:
+    unknown = unknown_fields(error)
+    if unknown:
+        return ApiError(400, "unknown_parameter", f"Unrecognized request argument supplied: {echo(unknown[0])}",
+                        unknown[0])
+    detail = first_error(error)
+    return ApiError(400, "invalid_value", message_of(detail), field_path(tuple(detail["loc"])) or None)

@@ -1,0 +1,83 @@
+"""The ``llm_api`` command (a console script of the package): ``llm_api serve``.
+
+``llm_api serve [--host 127.0.0.1] [--port 8000] [--grpc-port 50051] [--key-file llm_api.key] [--no-auth]``
+serves the model the environment's settings describe (the same variables as under TorchServe, see
+README), without TorchServe. A bad setting or flag stops it before anything loads, with a message naming
+it (exit 2); a model that fails to load exits 1; a stop by SIGTERM/SIGINT after the drain exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import sys
+from pathlib import Path
+
+from llm_api.model.settings import ConfigError, Settings
+
+
+def _port(allow_zero: bool):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+        low = 0 if allow_zero else 1
+        if not low <= value <= 65535:
+            raise argparse.ArgumentTypeError(f"{value} is not a port number ({low} to 65535)")
+        return value
+
+    return parse
+
+
+def _host(text: str) -> str:
+    if text == "localhost":
+        return text
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1)") from None
+    return text
+
+
+def parser() -> argparse.ArgumentParser:
+    main = argparse.ArgumentParser(prog="llm_api", description="llm_api: serve a Hugging Face causal LM")
+    commands = main.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve", help="serve the model over HTTP and gRPC without TorchServe",
+        description="Serve the model (settings from the environment, see README) over HTTP (native, OpenAI, "
+                    "tokenizer, /health, /ready, /metrics) and TorchServe's gRPC inference API.")
+    serve.add_argument("--host", type=_host, default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 in a container)")
+    serve.add_argument("--port", type=_port(False), default=8000, help="HTTP port (default 8000)")
+    serve.add_argument("--grpc-port", type=_port(True), default=50051, help="gRPC port (default 50051; 0: none)")
+    serve.add_argument("--key-file", type=Path, default=Path("llm_api.key"),
+                       help="where a generated bearer key is written when LLM_API_KEY is unset (default ./llm_api.key)")
+    serve.add_argument("--no-auth", action="store_true",
+                       help="serve without a bearer key (only behind a gateway that authenticates)")
+    return main
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        settings = Settings.from_env()
+    except ConfigError as err:
+        print(f"llm_api: {err}", file=sys.stderr)
+        return 2
+    if args.grpc_port and args.grpc_port == args.port:
+        print(f"llm_api: --port and --grpc-port are both {args.port}; give them different ports", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from llm_api.server.server import ServeOptions, serve  # (imports torch: after the cheap checks)
+
+    options = ServeOptions(host=args.host, port=args.port, grpc_port=args.grpc_port, key_file=args.key_file,
+                           auth=not args.no_auth)
+    try:
+        return asyncio.run(serve(settings, options))
+    except OSError as err:  # a port in use, an address not on this machine
+        print(f"llm_api: cannot listen: {err}", file=sys.stderr)
+        return 1

@@ -1,0 +1,127 @@
+"""One process, one event loop: the HTTP and gRPC listeners, the model, and an orderly stop.
+
+``serve(settings, options)``:
+
+1. opens the HTTP listener first, so ``/health`` answers (and ``/ready`` says "loading") while the model
+   loads on a worker thread (minutes on a first CPU start); a load failure stops the process (exit 1);
+2. once loaded, opens the gRPC listener, hands the service to the routes and logs one line saying where
+   it listens and where the key is;
+3. on SIGTERM or SIGINT: readiness turns false at once and new requests get 503 (gRPC: UNAVAILABLE),
+   requests in flight get ``DRAIN_GRACE_S`` seconds to finish, then those left are cancelled (their
+   streams end with an error line, never cut); the listeners close, the engine stops, exit 0. A second
+   signal skips what is left of the grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from llm_api.model.settings import Settings
+from llm_api.server.auth import BearerAuth, resolve_key
+from llm_api.server.grpc_api import build_grpc_server
+from llm_api.server.http_api import ServerState, build_app
+from llm_api.server.lifecycle import Lifecycle
+from llm_api.server.metrics import ServerMetrics
+from llm_api.service.service import ModelService
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int = 50051  # 0: no gRPC listener
+    key_file: Path = Path("llm_api.key")
+    auth: bool = True
+
+
+async def serve(settings: Settings, options: ServeOptions) -> int:
+    loop = asyncio.get_running_loop()
+    lifecycle = Lifecycle()
+    key, key_path = resolve_key(settings.api_key, options.key_file) if options.auth else (None, None)
+    if not options.auth:
+        logger.warning("bearer-key auth is OFF (--no-auth): anyone who reaches %s:%d can use the model",
+                       options.host, options.port)
+    state = ServerState(marker=settings.end_of_stream_token, auth=BearerAuth(key), lifecycle=lifecycle,
+                        metrics=ServerMetrics(settings.model_name), max_request_bytes=settings.max_request_bytes)
+    # handler_cancellation: aiohttp cancels a handler whose client disconnected (http_api's docstring).
+    runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, options.host, options.port).start()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _on_signal, lifecycle)
+    logger.info("llm_api serve: HTTP on http://%s:%d (loading model %s)", options.host, options.port,
+                settings.model_name)
+    grpc_server = None
+    service: ModelService | None = None
+    try:
+        load = _load_in_background(loop, settings, state.metrics)
+        stop = asyncio.ensure_future(lifecycle.stop_requested.wait())
+        await asyncio.wait([load, stop], return_when=asyncio.FIRST_COMPLETED)
+        if not load.done():  # stopped while loading: nothing to drain (the loading thread is a daemon)
+            logger.info("llm_api serve: stopped before the model finished loading")
+            return 0
+        stop.cancel()
+        try:
+            service = load.result()
+        except Exception:
+            logger.exception("llm_api serve: the model failed to load")
+            return 1
+        state.service = service
+        state.metrics.watch_engine(lambda: service.loop.stats, lambda: service.num_live_requests,
+                                   lambda: service.metrics.publish_gauges(force=True))
+        service.metrics.announce()
+        if options.grpc_port:
+            grpc_server = build_grpc_server(state, f"{options.host}:{options.grpc_port}")
+            await grpc_server.start()
+        lifecycle.loaded = True
+        logger.info("llm_api serve: ready; model %s (%s), HTTP http://%s:%d, gRPC %s, auth %s",
+                    service.model_name, service.path_name, options.host, options.port,
+                    f"{options.host}:{options.grpc_port}" if options.grpc_port else "off",
+                    "off" if key is None else f"bearer key in {key_path}" if key_path else "bearer key from LLM_API_KEY")
+        await lifecycle.stop_requested.wait()
+        await lifecycle.drain(settings.drain_grace_s, service.cancel)
+        logger.info("llm_api serve: stopped")
+        return 0
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        if grpc_server is not None:
+            await grpc_server.stop(1.0)
+        await runner.cleanup()
+        if service is not None:
+            service.shutdown()
+
+
+def _on_signal(lifecycle: Lifecycle) -> None:
+    lifecycle.request_stop()
+
+
+def _load_in_background(loop: asyncio.AbstractEventLoop, settings: Settings, metrics: ServerMetrics
+                        ) -> asyncio.Future:
+    """The loaded service, from a daemon thread: a stop during a long load need not wait for it."""
+    future = loop.create_future()
+
+    def settle(result, error):
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def work():
+        try:
+            service = ModelService.load(settings, metrics.sink)
+            _ = service.prompts  # built here rather than by the first request, on the event loop
+        except BaseException as error:  # noqa: BLE001 (reported through the future)
+            loop.call_soon_threadsafe(settle, None, error)
+            return
+        loop.call_soon_threadsafe(settle, service, None)
+
+    threading.Thread(target=work, name="llm-load", daemon=True).start()
+    return future

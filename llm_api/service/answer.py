@@ -1,0 +1,114 @@
+"""What every front end does with one request, whatever owns its sockets: parse, drive, encode.
+
+The TorchServe handler and the standalone server differ only in how bytes reach a client; the steps in
+between are the same and live here, so the two edges cannot drift apart:
+
+* ``parse_native(service, row, default_stream)`` / ``parse_openai(service, api, body)``: the request
+  formats of ``llm_api.api`` (``native.parse_request``, ``openai.parse_call``), run on the service's
+  worker threads when the body is large (embeddings: up to ~6 MB of JSON), so the event loop keeps
+  serving the other streams meanwhile. They raise ``ApiError``.
+* ``native_parts(service, request, request_id, marker)`` / ``openai_parts(service, request, call,
+  request_id)``: ``service.generate``'s events turned into what the client receives, as ``Part``s:
+  ``Chunk`` (send it now, the answer is a 200 from here on), then exactly one of ``Final`` (the last
+  payload of a 200 answer, possibly the whole answer when nothing was streamed) or ``Refusal`` (the
+  request failed before anything was sent: its status and error body). ``ApiError`` from admission
+  propagates before the first part, as from ``service.generate``.
+
+Leaving the iteration early (a client that went away) closes ``service.generate``, which aborts the
+request and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Mapping
+
+from llm_api.api import openai
+from llm_api.api.native import parse_request
+from llm_api.api.native_stream import NativeStream
+from llm_api.api.request import CancelRequest, GenerateRequest
+from llm_api.service.service import ModelService, TextDelta
+
+LARGE_BODY_BYTES = 64 * 1024  # bodies above this are parsed off the event loop
+
+
+@dataclass(frozen=True)
+class Chunk:
+    payload: str
+
+
+@dataclass(frozen=True)
+class Final:
+    payload: str
+
+
+@dataclass(frozen=True)
+class Refusal:
+    status: int
+    body: str
+
+
+Part = Chunk | Final | Refusal
+
+
+def row_size(row: Any) -> int:
+    values = row.values() if hasattr(row, "values") else ()
+    return sum(len(v) for v in values if isinstance(v, (bytes, bytearray, str)))
+
+
+async def parse_native(service: ModelService, row: Mapping[str, Any], default_stream: bool
+                       ) -> GenerateRequest | CancelRequest:
+    if row_size(row) > LARGE_BODY_BYTES:
+        return await service.offload(parse_request, row, service.limits, default_stream)
+    return parse_request(row, service.limits, default_stream)
+
+
+async def parse_openai(service: ModelService, api: str, body: bytes) -> tuple[GenerateRequest, openai.OpenAICall]:
+    if len(body) > LARGE_BODY_BYTES:
+        return await service.offload(openai.parse_call, api, body, service.model_name, service.limits)
+    return openai.parse_call(api, body, service.model_name, service.limits)
+
+
+async def native_parts(service: ModelService, request: GenerateRequest, request_id: str, marker: str
+                       ) -> AsyncIterator[Part]:
+    stream = NativeStream(marker, streaming=request.stream)
+    async with aclosing(service.generate(request, request_id, marker)) as events:
+        async for event in events:
+            if isinstance(event, TextDelta):
+                chunk = stream.delta(event.text)
+                if chunk:
+                    yield Chunk(chunk)
+            elif event.error is None:
+                yield Final(stream.finish())
+                return
+            elif not stream.started:
+                yield Refusal(event.error.status, event.error.native_text(marker))
+                return
+            else:
+                yield Final(stream.fail(event.error))
+                return
+    raise RuntimeError("the request ended without a final event")
+
+
+async def openai_parts(service: ModelService, request: GenerateRequest, call: openai.OpenAICall, request_id: str,
+                       marker: str = "") -> AsyncIterator[Part]:
+    """``marker``: the native end-of-stream marker, kept out of refusals here too (no error ever holds it)."""
+    started = False
+    async with aclosing(service.generate(request, request_id)) as events:
+        async for event in events:
+            if isinstance(event, TextDelta):
+                chunk = call.delta(event.text)
+                if chunk:
+                    started = True
+                    yield Chunk(chunk)
+            elif event.error is None:
+                yield Final(call.finish(event.reason, event.num_prompt_tokens, event.num_generated_tokens))
+                return
+            elif not started:
+                yield Refusal(event.error.status, event.error.openai_text(marker))
+                return
+            else:
+                yield Final(call.error_event(event.error))
+                return
+    raise RuntimeError("the request ended without a final event")
