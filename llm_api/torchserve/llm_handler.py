@@ -34,9 +34,9 @@ from llm_api.api.native import parse_request
 from llm_api.api.native_stream import NativeStream
 from llm_api.api.request import CancelRequest, GenerateRequest
 from llm_api.model.settings import ConfigError, Settings
-from llm_api.service.service import ModelService, TextDelta
+from llm_api.service.service import ChoiceFinished, ModelService, TextDelta
 from llm_api.torchserve.metrics_sink import TorchServeMetricSink
-from llm_api.torchserve.reply import JSON_CONTENT_TYPE, Reply
+from llm_api.torchserve.reply import JSON_CONTENT_TYPE, NDJSON_CONTENT_TYPE, TEXT_CONTENT_TYPE, Reply
 
 logger = logging.getLogger(__name__)
 
@@ -124,13 +124,18 @@ class LLMHandler(BaseHandler):
             found = self.service.cancel(request.target_id)
             logger.info("cancel of request %s: %s", request.target_id[:64], "done" if found else "not running")
             return reply.finish(json.dumps({"cancelled": found}), JSON_CONTENT_TYPE)
-        stream = NativeStream(self.marker, streaming=request.stream)
+        json_lines = request.output == "jsonl"
+        stream = NativeStream(self.marker, streaming=request.stream, json_lines=json_lines,
+                              with_logprobs=request.params.logprobs is not None)
+        content_type = NDJSON_CONTENT_TYPE if json_lines else TEXT_CONTENT_TYPE
         async with aclosing(self.service.generate(request, reply.request_id, self.marker)) as events:
             async for event in events:
                 if isinstance(event, TextDelta):
-                    reply.send(stream.delta(event.text))
+                    reply.send(stream.delta(event.text, event.index, event.logprobs), content_type)
+                elif isinstance(event, ChoiceFinished):
+                    reply.send(stream.choice_finish(event.index, event.reason, event.num_generated_tokens), content_type)
                 elif event.error is None:
-                    return reply.finish(stream.finish())
+                    return reply.finish(stream.finish(event.num_prompt_tokens, event.num_generated_tokens), content_type)
                 elif not reply.started:
                     return reply.refuse(event.error.status, event.error.native_text(self.marker))
                 else:
@@ -169,7 +174,9 @@ class LLMHandler(BaseHandler):
         async with aclosing(self.service.generate(request, reply.request_id)) as events:
             async for event in events:
                 if isinstance(event, TextDelta):
-                    reply.send(call.delta(event.text), call.content_type)
+                    reply.send(call.delta(event.text, event.index, event.logprobs), call.content_type)
+                elif isinstance(event, ChoiceFinished):
+                    reply.send(call.choice_finish(event.index, event.reason), call.content_type)
                 elif event.error is None:
                     reply.send(call.finish(event.reason, event.num_prompt_tokens, event.num_generated_tokens),
                                call.content_type)

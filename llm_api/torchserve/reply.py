@@ -27,6 +27,7 @@ from llm_api.api.errors import status_phrase
 
 TEXT_CONTENT_TYPE = "text/plain; charset=utf-8"
 JSON_CONTENT_TYPE = "application/json"
+NDJSON_CONTENT_TYPE = "application/x-ndjson; charset=utf-8"  # native "output": "jsonl"
 
 
 class Reply:
