@@ -43,6 +43,8 @@ def parse_args():
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per choice in the n = 4 comparison")
     parser.add_argument("--n-prompt-tokens", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default); on a shared "
+                        "machine 1 avoids OpenMP oversubscription stalls")
     parser.add_argument("--out", default=None)
     return parser.parse_args()
 
@@ -125,6 +127,8 @@ def main():
     from llm_api.api.logprobs import TokenTexts
     from llm_api.engine.engine import EngineConfig, LLMEngine
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model, tokenizer = load(args)
     engine = LLMEngine(model, EngineConfig(block_size=16, max_num_seqs=max(args.batch, 4), kv_cache_memory_mib=512,

@@ -42,3 +42,14 @@ def test_native_json_lines():
     assert json.loads(failing.fail(ApiError(408, "timeout", "late")))["type"] == "timeout"
     text = NativeStream(MARKER, streaming=True)
     assert text.delta("a", 0) == "a" and text.choice_finish(0, FinishReason.STOP, 1) == "" and text.finish() == MARKER
+
+
+def test_a_unary_answer_over_its_bound_is_refused_not_sent():
+    import pytest
+
+    stream = NativeStream(MARKER, streaming=False, json_lines=True, max_unary_bytes=100)
+    stream.delta("a" * 60)
+    with pytest.raises(ApiError) as err:
+        stream.delta("é" * 30)  # 60 bytes of UTF-8 more
+    assert err.value.code == "response_too_large" and "stream" in err.value.message
+    assert NativeStream(MARKER, streaming=True, max_unary_bytes=100).delta("a" * 1000) == "a" * 1000

@@ -15,6 +15,10 @@ request chose (``output``). Its contract with clients:
   different choices interleave; the marker inside a line is escaped like in errors, so it still appears
   only at the very end;
 * a unary client gets the whole answer (text, or all the lines) followed by the marker in one message;
+  over gRPC that message may not exceed ``max_unary_bytes`` (the edge sets 4 MiB, gRPC's default message
+  limit, below TorchServe's ``max_response_size``, beyond which the worker dies): a larger answer (many
+  choices with logprobs) fails with ``response_too_large`` instead, as soon as it is known, telling the
+  client to stream;
 * a request that fails after its stream began ends with an error line (a JSON object with ``code``,
   ``type`` and ``message``) and no marker, so no client mistakes it for a full answer; one that fails
   before anything was sent gets the error object alone (the edge sends it with the error's status).
@@ -38,8 +42,10 @@ class NativeStream:
     streaming: bool
     json_lines: bool = False  # output "jsonl"
     with_logprobs: bool = False  # (json lines only) every delta line carries "logprobs"
+    max_unary_bytes: int | None = None  # the most a unary answer may hold (None: no limit)
     started: bool = False  # a chunk was sent: errors must go in-band from now on
     _held: list[str] = field(default_factory=list)  # text of a unary response, sent at the end
+    _held_bytes: int = 0
 
     def delta(self, text: str, index: int = 0, logprobs: tuple[LogprobItem, ...] = ()) -> str:
         """New text of a choice -> the chunk to send now ("" for a unary client, which gets everything at
@@ -80,6 +86,11 @@ class NativeStream:
             return ""
         if not self.streaming:
             self._held.append(chunk)
+            self._held_bytes += len(chunk.encode("utf-8"))
+            if self.max_unary_bytes is not None and self._held_bytes > self.max_unary_bytes:
+                raise ApiError(400, "response_too_large", f"the answer exceeds {self.max_unary_bytes} bytes, the most "
+                               "one message carries: stream it (StreamPredictions with stream=true), or ask for fewer "
+                               "tokens, choices or logprobs")
             return ""
         self.started = True
         return chunk

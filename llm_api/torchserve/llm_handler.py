@@ -41,6 +41,7 @@ from llm_api.torchserve.reply import JSON_CONTENT_TYPE, NDJSON_CONTENT_TYPE, TEX
 logger = logging.getLogger(__name__)
 
 LARGE_BODY_BYTES = 64 * 1024  # bodies above this are parsed off the event loop
+GRPC_MAX_MESSAGE_BYTES = 4 * 2**20 - 4096  # gRPC clients' default limit, less room for the envelope
 
 
 def _row_size(row) -> int:
@@ -126,7 +127,8 @@ class LLMHandler(BaseHandler):
             return reply.finish(json.dumps({"cancelled": found}), JSON_CONTENT_TYPE)
         json_lines = request.output == "jsonl"
         stream = NativeStream(self.marker, streaming=request.stream, json_lines=json_lines,
-                              with_logprobs=request.params.logprobs is not None)
+                              with_logprobs=request.params.logprobs is not None,
+                              max_unary_bytes=GRPC_MAX_MESSAGE_BYTES if reply.is_grpc else None)
         content_type = NDJSON_CONTENT_TYPE if json_lines else TEXT_CONTENT_TYPE
         async with aclosing(self.service.generate(request, reply.request_id, self.marker)) as events:
             async for event in events:
