@@ -232,3 +232,24 @@ def test_an_answer_larger_than_max_response_size_arrives_whole(start_server):
         assert client.completions.create(model="smollm2", prompt="Hello", max_tokens=3).choices[0].text
     finally:
         server.stop()
+
+
+def test_a_deadline_ends_every_choice(async_server):
+    from llm_api.client import StreamError
+
+    http = HTTPClient(async_server.http, "smollm2", async_server.key())
+    lines = []
+    with pytest.raises(StreamError, match="deadline"):
+        for line in json_lines(http.stream({**NATIVE, "n": 3, "max_new_tokens": 400, "ignore_eos": True, "timeout": 5})):
+            lines.append(line)
+    assert {line["index"] for line in lines} == {0, 1, 2} and not any("finish_reason" in line for line in lines)
+    assert async_server.worker_status() == "READY"
+    stats = json.loads(urllib_get(f"{async_server.http}/predictions/smollm2/1.0/v1/health", async_server.key()))
+    assert stats["num_active_requests"] == 0
+
+
+def urllib_get(url, key):
+    import urllib.request
+
+    with urllib.request.urlopen(urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"}), timeout=30) as r:
+        return r.read()
