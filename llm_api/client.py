@@ -7,6 +7,9 @@ Chunks are decoded incrementally, so a UTF-8 character split across network chun
 
 Authorization: TorchServe writes its keys to ``key_file.json`` in the directory it was started from;
 ``read_key()`` reads one (the inference key by default).
+
+A request with ``"output": "jsonl"`` (needed for ``n`` > 1 and ``logprobs``) streams JSON lines:
+``json_lines(client.stream(payload))`` yields them as dicts, and raises ``StreamError`` on an error line.
 """
 
 from __future__ import annotations
@@ -77,6 +80,26 @@ class _MarkerScanner:
             if isinstance(error, dict) and "code" in error:
                 raise RequestRefused(int(error["code"]), whole)
         raise StreamError(f"stream ended without the end-of-stream marker: {whole[-300:]!r}")
+
+
+def json_lines(chunks) -> Iterator[dict]:
+    """Text chunks of an ``"output": "jsonl"`` answer (any client's ``stream``) -> one dict per line."""
+    buffer = ""
+    for chunk in chunks:
+        buffer += chunk
+        *lines, buffer = buffer.split("\n")
+        for line in lines:
+            if line.strip():
+                yield _json_line(line)
+    if buffer.strip():
+        yield _json_line(buffer)
+
+
+def _json_line(line: str) -> dict:
+    obj = json.loads(line)
+    if "code" in obj and "type" in obj and "message" in obj:  # an error after the stream began
+        raise StreamError(f"the request failed: {obj['message']}")
+    return obj
 
 
 def _headers(key: str | None) -> dict:

@@ -8,7 +8,7 @@ from llm_api.api.errors import ApiError
 from llm_api.api.native import parse_request
 from llm_api.api.request import Limits
 
-LIMITS = Limits(max_input_tokens=8, max_new_tokens=100, hidden_size=4)
+LIMITS = Limits(max_input_tokens=8, max_new_tokens=100, hidden_size=4, vocab_size=1000, max_n=8)
 
 
 def body(obj) -> dict:
@@ -117,6 +117,20 @@ def test_malformed_payloads(row, type_, needle):
         ({"text": "a", "stop": [1]}, "invalid_parameter", "'stop'"),
         ({"text": "a", "stop": [""]}, "invalid_parameter", "stop string"),
         ({"text": "a", "stream": "sometimes"}, "invalid_parameter", "'stream'"),
+        ({"text": "a", "n": 2}, "invalid_parameter", "'n' needs \"output\": \"jsonl\""),
+        ({"text": "a", "n": 9, "output": "jsonl"}, "invalid_parameter", "'n' must be between 1 and 8 (MAX_NUM_SEQS)"),
+        ({"text": "a", "n": 0, "output": "jsonl"}, "invalid_parameter", "'n'"),
+        ({"text": "a", "logprobs": 2}, "invalid_parameter", "'logprobs' needs"),
+        ({"text": "a", "logprobs": 21, "output": "jsonl"}, "invalid_parameter", "'logprobs' must be between 0 and 20"),
+        ({"text": "a", "output": "xml"}, "invalid_parameter", "'output'"),
+        ({"text": "a", "presence_penalty": 2.5}, "invalid_parameter", "'presence_penalty' must be in [-2, 2]"),
+        ({"text": "a", "frequency_penalty": "lots"}, "invalid_parameter", "'frequency_penalty'"),
+        ({"text": "a", "logit_bias": {"1000": 5}}, "invalid_parameter", "token id 1000 is outside the vocabulary"),
+        ({"text": "a", "logit_bias": {"-3": 5}}, "invalid_parameter", "'logit_bias' keys must be token ids"),
+        ({"text": "a", "logit_bias": {"3": -101}}, "invalid_parameter", "the bias of token 3 must be in [-100, 100]"),
+        ({"text": "a", "logit_bias": {"3": None}}, "invalid_parameter", "the bias of token 3 must be a number"),
+        ({"text": "a", "logit_bias": {str(i): 1 for i in range(301)}}, "invalid_parameter", "at most 300"),
+        ({"text": "a", "logit_bias": [[3, 1]]}, "invalid_parameter", "'logit_bias' must be an object"),
     ],
 )
 def test_invalid_requests(obj, type_, needle):
@@ -135,3 +149,18 @@ def test_timeout_and_request_id():
     req = parse_request(body({"text": "x", "timeout": 2.5, "request_id": "mine"}), LIMITS)
     assert req.timeout_s == 2.5 and req.client_request_id == "mine"
     refused(body({"text": "x", "timeout": 0}), "invalid_parameter", "'timeout'")
+
+
+def test_sampling_features_and_their_form_fields():
+    req = parse_request(body({"text": "x", "n": 3, "logprobs": 5, "output": "jsonl", "presence_penalty": 0.5,
+                              "frequency_penalty": -1, "logit_bias": {"7": -100, "12": 3.5}}), LIMITS)
+    p = req.params
+    assert (p.n, p.logprobs, p.presence_penalty, p.frequency_penalty) == (3, 5, 0.5, -1.0)
+    assert p.logit_bias == ((7, -100.0), (12, 3.5)) and req.output == "jsonl"
+    # gRPC's input map and HTTP forms carry text: the same values as strings and JSON text.
+    form = parse_request({"text": b"x", "n": b"2", "logprobs": b"0", "output": b"jsonl", "presence_penalty": b"1",
+                          "logit_bias": b'{"5": 2}'}, LIMITS)
+    assert (form.params.n, form.params.logprobs, form.params.presence_penalty, form.params.logit_bias) == (2, 0, 1.0,
+                                                                                                         ((5, 2.0),))
+    plain = parse_request(body({"text": "x"}), LIMITS)
+    assert plain.output == "text" and plain.params.n == 1 and plain.params.logprobs is None

@@ -9,7 +9,7 @@ from llm_api.engine.request import FinishReason
 from llm_api.api.openai import OpenAICall, models_list, parse_call, route
 from llm_api.api.native import Limits
 
-LIMITS = Limits(max_input_tokens=2048, max_new_tokens=2048, hidden_size=576)
+LIMITS = Limits(max_input_tokens=2048, max_new_tokens=2048, hidden_size=576, vocab_size=49152, max_n=64)
 
 
 def parse(kind, body):
@@ -45,10 +45,22 @@ def test_completion_defaults_follow_openai():
 
 @pytest.mark.parametrize("body, param, status", [
     ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature", 400),
-    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n", 400),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "n": 0}, "n", 400),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "n": 65}, "n", 400),  # > MAX_NUM_SEQS
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": -2.5}, "frequency_penalty", 400),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"50000": 1}}, "logit_bias", 400),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}}, "logit_bias", 400),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"05": 1}}, "logit_bias", 400),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "logit_bias": [1]}, "logit_bias", 400),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs", 400),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs", 400),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", 400),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "seed": -1}, "seed", 400),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens", 400),
     ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p", 400),
     ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5}, "stop", 400),
-    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1}, "presence_penalty", 400),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 3}, "presence_penalty", 400),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "best_of": 2}, "best_of", 400),
     ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "frobnicate": 1}, "frobnicate", 400),
     ({"model": "smollm2", "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", 400),
     ({"model": "other", "messages": [{"role": "user", "content": "x"}]}, "model", 404),
@@ -117,3 +129,66 @@ def test_huge_integer_literal_is_a_400():
     with pytest.raises(ApiError) as err:
         parse_call("chat", body, "smollm2", LIMITS)
     assert err.value.status == 400
+
+
+def test_sampling_parameters_are_translated():
+    req, call = parse("chat", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "n": 3,
+                               "presence_penalty": 0.5, "frequency_penalty": -0.25, "logit_bias": {"11": -100, "0": 2},
+                               "logprobs": True, "top_logprobs": 4, "seed": 9, "max_completion_tokens": 12})
+    p = req.params
+    assert (p.n, p.presence_penalty, p.frequency_penalty, p.logprobs, p.seed, p.max_new_tokens) == (3, 0.5, -0.25, 4, 9, 12)
+    assert p.logit_bias == ((11, -100.0), (0, 2.0)) and call.n == 3 and call.with_logprobs
+    req, call = parse("chat", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "logprobs": False,
+                               "top_logprobs": 0})
+    assert req.params.logprobs is None and not call.with_logprobs
+    req, call = parse("completions", {"model": "smollm2", "prompt": "x", "logprobs": 0})
+    assert req.params.logprobs == 0 and call.with_logprobs
+    with pytest.raises(ApiError) as err:
+        parse("completions", {"model": "smollm2", "prompt": "x", "logprobs": 6})
+    assert err.value.param == "logprobs"
+
+
+def _item(token_id, text, logprob, top=()):
+    from llm_api.api.logprobs import LogprobItem, TokenText
+
+    def token(i, t):
+        return TokenText(i, t, t.encode())
+
+    return LogprobItem(token(token_id, text), logprob, tuple((token(i, t), v) for i, t, v in top))
+
+
+def test_n_choices_and_logprobs_in_a_chat_stream():
+    call = OpenAICall("chat", "smollm2", stream=True, include_usage=True, n=2, with_logprobs=True)
+    out = (call.delta("Hi", 0, (_item(5, "Hi", -0.1, [(5, "Hi", -0.1), (6, "Ho", -2.5)]),))
+           + call.delta("Yo", 1, (_item(7, "Yo", -0.7, [(8, "Ya", -0.6), (7, "Yo", -0.7)]),))
+           + call.choice_finish(1, FinishReason.LENGTH)
+           + call.delta("!", 0, (_item(9, "!", float("-inf")),))
+           + call.finish(FinishReason.STOP, 4, 3))
+    chunks = [json.loads(d) for d in events(out)[:-1]]
+    by_index = {0: [], 1: []}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        by_index[choice["index"]].append(choice)
+    assert [c["delta"].get("role") for c in by_index[0]][0] == "assistant" == by_index[1][0]["delta"]["role"]
+    content = [e for c in by_index[0] if c["logprobs"] for e in c["logprobs"]["content"]]
+    assert [e["token"] for e in content] == ["Hi", "!"] and content[0]["bytes"] == [72, 105]
+    assert content[1]["logprob"] == -9999.0  # -inf is not JSON
+    assert [t["token"] for t in content[0]["top_logprobs"]] == ["Hi", "Ho"]
+    assert [c["finish_reason"] for c in by_index[1] if c["finish_reason"]] == ["length"]
+    assert [c["finish_reason"] for c in by_index[0] if c["finish_reason"]] == ["stop"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_n_choices_and_logprobs_in_a_completion_answer():
+    call = OpenAICall("completions", "smollm2", stream=False, include_usage=False, n=2, with_logprobs=True)
+    call.delta("ab", 0, (_item(1, "a", -0.5, [(1, "a", -0.5)]), _item(2, "b", -1.0, [(3, "c", -0.2)])))
+    call.delta("c", 0, (_item(3, "c", -0.3),))
+    call.delta("z", 1, (_item(4, "z", -0.1),))
+    call.choice_finish(0, FinishReason.STOP)
+    body = json.loads(call.finish(FinishReason.LENGTH, 2, 4))
+    first, second = body["choices"]
+    assert (first["index"], first["text"], first["finish_reason"]) == (0, "abc", "stop")
+    assert (second["index"], second["text"], second["finish_reason"]) == (1, "z", "length")
+    assert first["logprobs"] == {"tokens": ["a", "b", "c"], "token_logprobs": [-0.5, -1.0, -0.3],
+                                 "top_logprobs": [{"a": -0.5}, {"c": -0.2, "b": -1.0}, {"c": -0.3}],
+                                 "text_offset": [0, 1, 2]}

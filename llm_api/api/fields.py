@@ -8,6 +8,9 @@ rules a field obeys are written once here as annotated types:
   states (``'top_p' must be in (0, 1], got 1.5``). ``Flag``: true/false (or "true"/"1"/"yes"/"false"/
   "0"/"no" as text). ``Text``: a string without NUL characters or lone surrogates (the tokenizer cannot
   take them). ``StopStrings(n)``: one string or up to ``n`` non-empty ones of at most 256 characters.
+* ``LogitBias(text_ok)``: an object mapping token ids (decimal strings, as JSON keys must be) to biases
+  in [-100, 100], at most ``MAX_LOGIT_BIAS`` entries, ids below the model's vocabulary size (read from
+  the validation context's ``limits``), as ``((token_id, bias), ...)``.
 * ``from_form_json``: a before-validator that decodes a form field's JSON text (messages, stop lists,
   embeddings arrive as text in form posts and gRPC's input map).
 
@@ -22,13 +25,15 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BeforeValidator, ValidationError
+from pydantic import AfterValidator, BeforeValidator, ValidationError, ValidationInfo
 from pydantic_core import PydanticCustomError
 
 from llm_api.api.errors import echo
 from llm_api.api.validation import decode_json
 
 MAX_STOP_STRING_CHARS = 256
+MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit)
+MAX_LOGIT_BIAS_VALUE = 100.0
 TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes"), ("false", "0", "no")
 
 
@@ -180,6 +185,39 @@ def StopStrings(max_count: int):  # noqa: N802
         return tuple(items)
 
     return Annotated[tuple[str, ...], BeforeValidator(check)]
+
+
+def LogitBias(text_ok: bool = True):  # noqa: N802
+    """``{"<token id>": bias}`` -> ``((token_id, bias), ...)`` in the order given."""
+
+    def check(value: Any) -> tuple[tuple[int, float], ...]:
+        if not isinstance(value, dict):
+            raise _fail("logit_bias_type", f"must be an object mapping token ids to biases, not {_json_type(value)}")
+        if len(value) > MAX_LOGIT_BIAS:
+            raise _fail("logit_bias_value", f"has {len(value)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+        items = []
+        for key, bias in value.items():
+            # Canonical decimal only, so two keys can never name the same id ("1" and "01").
+            if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12 and (key == "0" or key[0] != "0")):
+                raise _fail("logit_bias_value", f"keys must be token ids (decimal integers), got {echo(key)}")
+            try:
+                number = _to_number(bias, text_ok)
+            except PydanticCustomError:
+                raise _fail("logit_bias_value", f"the bias of token {key} must be a number") from None
+            if not -MAX_LOGIT_BIAS_VALUE <= number <= MAX_LOGIT_BIAS_VALUE:
+                raise _fail("logit_bias_value", f"the bias of token {key} must be in [-100, 100], got {number:g}")
+            items.append((int(key), number))
+        return tuple(items)
+
+    def within_vocabulary(value: tuple[tuple[int, float], ...], info: ValidationInfo):
+        limits = (info.context or {}).get("limits")
+        vocab_size = getattr(limits, "vocab_size", None)
+        for token_id, _ in value:
+            if vocab_size is not None and token_id >= vocab_size:
+                raise _fail("logit_bias_value", f"token id {token_id} is outside the vocabulary (0 to {vocab_size - 1})")
+        return value
+
+    return Annotated[tuple[tuple[int, float], ...], BeforeValidator(check), AfterValidator(within_vocabulary)]
 
 
 def from_form_json(value: Any) -> Any:

@@ -11,6 +11,12 @@ carries exactly one input (``text``, ``messages`` or ``inputs_embeds``: vectors 
 size) and generation parameters, declared by ``NativeBody`` with the shared field rules of
 ``llm_api.api.fields``. Anything else raises ``ApiError`` (4xx, ``invalid_parameter`` /
 ``invalid_input`` / ``unknown_field`` / ...) naming the field, for that request alone.
+
+``n`` (choices, up to MAX_NUM_SEQS) above 1 and ``logprobs`` (0..20 alternatives per token) need
+``"output": "jsonl"`` (``llm_api.api.native_stream``): the plain text stream has no place for them, so
+a request that asks for them without it is refused, naming the field, and existing clients see no
+change. ``presence_penalty`` / ``frequency_penalty`` (-2..2) and ``logit_bias`` (``{"<token id>": bias}``,
+-100..100) work with either output.
 """
 
 from __future__ import annotations
@@ -20,11 +26,11 @@ from typing import Annotated, Any, Literal, Mapping
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo, field_validator
 
 from llm_api.api.errors import ApiError, echo
-from llm_api.api.fields import (Flag, Integer, NonEmptyText, Number, StopStrings, Text, WholeNumber, fail,
+from llm_api.api.fields import (Flag, Integer, LogitBias, NonEmptyText, Number, StopStrings, Text, WholeNumber, fail,
                                 first_error, from_form_json, message_of, unknown_fields)
 from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, INPUT_FIELDS, MAX_SEED, CancelRequest, GenerateRequest, Limits
 from llm_api.api.validation import decode_json
-from llm_api.engine.sampler import MAX_STOP_STRINGS, SamplingParams
+from llm_api.engine.sampler import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_TEMPERATURE = 100.0
@@ -74,6 +80,9 @@ class NativeBody(BaseModel):
     top_p: Number(0.0, 1.0, low_open=True) | None = None
     top_k: Integer(0, 1_000_000) | None = None
     repetition_penalty: Number(0.0, MAX_REPETITION_PENALTY, low_open=True) | None = None
+    presence_penalty: Number(-2.0, 2.0) | None = None
+    frequency_penalty: Number(-2.0, 2.0) | None = None
+    logit_bias: Annotated[LogitBias(), BeforeValidator(from_form_json)] | None = None
     do_sample: Flag | None = None
     seed: Integer(0, MAX_SEED) | None = None
     stop: Annotated[StopStrings(MAX_STOP_STRINGS), BeforeValidator(from_form_json)] | None = None
@@ -81,6 +90,17 @@ class NativeBody(BaseModel):
     stream: Flag | None = None
     request_id: Text | None = None
     timeout: Number(0.0, 86400.0, low_open=True) | None = None
+    n: WholeNumber = 1  # range: 1 .. MAX_NUM_SEQS (a setting), checked below
+    logprobs: Integer(0, MAX_TOP_LOGPROBS) | None = None
+    output: Literal["text", "jsonl"] = "text"
+
+    @field_validator("n")
+    @classmethod
+    def _n_within_limit(cls, value, info: ValidationInfo):
+        limit = info.context["limits"].max_n
+        if not 1 <= value <= limit:
+            raise ValueError(f"must be between 1 and {limit} (MAX_NUM_SEQS), got {value if abs(value) < 10**20 else 'more'}")
+        return value
 
     @field_validator("inputs_embeds")
     @classmethod
@@ -128,6 +148,11 @@ def parse_request(row: Mapping[str, Any], limits: Limits, default_stream: bool =
         raise ApiError(400, "too_many_inputs", f"give exactly one input, not {' and '.join(given)}")
     if body.request_id is not None and len(body.request_id) > MAX_REQUEST_ID_CHARS:
         raise ApiError(400, "invalid_parameter", f"'request_id' may have at most {MAX_REQUEST_ID_CHARS} characters")
+    if body.output == "text":
+        for name, needs_lines in (("n", body.n > 1), ("logprobs", body.logprobs is not None)):
+            if needs_lines:
+                raise ApiError(400, "invalid_parameter", f"'{name}' needs \"output\": \"jsonl\" (the plain text "
+                               "stream has no place for several choices or logprobs)", name)
     return GenerateRequest(
         text=body.text,
         messages=[m.model_dump(exclude_none=True) for m in body.messages] if body.messages is not None else None,
@@ -136,6 +161,7 @@ def parse_request(row: Mapping[str, Any], limits: Limits, default_stream: bool =
         stream=default_stream if body.stream is None else body.stream,
         client_request_id=body.request_id,
         timeout_s=body.timeout,
+        output=body.output,
     )
 
 
@@ -148,10 +174,15 @@ def _sampling_params(body: NativeBody, limits: Limits) -> SamplingParams:
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias=body.logit_bias or (),
         do_sample=wants_sampling if body.do_sample is None else body.do_sample,
         seed=body.seed,
         stop=body.stop or (),
         ignore_eos=body.ignore_eos,
+        logprobs=body.logprobs,
+        n=body.n,
     )
 
 

@@ -21,6 +21,8 @@ class Limits:
     max_input_tokens: int
     max_new_tokens: int
     hidden_size: int | None = None
+    vocab_size: int | None = None  # the model's logits width: logit_bias ids must be below it
+    max_n: int = 128  # choices per request (MAX_NUM_SEQS: all n sequences run together)
 
 
 @dataclass
@@ -32,6 +34,7 @@ class GenerateRequest:
     stream: bool = True  # HTTP always streams; gRPC streams only when asked (see docs/torchserve.md)
     client_request_id: str | None = None  # the client's label: unique among live requests
     timeout_s: float | None = None
+    output: str = "text"  # native answers: "text" (chunks then the marker) or "jsonl" (llm_api.api.native_stream)
 
     @property
     def input_kind(self) -> str:

@@ -3,6 +3,12 @@
 ``step()`` is the whole algorithm: the scheduler picks this step's tokens, the model runner computes
 logits at the last token of each request that is due a new token, the sampler picks those tokens, and
 the scheduler appends them, finishes requests (EOS, max_new_tokens, length limit) and frees their blocks.
+
+A request with ``params.n`` > 1 is n sequences (``Request.index`` 0..n-1, one ``SamplingState`` each):
+the prompt is prefilled once, by index 0; the step that completes it samples every sequence's first
+token from that one logits row (the row is repeated in the sampler's batch) and the scheduler forks the
+others onto the prompt's blocks. Outputs carry the sequence's ``index``; ``abort_request`` ends all n.
+With ``params.logprobs`` set, each output carries the sampled token's ``TokenLogprob``.
 On CUDA the KV pool is sized from a profiled worst-case step (``memory_profile``) and pure decode steps
 replay CUDA graphs (``cuda_graphs``, Triton attention only).
 
@@ -168,8 +174,14 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None, params: SamplingParams,
                     prompt_embeds: torch.Tensor | None = None) -> None:
         request = self._build_request(request_id, prompt_token_ids, params, prompt_embeds)
-        self.scheduler.add(request)
-        logger.debug("request %s added: %d prompt tokens", request_id, request.num_prompt_tokens)
+        if params.n < 1:
+            raise ValueError(f"n must be >= 1, got {params.n}")
+        siblings = [Request(request_id=request_id, prompt_token_ids=request.prompt_token_ids, params=params,
+                            sampling_state=SamplingState.for_params(params, self.runner.logits_device, index),
+                            prompt_embeds=request.prompt_embeds, index=index)
+                    for index in range(1, params.n)]
+        self.scheduler.add(request, siblings)
+        logger.debug("request %s added: %d prompt tokens, n=%d", request_id, request.num_prompt_tokens, params.n)
 
     def _build_request(self, request_id, prompt_token_ids, params, prompt_embeds) -> Request:
         if prompt_embeds is not None:
@@ -191,6 +203,8 @@ class LLMEngine:
             if prompt_token_ids and not all(isinstance(t, int) and 0 <= t < self.vocab_size
                                             for t in prompt_token_ids):
                 raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        if any(not 0 <= token_id < self.vocab_size for token_id, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
         return Request(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -199,9 +213,11 @@ class LLMEngine:
             prompt_embeds=prompt_embeds,
         )
 
-    def abort_request(self, request_id: str) -> None:
-        if self.scheduler.abort(request_id) is not None:
-            self._pending_outputs.append(RequestOutput(request_id, [], True, FinishReason.ABORT))
+    def abort_request(self, request_id: str, index: int | None = None) -> None:
+        """End the request (every sequence, or only choice ``index``) and free its blocks; the next step
+        reports each ended sequence as aborted."""
+        for request in self.scheduler.abort(request_id, index):
+            self._pending_outputs.append(RequestOutput(request_id, [], True, FinishReason.ABORT, request.index))
 
     def has_unfinished_requests(self) -> bool:
         """True while ``step()`` has work to do or outputs to report."""
@@ -216,12 +232,29 @@ class LLMEngine:
             return outputs
         self._num_steps += 1
         logits, sampled_requests = self.runner.execute(scheduler_output)  # [num_sampled, V]
-        sampled_token_ids = {}
+        sampled_token_ids, sampled_logprobs = {}, None
         if sampled_requests:
-            token_ids = self.sampler(logits, self._sampler_batch(sampled_requests)).tolist()
-            sampled_token_ids = {r.request_id: t for r, t in zip(sampled_requests, token_ids)}
-        outputs += self.scheduler.update(scheduler_output, sampled_token_ids)
+            logits, sampled_requests = self._with_forks(scheduler_output, logits, sampled_requests)
+            sampled = self.sampler(logits, self._sampler_batch(sampled_requests))
+            token_ids = sampled.token_ids.tolist()
+            sampled_token_ids = {r.seq_id: t for r, t in zip(sampled_requests, token_ids)}
+            if sampled.logprobs is not None:
+                sampled_logprobs = {r.seq_id: lp for r, lp in zip(sampled_requests, sampled.logprobs) if lp is not None}
+        outputs += self.scheduler.update(scheduler_output, sampled_token_ids, sampled_logprobs)
         return outputs
+
+    @staticmethod
+    def _with_forks(scheduler_output, logits: torch.Tensor, requests: list[Request]):
+        """The sampler's rows: each sampled sequence's logits row, repeated for the siblings it forks."""
+        forks = {s.request.seq_id: s.forks for s in scheduler_output.scheduled if s.forks}
+        if not forks:
+            return logits, requests
+        rows, row_requests = [], []
+        for row, request in enumerate(requests):
+            for sequence in (request, *forks.get(request.seq_id, ())):
+                rows.append(row)
+                row_requests.append(sequence)
+        return logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device)), row_requests
 
     def run_step(self, on_outputs) -> None:
         """One step, its outputs handed to ``on_outputs`` (the engine loop's interface, shared with the
@@ -241,14 +274,18 @@ class LLMEngine:
         """Synchronous batch mode: add the requests, then step until all of them finish, yielding each
         step's outputs for them. If one add fails, the ones already added are aborted and the error is
         raised. Closing the iterator early aborts the unfinished ones."""
-        unfinished: set[str] = set()
+        unfinished: dict[str, int] = {}  # request id -> sequences not finished
         try:
             for request_id, prompt_token_ids, params, prompt_embeds in requests:
                 self.add_request(request_id, prompt_token_ids, params, prompt_embeds)
-                unfinished.add(request_id)
+                unfinished[request_id] = params.n
             while unfinished:
                 outputs = [o for o in self.step() if o.request_id in unfinished]
-                unfinished.difference_update(o.request_id for o in outputs if o.finished)
+                for output in outputs:
+                    if output.finished:
+                        unfinished[output.request_id] -= 1
+                        if not unfinished[output.request_id]:
+                            del unfinished[output.request_id]
                 if outputs:
                     yield outputs
         finally:

@@ -140,6 +140,19 @@ class PagedKVCache:
         self.value_caches = [torch.zeros(shape, dtype=dt, device=dev)
                              for dev, dt in zip(layout.layer_devices, layout.layer_dtypes)]
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy every layer's K/V of block ``src`` into block ``dst`` for each (src, dst): one indexed copy
+        per tensor, on the device (copy on write of a partial block shared by the n sequences of a request)."""
+        if not copies:
+            return
+        indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        for cache in self.key_caches + self.value_caches:
+            if cache.device not in indices:
+                indices[cache.device] = (torch.tensor([c[0] for c in copies], dtype=torch.long, device=cache.device),
+                                         torch.tensor([c[1] for c in copies], dtype=torch.long, device=cache.device))
+            src, dst = indices[cache.device]
+            cache.index_copy_(0, dst, cache.index_select(0, src))
+
     @property
     def max_num_tokens(self) -> int:
         """Tokens the whole pool holds: the most concurrent context across all requests."""

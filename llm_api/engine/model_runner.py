@@ -9,7 +9,9 @@ each request that samples this step (``logits_to_keep`` keeps ``lm_head`` off th
 those requests in the same order.
 
 Block tables come from the scheduler's deltas (``BlockTables``: new block ids per step, rebuilt when a
-request is admitted or resumed), never from the scheduler's own lists.
+sequence is admitted, resumed, forked or copied on write), never from the scheduler's own lists; they
+are kept per sequence (``Request.seq_id``: the n sequences of one request each have their own). The
+step's ``block_copies`` (copy on write of a shared partial block) are applied before the forward.
 
 Requests built from ``prompt_embeds`` feed their prompt positions from the embeddings (the rest, i.e.
 generated tokens being recomputed after a preemption, from the embedding table).
@@ -49,11 +51,11 @@ class BlockTables:
         self._counter = itertools.count()
 
     def update(self, output: SchedulerOutput) -> None:
-        for request_id in output.ended_request_ids:
+        for request_id in output.ended_request_ids:  # (seq ids)
             self._tables.pop(request_id, None)
             self._versions.pop(request_id, None)
         for item in output.scheduled:
-            request_id = item.request.request_id
+            request_id = item.request.seq_id
             if item.is_new:
                 self._tables[request_id] = list(item.new_block_ids)
                 self._versions[request_id] = next(self._counter)
@@ -111,6 +113,8 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
         """-> (logits [num_sampled, V], the requests those rows belong to)."""
         self.block_tables.update(scheduler_output)
+        if scheduler_output.block_copies:
+            self.kv_cache.copy_blocks(scheduler_output.block_copies)
         scheduled = scheduler_output.scheduled
         graph_rows = self._graph_decode_rows(scheduled)
         if graph_rows is not None:
@@ -130,7 +134,7 @@ class ModelRunner:
             request = item.request
             start = request.num_computed_tokens
             end = start + item.num_new_tokens
-            block_ids = self.block_tables[request.request_id]
+            block_ids = self.block_tables[request.seq_id]
             if item.num_new_tokens == 1:  # the common decode case, without building lists
                 input_ids.append(_token_id_at(request, start))
                 positions.append(start)
@@ -190,9 +194,9 @@ class ModelRunner:
                 return None
             if request.prompt_embeds is not None and position < request.num_prompt_tokens:
                 return None  # fed from embeddings, not an id
-            block_ids = self.block_tables[request.request_id]
+            block_ids = self.block_tables[request.seq_id]
             rows.append(DecodeRow(_token_id_at(request, position), position, _slot_of(block_ids, position, block_size),
-                                  request.request_id, self.block_tables.version(request.request_id), block_ids))
+                                  request.seq_id, self.block_tables.version(request.seq_id), block_ids))
         return rows
 
     def _embeddings_with_prompts(self, token_ids: torch.Tensor, segments) -> torch.Tensor:

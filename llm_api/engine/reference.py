@@ -13,7 +13,11 @@ as it happens; requests added meanwhile wait for the next batch. ``abort_request
   simply takes that token. An all-greedy batch without penalties skips it: plain ``generate()``.
 * ``StepReporter`` (a stopping criterion, called once per step with the new tokens in every
   transformers version we support) decides per row when it is done (EOS, its own ``max_new_tokens``,
-  an abort) and reports each step's tokens to the caller.
+  an abort) and reports each step's tokens to the caller, with the logprobs ``RowSampler`` computed for
+  that step when the request asked for them.
+
+A request with ``n`` > 1 is n rows of the batch (``RequestOutput.index``), each with its own sampler
+state; the prompt is simply repeated (no sharing: this path is the reference, not the fast one).
 
 The whole batch ends when its slowest row ends: the cost the paged engine removes.
 """
@@ -27,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from llm_api.engine.request import FinishReason, RequestOutput
+from llm_api.engine.request import FinishReason, RequestOutput, TokenLogprob
 from llm_api.engine.sampler import Sampler, SamplerBatch, SamplingParams, SamplingState
 from llm_api.model.placement import execution_device
 
@@ -43,6 +47,7 @@ class ReferenceRequest:
     prompt_token_ids: list[int] | None = None
     prompt_embeds: torch.Tensor | None = None  # [T, H]
     aborted: bool = False  # while waiting: reported as aborted by the next run_step
+    index: int = 0  # choice index (a request with n > 1 is n rows)
 
     @property
     def prompt_len(self) -> int:
@@ -65,17 +70,19 @@ class ReferenceCore:
                     prompt_embeds: torch.Tensor | None = None) -> None:
         if (prompt_token_ids is None) == (prompt_embeds is None):
             raise ValueError("give prompt_token_ids or prompt_embeds")
-        self._waiting.append(ReferenceRequest(request_id, params, prompt_token_ids, prompt_embeds))
+        if any(r.request_id == request_id for r in self._waiting):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._waiting.extend(ReferenceRequest(request_id, params, prompt_token_ids, prompt_embeds, index=index)
+                             for index in range(params.n))
 
-    def abort_request(self, request_id: str) -> None:
-        """End a request: a waiting one is reported as aborted by the next ``run_step``; a running one at
-        the batch's next token step."""
-        if self._reporter is not None and self._reporter.abort(request_id):
+    def abort_request(self, request_id: str, index: int | None = None) -> None:
+        """End a request (or only its choice ``index``): a waiting one is reported as aborted by the next
+        ``run_step``; a running one at the batch's next token step."""
+        if self._reporter is not None and self._reporter.abort(request_id, index):
             return
         for request in self._waiting:
-            if request.request_id == request_id:
+            if request.request_id == request_id and index in (None, request.index):
                 request.aborted = True
-                return
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._waiting)
@@ -87,7 +94,7 @@ class ReferenceCore:
         batch, self._waiting = self._waiting, []
         aborted = [r for r in batch if r.aborted]
         if aborted:
-            on_outputs([RequestOutput(r.request_id, [], True, FinishReason.ABORT) for r in aborted])
+            on_outputs([RequestOutput(r.request_id, [], True, FinishReason.ABORT, r.index) for r in aborted])
         batch = [r for r in batch if not r.aborted]
         if batch:
             self._generate(batch, on_outputs)
@@ -95,10 +102,12 @@ class ReferenceCore:
     @torch.inference_mode()
     def _generate(self, batch: Sequence[ReferenceRequest], on_outputs: OnOutputs) -> None:
         inputs = self._pack(batch)
-        reporter = StepReporter(batch, self._eos, on_outputs)
         processors = LogitsProcessorList()
-        if any(not r.params.greedy or r.params.needs_penalty for r in batch):
-            processors.append(RowSampler(batch, self._device))
+        row_sampler = None
+        if not all(r.params.argmax_only for r in batch):
+            row_sampler = RowSampler(batch, self._device)
+            processors.append(row_sampler)
+        reporter = StepReporter(batch, self._eos, on_outputs, row_sampler)
         self._reporter = reporter
         try:
             self._model.generate(
@@ -146,9 +155,10 @@ class RowSampler(LogitsProcessor):
     def __init__(self, jobs: Sequence[ReferenceRequest], device: torch.device):
         self._jobs = jobs
         self._sampler = Sampler()
-        self._states = [SamplingState.for_params(j.params, device) for j in jobs]
+        self._states = [SamplingState.for_params(j.params, device, j.index) for j in jobs]
         self._generated: list[list[int]] = [[] for _ in jobs]
         self._first = True
+        self.step_logprobs: list[TokenLogprob | None] | None = None  # this step's, per row (read by StepReporter)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if not self._first:  # the previous step's picks are now the last column of input_ids
@@ -159,39 +169,46 @@ class RowSampler(LogitsProcessor):
             (j.prompt_token_ids or []) + gen if j.params.needs_penalty else None
             for j, gen in zip(self._jobs, self._generated)
         ]
-        picks = self._sampler(scores, SamplerBatch([j.params for j in self._jobs], self._states, seen))
+        sampled = self._sampler(scores, SamplerBatch([j.params for j in self._jobs], self._states, seen))
+        self.step_logprobs = sampled.logprobs
         one_hot = torch.full_like(scores, float("-inf"))
-        one_hot.scatter_(1, picks.view(-1, 1), 0.0)
+        one_hot.scatter_(1, sampled.token_ids.view(-1, 1), 0.0)
         return one_hot
 
 
 class StepReporter(StoppingCriteria):
     """Per-row stop decisions and step reports; returns [B] bools (True: this row is done)."""
 
-    def __init__(self, jobs: Sequence[ReferenceRequest], eos: frozenset[int], on_step: OnOutputs):
+    def __init__(self, jobs: Sequence[ReferenceRequest], eos: frozenset[int], on_step: OnOutputs,
+                 row_sampler: RowSampler | None = None):
         self._jobs = jobs
         self._eos = eos
         self._on_step = on_step
+        self._row_sampler = row_sampler
         self._num_generated = [0] * len(jobs)
         self._done = [False] * len(jobs)
-        self._aborted: set[str] = set()
+        self._aborted: set[tuple[str, int | None]] = set()  # (request id, index or None for every row)
 
-    def abort(self, request_id: str) -> bool:
-        """Mark a row of this batch aborted; False when the request is not in the batch."""
+    def abort(self, request_id: str, index: int | None = None) -> bool:
+        """Mark the request's rows (or row ``index``) of this batch aborted; False when it is not in the batch."""
         if not any(j.request_id == request_id for j in self._jobs):
             return False
-        self._aborted.add(request_id)
+        self._aborted.add((request_id, index))
         return True
+
+    def _is_aborted(self, job: ReferenceRequest) -> bool:
+        return (job.request_id, None) in self._aborted or (job.request_id, job.index) in self._aborted
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         new_tokens = input_ids[:, -1].tolist()
+        step_logprobs = self._row_sampler.step_logprobs if self._row_sampler is not None else None
         outputs = []
         for row, job in enumerate(self._jobs):
             if self._done[row]:
                 continue
-            if job.request_id in self._aborted:
+            if self._is_aborted(job):
                 self._done[row] = True
-                outputs.append(RequestOutput(job.request_id, [], True, FinishReason.ABORT))
+                outputs.append(RequestOutput(job.request_id, [], True, FinishReason.ABORT, job.index))
                 continue
             token = new_tokens[row]
             self._num_generated[row] += 1
@@ -201,19 +218,21 @@ class StepReporter(StoppingCriteria):
             elif self._num_generated[row] >= job.params.max_new_tokens:
                 reason = FinishReason.LENGTH
             self._done[row] = reason is not None
-            outputs.append(RequestOutput(job.request_id, [token], reason is not None, reason))
+            logprob = step_logprobs[row] if step_logprobs is not None else None
+            outputs.append(RequestOutput(job.request_id, [token], reason is not None, reason, job.index,
+                                         (logprob,) if logprob is not None else None))
         if outputs:
             self._on_step(outputs)
         # Aborts requested inside on_step take effect now, not one step later.
         for row, job in enumerate(self._jobs):
-            if not self._done[row] and job.request_id in self._aborted:
+            if not self._done[row] and self._is_aborted(job):
                 self._done[row] = True
-                self._on_step([RequestOutput(job.request_id, [], True, FinishReason.ABORT)])
+                self._on_step([RequestOutput(job.request_id, [], True, FinishReason.ABORT, job.index)])
         return torch.tensor(self._done, dtype=torch.bool, device=input_ids.device)
 
     def finish_remaining(self) -> None:
         """Rows still open when generate() returned (it stopped at its own length limit)."""
-        rest = [RequestOutput(j.request_id, [], True, FinishReason.LENGTH) for row, j in enumerate(self._jobs)
+        rest = [RequestOutput(j.request_id, [], True, FinishReason.LENGTH, j.index) for row, j in enumerate(self._jobs)
                 if not self._done[row]]
         if rest:
             self._on_step(rest)

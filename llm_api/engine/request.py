@@ -1,10 +1,18 @@
 """Per-request state shared by the scheduler, the model runner and the engine.
 
-A ``Request`` holds token ids only (never text): the prompt, the tokens generated so far, how many of
-them already have K/V in the paged cache (``num_computed_tokens``), the KV blocks it holds, its status
-and, once finished, why. A request built from ``prompt_embeds`` carries placeholder prompt ids (its
-length is what counts) and never takes part in prefix caching. ``RequestOutput`` is what one engine
-step reports for one request. This module imports no torch, so the scheduler stays torch-free.
+A ``Request`` is one sequence and holds token ids only (never text): the prompt, the tokens generated
+so far, how many of them already have K/V in the paged cache (``num_computed_tokens``), the KV blocks it
+holds, its status and, once finished, why. A request built from ``prompt_embeds`` carries placeholder
+prompt ids (its length is what counts) and never takes part in prefix caching.
+
+A request asking for ``n`` > 1 answers is ``n`` sequences sharing one ``request_id``: choice ``index`` 0
+is added first and prefills the prompt; the others (``UNFORKED`` until then) start from its KV blocks
+when that prefill ends (see ``llm_api.engine.scheduler``). ``seq_id`` tells the sequences apart (the
+request id itself for index 0), for whatever keeps per-sequence state (block tables).
+
+``RequestOutput`` is what one engine step reports for one sequence: its new token ids, with their
+``TokenLogprob`` when the request asked for logprobs. This module imports no torch, so the scheduler
+stays torch-free.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again; its blocks were freed and its tokens will be recomputed
+    UNFORKED = "unforked"  # choice index > 0 waiting for index 0's prompt, whose blocks it will share
     FINISHED = "finished"
 
 
@@ -34,13 +43,25 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """The log-probability of one sampled token and of the most likely alternatives at its position, in
+    the distribution the token was drawn from (``llm_api.engine.sampler`` says which one)."""
+
+    token_id: int
+    logprob: float  # may be -inf for an alternative that top-k / top-p removed
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True)
 class RequestOutput:
-    """What one step produced for one request: the new token ids and whether the request ended."""
+    """What one step produced for one sequence: the new token ids and whether the sequence ended."""
 
     request_id: str
     new_token_ids: list[int]
     finished: bool
     finish_reason: FinishReason | None = None  # set once finished
+    index: int = 0  # which of the request's n sequences (choices)
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per new token, when the request asked for them
 
 
 @dataclass(eq=False)
@@ -59,6 +80,12 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    index: int = 0  # choice index among the request's n sequences
+    seq_id: str = ""  # unique among live sequences: request_id for index 0, set in __post_init__
+
+    def __post_init__(self):
+        if not self.seq_id:
+            self.seq_id = self.request_id if self.index == 0 else f"{self.request_id}/{self.index}"
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,24 +1,53 @@
 """Sampling parameters and the batched sampler shared by every generation path.
 
 ``SamplingParams`` is the validated, per-request description of how to pick tokens. ``Sampler`` turns
-one step's logits ``[B, V]`` for a batch of requests, each with its own parameters, into token ids
-``[B]``: greedy rows take the argmax, sampling rows apply repetition penalty, temperature, top-k and
-top-p and draw with the request's own ``torch.Generator`` so a seeded request gives the same tokens
-whatever else shares its batch. The paged engine and the ``generate()`` reference both call it, so the
-two paths pick tokens the same way.
+one step's logits ``[B, V]`` for a batch of sequences, each with its own parameters, into token ids
+``[B]`` and, for the rows that ask, their log-probabilities. The paged engine and the ``generate()``
+reference both call it, so the two paths pick tokens the same way.
+
+Per row, in this order (vLLM's order; OpenAI documents none):
+
+1. ``logit_bias``: added to the named tokens' logits;
+2. penalties: ``repetition_penalty`` (transformers' rule, over prompt + output tokens), then
+   ``frequency_penalty`` x count and ``presence_penalty`` x (count > 0) subtracted, counting the
+   sequence's OUTPUT tokens only (OpenAI's definition); the counts live in the row's ``SamplingState``
+   and grow by one token per draw, never rebuilt;
+3. (grammar masks belong here: after the penalties, before temperature);
+4. greedy rows take the argmax; sampling rows are divided by ``temperature``, cut to ``top_k`` and
+   ``top_p`` and drawn from with the row's own ``torch.Generator``, so a seeded sequence gives the same
+   tokens whatever else shares its batch.
+
+Logprobs (``SamplingParams.logprobs`` = k >= 0): ``log_softmax`` of the distribution the token was drawn
+from, i.e. after every transform above: for a sampling row the tempered, top-k/top-p-cut logits (tokens
+the cut removed have logprob -inf); for a greedy row the biased and penalized logits at temperature 1
+(argmax has no temperature). This is vLLM's ``processed_logprobs`` mode (vLLM v1's default is the raw
+model distribution; its v0 took penalties and temperature into account, like here). The k most likely
+alternatives come from the same distribution, so a greedy token is always the first of them. It is one
+``[R, V]`` log_softmax, one gather and one topk for the R rows that ask, and one copy to the host.
+
+Greedy-only batches without bias, penalties or logprobs cost one argmax and nothing else (bfloat16
+logits are converted to float32 first: CPUs without bf16 instructions run a float32 argmax of a wide
+row about twice as fast as a bfloat16 one, conversion included).
+
+A request with ``n`` > 1 answers has one ``SamplingState`` per sequence: index 0 uses the request's
+``seed``, index i > 0 a seed derived from (seed, i), so the choices differ and each is reproducible.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
+from llm_api.engine.request import TokenLogprob
+
 MAX_STOP_STRINGS = 16
 MIN_SAMPLING_TEMPERATURE = 1e-5
 MAX_STOP_STRING_CHARS = 256
+MAX_TOP_LOGPROBS = 20  # the most alternatives any format may ask for (OpenAI chat: 0..20)
 
 
 @dataclass(frozen=True)
@@ -28,10 +57,15 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k filter
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0  # OpenAI's, over output tokens
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); ids checked by the request formats
     do_sample: bool = False
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the k most likely
+    n: int = 1  # sequences (choices) generated from the prompt
 
     @property
     def greedy(self) -> bool:
@@ -40,51 +74,134 @@ class SamplingParams:
 
     @property
     def needs_penalty(self) -> bool:
+        """Needs the sequence's seen token ids (repetition penalty)."""
         return self.repetition_penalty != 1.0
+
+    @property
+    def needs_output_counts(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def argmax_only(self) -> bool:
+        """Nothing but the argmax of the raw logits: the sampler's fast path."""
+        return (self.greedy and not self.needs_penalty and not self.needs_output_counts and not self.logit_bias
+                and self.logprobs is None)
+
+
+def sequence_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request seeded with ``seed``: ``seed`` itself for index 0 (so
+    n = 1 and the first of n choices agree), a 63-bit hash of both otherwise."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 @dataclass
 class SamplingState:
-    """Per-request mutable sampler state: the RNG of a sampling request."""
+    """Per-sequence mutable sampler state: the RNG of a sampling sequence, the counts of its output tokens
+    (presence/frequency penalties) and its logit bias as tensors (both made on first use, on the logits'
+    device)."""
 
     generator: torch.Generator | None = None
+    output_counts: torch.Tensor | None = None  # [V] float32
+    bias_ids: torch.Tensor | None = None  # [K] int64
+    bias_values: torch.Tensor | None = None  # [K] float32
 
     @classmethod
-    def for_params(cls, params: SamplingParams, device: torch.device | str = "cpu") -> "SamplingState":
+    def for_params(cls, params: SamplingParams, device: torch.device | str = "cpu", index: int = 0) -> "SamplingState":
         if params.greedy:
             return cls(None)
         generator = torch.Generator(device=device)
-        seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
+        seed = (sequence_seed(params.seed, index) if params.seed is not None
+                else random.SystemRandom().randrange(2**63))
         generator.manual_seed(seed)
         return cls(generator)
 
 
 @dataclass
 class SamplerBatch:
-    """One step's rows: parameters, RNG state and (for repetition penalty) tokens seen so far."""
+    """One step's rows: parameters, per-sequence state and (for repetition penalty) tokens seen so far."""
 
     params: Sequence[SamplingParams]
     states: Sequence[SamplingState]
     seen_token_ids: Sequence[Sequence[int] | torch.Tensor | None] = field(default_factory=list)
 
 
-class Sampler:
-    """Picks one token per row. Greedy-only batches cost one argmax and nothing else."""
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64, on the logits' device
+    logprobs: list[TokenLogprob | None] | None = None  # per row (None for rows that did not ask); None: no row did
 
-    def __call__(self, logits: torch.Tensor, batch: SamplerBatch) -> torch.Tensor:
-        # logits: [B, V] -> token ids: [B] (int64, on logits.device)
+
+class Sampler:
+    """Picks one token per row. Greedy-only batches without bias, penalties or logprobs cost one argmax."""
+
+    def __call__(self, logits: torch.Tensor, batch: SamplerBatch) -> SamplerOutput:
+        # logits: [B, V]
         params = batch.params
-        if all(p.greedy and not p.needs_penalty for p in params):
-            return logits.argmax(dim=-1)
-        logits = logits.float().clone()
-        for row, p in enumerate(params):
-            if p.needs_penalty:
-                _apply_repetition_penalty(logits[row], batch.seen_token_ids[row], p.repetition_penalty)
-        token_ids = logits.argmax(dim=-1)
-        for row, p in enumerate(params):
-            if not p.greedy:
-                token_ids[row] = _sample_row(logits[row], p, batch.states[row].generator)
-        return token_ids
+        if all(p.argmax_only for p in params):
+            return SamplerOutput(_argmax(logits))
+        logits = logits.to(torch.float32, copy=True)  # transformed in place below
+        _apply_logit_bias(logits, batch)
+        _apply_penalties(logits, batch)
+        sampling_rows = [row for row, p in enumerate(params) if not p.greedy]
+        if len(sampling_rows) < len(params):
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = torch.empty(len(params), dtype=torch.long, device=logits.device)
+        if sampling_rows:
+            _temper_and_cut(logits, params, sampling_rows)
+            probs = logits[sampling_rows].softmax(dim=-1) if len(sampling_rows) < len(params) else logits.softmax(-1)
+            for i, row in enumerate(sampling_rows):
+                token_ids[row] = torch.multinomial(probs[i], 1, generator=batch.states[row].generator)[0]
+        _count_output_tokens(token_ids, batch)
+        logprobs = _logprobs(logits, token_ids, params) if any(p.logprobs is not None for p in params) else None
+        return SamplerOutput(token_ids, logprobs)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    if logits.dtype == torch.bfloat16 and logits.device.type == "cpu":
+        logits = logits.float()  # see the module docstring
+    return logits.argmax(dim=-1)
+
+
+def _rows_tensor(rows: list[int], device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _apply_logit_bias(logits: torch.Tensor, batch: SamplerBatch) -> None:
+    for row, p in enumerate(batch.params):
+        if not p.logit_bias:
+            continue
+        state = batch.states[row]
+        if state.bias_ids is None:  # once per sequence
+            ids, values = zip(*p.logit_bias)
+            state.bias_ids = torch.tensor(ids, dtype=torch.long, device=logits.device)
+            state.bias_values = torch.tensor(values, dtype=torch.float32, device=logits.device)
+        logits[row].index_add_(0, state.bias_ids, state.bias_values)
+
+
+def _apply_penalties(logits: torch.Tensor, batch: SamplerBatch) -> None:
+    params = batch.params
+    for row, p in enumerate(params):
+        if p.needs_penalty:
+            _apply_repetition_penalty(logits[row], batch.seen_token_ids[row], p.repetition_penalty)
+    rows = [row for row, p in enumerate(params) if p.needs_output_counts]
+    if not rows:
+        return
+    for row in rows:
+        if batch.states[row].output_counts is None:
+            batch.states[row].output_counts = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
+    counts = torch.stack([batch.states[row].output_counts for row in rows])  # [R, V]
+    frequency = torch.tensor([params[row].frequency_penalty for row in rows], device=logits.device)[:, None]
+    presence = torch.tensor([params[row].presence_penalty for row in rows], device=logits.device)[:, None]
+    penalty = counts * frequency + (counts > 0) * presence
+    if len(rows) == len(params):
+        logits.sub_(penalty)
+    else:
+        index = _rows_tensor(rows, logits.device)
+        logits.index_copy_(0, index, logits.index_select(0, index) - penalty)
 
 
 def _apply_repetition_penalty(row_logits: torch.Tensor, seen, penalty: float) -> None:
@@ -101,19 +218,62 @@ def _apply_repetition_penalty(row_logits: torch.Tensor, seen, penalty: float) ->
     row_logits[ids] = penalized.clamp(-limit, limit)
 
 
-def _sample_row(row_logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    limit = torch.finfo(row_logits.dtype).max
-    row = (row_logits / p.temperature).clamp(max=limit)  # masked -inf entries stay -inf
-    if p.top_k > 0 and p.top_k < row.numel():
-        kth = torch.topk(row, p.top_k).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(row, descending=True)
+def _temper_and_cut(logits: torch.Tensor, params: Sequence[SamplingParams], rows: list[int]) -> None:
+    """Temperature, top-k and top-p on the sampling ``rows`` of ``logits``, in place (batched per transform)."""
+    device = logits.device
+    limit = torch.finfo(logits.dtype).max
+    temperature = torch.tensor([params[r].temperature for r in rows], dtype=torch.float32, device=device)[:, None]
+    if len(rows) == logits.shape[0]:
+        logits.div_(temperature).clamp_(max=limit)  # masked -inf entries stay -inf
+    else:
+        index = _rows_tensor(rows, device)
+        logits.index_copy_(0, index, (logits.index_select(0, index) / temperature).clamp(max=limit))
+    vocab_size = logits.shape[-1]
+    top_k_rows = [r for r in rows if 0 < params[r].top_k < vocab_size]
+    if top_k_rows:
+        index = _rows_tensor(top_k_rows, device)
+        selected = logits.index_select(0, index)  # [K, V]
+        ks = torch.tensor([params[r].top_k for r in top_k_rows], device=device)
+        kth = torch.topk(selected, int(ks.max())).values.gather(1, (ks - 1)[:, None])  # [K, 1]
+        logits.index_copy_(0, index, selected.masked_fill(selected < kth, float("-inf")))
+    top_p_rows = [r for r in rows if params[r].top_p < 1.0]
+    if top_p_rows:
+        index = _rows_tensor(top_p_rows, device)
+        selected = logits.index_select(0, index)
+        sorted_logits, order = torch.sort(selected, dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
+        top_p = torch.tensor([params[r].top_p for r in top_p_rows], dtype=probs.dtype, device=device)[:, None]
         # Drop a token when the mass before it already reaches top_p; the top token always stays.
-        drop = (probs.cumsum(dim=-1) - probs) >= p.top_p
-        drop[0] = False  # a top_p that rounds to 0 in float32 would otherwise drop every token
+        drop = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop[:, 0] = False  # a top_p that rounds to 0 in float32 would otherwise drop every token
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        row = torch.full_like(row, float("-inf")).scatter(0, order, sorted_logits)
-    probs = row.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[0]
+        logits.index_copy_(0, index, torch.full_like(selected, float("-inf")).scatter(1, order, sorted_logits))
+
+
+def _count_output_tokens(token_ids: torch.Tensor, batch: SamplerBatch) -> None:
+    for row, p in enumerate(batch.params):
+        if p.needs_output_counts:
+            counts = batch.states[row].output_counts
+            counts.index_add_(0, token_ids[row : row + 1], torch.ones(1, dtype=counts.dtype, device=counts.device))
+
+
+def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams]) -> list[TokenLogprob | None]:
+    rows = [row for row, p in enumerate(params) if p.logprobs is not None]
+    if len(rows) == len(params):
+        selected, chosen = logits, token_ids
+    else:
+        index = _rows_tensor(rows, logits.device)
+        selected, chosen = logits.index_select(0, index), token_ids.index_select(0, index)
+    logprobs = torch.log_softmax(selected, dim=-1)  # [R, V]
+    chosen_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]
+    num_top = min(max(params[row].logprobs for row in rows), logits.shape[-1])
+    if num_top > 0:
+        top_values, top_ids = logprobs.topk(num_top, dim=-1)
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    chosen_ids, chosen_values = chosen.tolist(), chosen_logprobs.tolist()
+    out: list[TokenLogprob | None] = [None] * len(params)
+    for i, row in enumerate(rows):
+        k = params[row].logprobs
+        top = tuple(zip(top_ids[i][:k], top_values[i][:k])) if k else ()
+        out[row] = TokenLogprob(chosen_ids[i], chosen_values[i], top)
+    return out

@@ -15,19 +15,31 @@ resumed after preemption), plus the ids of requests that finished or were preemp
 output. The model runner keeps its own copy of each request's block table from these deltas (vLLM v1's
 shape), so nothing below the scheduler depends on how the scheduler stores its lists.
 
-``update()`` takes the token sampled for each request whose scheduled tokens reached its end, appends
-it, finishes the request at EOS (unless ``ignore_eos``), at ``max_new_tokens`` or at ``max_model_len``,
+``update()`` takes the token sampled for each sequence whose scheduled tokens reached its end, appends
+it, finishes the sequence at EOS (unless ``ignore_eos``), at ``max_new_tokens`` or at ``max_model_len``,
 and frees its blocks at once. ``abort()`` frees a request's blocks in any state.
+
+n > 1 (parallel sampling): ``add(request, siblings)`` takes choice 0 and the other n - 1 sequences
+(``UNFORKED``). Only choice 0 is admitted and prefills the prompt; admission counts all n against
+``max_num_seqs``. The step that completes its prompt lists the siblings in ``ScheduledRequest.forks``:
+the engine samples each sibling's first token from the same logits row, and ``update()`` forks them:
+each takes a reference on every block of choice 0 (the prompt's K/V are held once) and starts running.
+A block written by a sequence is never shared, so the one partial block at the end of the prompt is
+copied on write: the first sharer that is about to write into a block with other holders gets a fresh
+block, and ``SchedulerOutput.block_copies`` tells the model runner to copy the K/V before the forward
+(its table is then reported whole again, ``is_new``). The last holder writes in place, so n sequences
+cost the prompt's full blocks once plus at most n - 1 copied partial blocks. A forked sequence is an
+ordinary one afterwards: preempted, it recomputes (re-using the prompt's cached blocks when it can).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from llm_api.engine.block_pool import BlockPool, hash_block
-from llm_api.engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from llm_api.engine.request import FinishReason, Request, RequestOutput, RequestStatus, TokenLogprob
 
 
 class PromptTooLongError(ValueError):
@@ -47,17 +59,20 @@ class ScheduledRequest:
     num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
     samples: bool  # this step reaches the request's last token, so a new token is sampled for it
     new_block_ids: list[int] = field(default_factory=list)  # blocks it got this step, in table order
-    is_new: bool = False  # admitted or resumed this step: new_block_ids is its whole block table
+    is_new: bool = False  # admitted, resumed, forked or copied on write: new_block_ids is its whole table
+    forks: list[Request] = field(default_factory=list)  # siblings that start from this row's logits (n > 1)
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
-    preempted_request_ids: list[str] = field(default_factory=list)
-    # Requests that left the running set since the previous output (finished, aborted, preempted): the
-    # model runner drops its copy of their block tables.
+    preempted_request_ids: list[str] = field(default_factory=list)  # seq ids
+    # Sequences (seq ids) that left the running set since the previous output (finished, aborted,
+    # preempted): the model runner drops its copy of their block tables.
     ended_request_ids: list[str] = field(default_factory=list)
+    # (source block, destination block): K/V to copy before this step's forward (copy on write).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -81,15 +96,22 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
-        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.requests: dict[str, Request] = {}  # every unfinished sequence, by seq_id
+        self.groups: dict[str, list[Request]] = {}  # request id -> its unfinished sequences
         self.counters = SchedulerCounters()
         self._ended_request_ids: list[str] = []  # reported by the next schedule()
+        self._unforked: dict[str, list[Request]] = {}  # seq id of a choice 0 -> siblings waiting for its prompt
+        self._untold: set[str] = set()  # forked sequences whose block table the runner has not seen yet
 
     # ----------------------------------------------------------------- requests in and out
 
-    def add(self, request: Request) -> None:
-        if request.request_id in self.requests:
+    def add(self, request: Request, siblings: Sequence[Request] = ()) -> None:
+        """Queue a request (choice 0) and, for n > 1, its other sequences (same request id, index 1..n-1)."""
+        sequences = [request, *siblings]
+        if request.request_id in self.groups or any(s.seq_id in self.requests for s in sequences):
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if len(sequences) > self.config.max_num_seqs:
+            raise ValueError(f"n={len(sequences)} exceeds max_num_seqs={self.config.max_num_seqs}")
         if request.num_prompt_tokens == 0:
             raise ValueError("the prompt is empty")
         if request.num_prompt_tokens >= self.config.max_model_len:
@@ -99,20 +121,30 @@ class Scheduler:
                 "including at least one generated token)"
             )
         request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
+        for sibling in siblings:
+            sibling.status = RequestStatus.UNFORKED
+        for sequence in sequences:
+            self.requests[sequence.seq_id] = sequence
+        self.groups[request.request_id] = sequences
+        if siblings:
+            self._unforked[request.seq_id] = list(siblings)
         self.waiting.append(request)
 
-    def abort(self, request_id: str) -> Request | None:
-        """Finish a request now and free its blocks; unknown or finished ids return None."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return None
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
-        self._finish(request, FinishReason.ABORT)
-        return request
+    def abort(self, request_id: str, index: int | None = None) -> list[Request]:
+        """Finish the request's unfinished sequences now (only choice ``index`` when given) and free their
+        blocks; returns them (none for unknown ids). Choice 0 aborted before its prompt is done takes
+        the siblings waiting for it along."""
+        sequences = list(self.groups.get(request_id, ()))
+        if index is not None:
+            chosen = [s for s in sequences if s.index == index]
+            sequences = chosen + [sibling for c in chosen for sibling in self._unforked.get(c.seq_id, ())]
+        for request in sequences:
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif request.status is not RequestStatus.UNFORKED:
+                self.waiting.remove(request)
+            self._finish(request, FinishReason.ABORT)
+        return sequences
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -130,28 +162,34 @@ class Scheduler:
             request = self.running[index]
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             num_blocks_before = len(request.block_ids)
-            while not self._allocate_slots(request, num_new_tokens):
+            num_copies_before = len(output.block_copies)
+            while not self._allocate_slots(request, num_new_tokens, copies=output.block_copies):
                 victim = self.running.pop()
                 self._preempt(victim)
-                output.preempted_request_ids.append(victim.request_id)
-                output.ended_request_ids.append(victim.request_id)
+                output.preempted_request_ids.append(victim.seq_id)
+                output.ended_request_ids.append(victim.seq_id)
                 if victim is request:
                     break
             else:
-                self._schedule(output, request, num_new_tokens, request.block_ids[num_blocks_before:], False)
+                if request.seq_id in self._untold or len(output.block_copies) > num_copies_before:
+                    # Forked, or its last block was copied on write: the runner rebuilds its table.
+                    self._untold.discard(request.seq_id)
+                    self._schedule(output, request, num_new_tokens, list(request.block_ids), True)
+                else:
+                    self._schedule(output, request, num_new_tokens, request.block_ids[num_blocks_before:], False)
                 budget -= num_new_tokens
                 index += 1
                 continue
             break  # the request preempted itself: nothing behind it is left to schedule
 
-        # Then admit waiting requests, unless memory was just short enough to preempt.
-        while (
-            self.waiting
-            and budget > 0
-            and not output.preempted_request_ids
-            and len(self.running) < self.config.max_num_seqs
-        ):
+        # Then admit waiting requests, unless memory was just short enough to preempt. A running choice 0
+        # still prefilling keeps room for the siblings it will fork.
+        num_seqs = len(self.running) + sum(len(self._unforked.get(r.seq_id, ())) for r in self.running)
+        while self.waiting and budget > 0 and not output.preempted_request_ids:
             request = self.waiting[0]
+            num_siblings = len(self._unforked.get(request.seq_id, ()))
+            if num_seqs + 1 + num_siblings > self.config.max_num_seqs:
+                break  # its n sequences will run together: wait until they fit
             hit_block_ids = self._find_cached_blocks(request)
             num_hit_tokens = len(hit_block_ids) * self.block_size
             num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
@@ -167,10 +205,13 @@ class Scheduler:
             self.running.append(request)
             self._schedule(output, request, num_new_tokens, list(request.block_ids), True)
             budget -= num_new_tokens
+            num_seqs += 1 + num_siblings
         return output
 
-    def update(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]) -> list[RequestOutput]:
-        """Advance every scheduled request; ``sampled_token_ids`` maps each sampling request to its token."""
+    def update(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int],
+               sampled_logprobs: Mapping[str, TokenLogprob] | None = None) -> list[RequestOutput]:
+        """Advance every scheduled sequence; ``sampled_token_ids`` maps each sampling sequence (and each
+        sibling it forks) by seq id to its token, ``sampled_logprobs`` to its logprobs when asked for."""
         outputs = []
         for scheduled in output.scheduled:
             request = scheduled.request
@@ -180,15 +221,38 @@ class Scheduler:
             self._cache_full_blocks(request)
             if not scheduled.samples:
                 continue
-            token_id = sampled_token_ids[request.request_id]
-            request.output_token_ids.append(token_id)
-            reason = self._stop_reason(request, token_id)
-            if reason is not None:
-                self._finish(request, reason)
-            outputs.append(RequestOutput(request.request_id, [token_id], reason is not None, reason))
+            siblings = scheduled.forks
+            if siblings or request.seq_id in self._unforked:
+                del self._unforked[request.seq_id]
+                for sibling in siblings:  # before choice 0 may finish and free the shared blocks
+                    self._fork(request, sibling)
+            for sequence in (request, *siblings):
+                outputs.append(self._append_token(sequence, sampled_token_ids, sampled_logprobs))
         if any(r.is_finished for r in self.running):
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    def _append_token(self, request: Request, sampled_token_ids: Mapping[str, int],
+                      sampled_logprobs: Mapping[str, TokenLogprob] | None) -> RequestOutput:
+        token_id = sampled_token_ids[request.seq_id]
+        request.output_token_ids.append(token_id)
+        reason = self._stop_reason(request, token_id)
+        if reason is not None:
+            self._finish(request, reason)
+        logprob = sampled_logprobs.get(request.seq_id) if sampled_logprobs else None
+        return RequestOutput(request.request_id, [token_id], reason is not None, reason, request.index,
+                             (logprob,) if logprob is not None else None)
+
+    def _fork(self, parent: Request, sibling: Request) -> None:
+        """Start ``sibling`` from ``parent``'s computed prompt: it shares every block (one reference more)."""
+        self.block_pool.touch(parent.block_ids)
+        sibling.block_ids = list(parent.block_ids)
+        sibling.num_computed_tokens = parent.num_computed_tokens
+        sibling.block_hashes = list(parent.block_hashes)
+        sibling.num_cached_blocks = parent.num_cached_blocks
+        sibling.status = RequestStatus.RUNNING
+        self.running.append(sibling)
+        self._untold.add(sibling.seq_id)
 
     # ----------------------------------------------------------------- helpers
 
@@ -197,27 +261,41 @@ class Scheduler:
         start = request.num_computed_tokens
         end = start + num_new_tokens
         samples = end == request.num_tokens
-        output.scheduled.append(ScheduledRequest(request, num_new_tokens, samples, new_block_ids, is_new))
+        forks = self._unforked.get(request.seq_id, []) if samples else []
+        output.scheduled.append(ScheduledRequest(request, num_new_tokens, samples, new_block_ids, is_new, forks))
         output.num_batched_tokens += num_new_tokens
         num_prompt_positions = max(0, min(end, request.num_prompt_tokens) - start)
         self.counters.num_prefill_tokens_computed += num_prompt_positions
         self.counters.num_decode_tokens_computed += num_new_tokens - num_prompt_positions
 
-    def _allocate_slots(self, request: Request, num_new_tokens: int, hit_block_ids: list[int] = ()) -> bool:
-        """Give the request enough blocks for ``num_new_tokens`` more tokens; False if too few are free."""
+    def _allocate_slots(self, request: Request, num_new_tokens: int, hit_block_ids: list[int] = (),
+                        copies: list[tuple[int, int]] | None = None) -> bool:
+        """Give the request enough blocks for ``num_new_tokens`` more tokens; False if too few are free.
+        A running request about to write into a block it shares gets a copy of it (``copies``)."""
         pool = self.block_pool
         num_computed = request.num_computed_tokens + len(hit_block_ids) * self.block_size
         num_needed = _cdiv(num_computed + num_new_tokens, self.block_size) - len(request.block_ids)
         num_needed -= len(hit_block_ids)
         # Hit blocks that nobody holds are in the free queue: taking them leaves fewer to allocate.
         num_hits_from_free = sum(1 for b in hit_block_ids if pool.ref_counts[b] == 0)
-        if num_needed + num_hits_from_free > pool.num_free_blocks:
+        copy_tail = copies is not None and self._writes_shared_block(request)
+        if num_needed + num_hits_from_free + copy_tail > pool.num_free_blocks:
             return False
+        if copy_tail:
+            shared = request.block_ids[-1]
+            request.block_ids[-1] = pool.allocate(1)[0]
+            pool.free([shared])  # (still held by the other sharers)
+            copies.append((shared, request.block_ids[-1]))
         pool.touch(hit_block_ids)
         request.block_ids.extend(hit_block_ids)
         if num_needed > 0:
             request.block_ids.extend(pool.allocate(num_needed))
         return True
+
+    def _writes_shared_block(self, request: Request) -> bool:
+        """The next token's K/V go into the request's last block, and another sequence holds it too."""
+        return (request.num_computed_tokens % self.block_size != 0 and bool(request.block_ids)
+                and self.block_pool.ref_counts[request.block_ids[-1]] > 1)
 
     def _find_cached_blocks(self, request: Request) -> list[int]:
         if not (self.block_pool.enable_prefix_caching and request.uses_prefix_cache):
@@ -260,6 +338,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self._release_blocks(request)
+        self._untold.discard(request.seq_id)  # resumed, it reports its whole table anyway
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.counters.num_preemptions += 1
@@ -267,11 +346,19 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.RUNNING:
-            self._ended_request_ids.append(request.request_id)
+            self._ended_request_ids.append(request.seq_id)
+        elif request.status is RequestStatus.UNFORKED and request in self._unforked.get(request.request_id, ()):
+            self._unforked[request.request_id].remove(request)  # aborted alone: choice 0 must not fork it
         self._release_blocks(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        del self.requests[request.request_id]
+        del self.requests[request.seq_id]
+        self._unforked.pop(request.seq_id, None)
+        self._untold.discard(request.seq_id)
+        group = self.groups[request.request_id]
+        group.remove(request)
+        if not group:
+            del self.groups[request.request_id]
 
     def _release_blocks(self, request: Request) -> None:
         self.block_pool.free(request.block_ids)

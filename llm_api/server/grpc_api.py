@@ -34,6 +34,7 @@ from llm_api.api.errors import ApiError, internal_error
 from llm_api.api.request import CancelRequest
 from llm_api.proto import inference_pb2, inference_pb2_grpc
 from llm_api.server.http_api import ServerState, new_request_id
+from llm_api.api.native_stream import GRPC_MAX_MESSAGE_BYTES
 from llm_api.service.answer import Chunk, Refusal, native_parts, parse_native
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
                     return
                 if not streaming_call:
                     parsed.stream = False
-                async with aclosing(native_parts(service, parsed, request_id, state.marker)) as parts:
+                # A unary answer is one message, which gRPC clients refuse above 4 MiB by default.
+                max_unary_bytes = None if parsed.stream else GRPC_MAX_MESSAGE_BYTES
+                async with aclosing(native_parts(service, parsed, request_id, state.marker,
+                                                 max_unary_bytes)) as parts:
                     async for part in parts:
                         if isinstance(part, Refusal):
                             yield part.body

@@ -44,12 +44,13 @@ from llm_api.server.auth import BearerAuth
 from llm_api.server.lifecycle import Lifecycle
 from llm_api.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from llm_api.server.metrics import ServerMetrics
-from llm_api.service.answer import Chunk, Refusal, native_parts, openai_parts, parse_native, parse_openai
+from llm_api.service.answer import (Chunk, Refusal, native_error_tail, native_parts, openai_parts, parse_native,
+                                    parse_openai)
 from llm_api.service.service import ModelService
 
 logger = logging.getLogger(__name__)
 
-TEXT_CONTENT_TYPE = "text/plain; charset=utf-8"
+
 JSON_CONTENT_TYPE = "application/json"
 PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics"})
 FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
@@ -211,7 +212,7 @@ async def predictions(request: web.Request) -> web.StreamResponse:
         return _response(200, json.dumps({"cancelled": found}), JSON_CONTENT_TYPE, request_id)
     _serving(state)
     parts = native_parts(service, parsed, request_id, state.marker)
-    return await _answer(request, parts, TEXT_CONTENT_TYPE, lambda error: "\n" + error.native_text(state.marker))
+    return await _answer(request, parts, lambda error: native_error_tail(parsed, state.marker, error))
 
 
 def _serving_or_cancel(state: ServerState) -> ModelService:
@@ -243,7 +244,7 @@ async def _openai(request: web.Request, api: str) -> web.StreamResponse:
     service = _serving(request.app[STATE])
     generate_request, call = await parse_openai(service, api, await request.read())
     parts = openai_parts(service, generate_request, call, request["request_id"], service.settings.end_of_stream_token)
-    return await _answer(request, parts, call.content_type, call.error_event)
+    return await _answer(request, parts, call.error_event)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -269,8 +270,7 @@ async def detokenize(request: web.Request) -> web.Response:
 # writing an answer
 
 
-async def _answer(request: web.Request, parts, content_type: str, error_tail: Callable[[ApiError], str]
-                  ) -> web.StreamResponse:
+async def _answer(request: web.Request, parts, error_tail: Callable[[ApiError], str]) -> web.StreamResponse:
     """Write a request's parts: chunks as a chunked 200, or one response when nothing streamed.
     ``error_tail``: how the format ends a stream that broke after it began."""
     state = request.app[STATE]
@@ -284,11 +284,11 @@ async def _answer(request: web.Request, parts, content_type: str, error_tail: Ca
                         return _response(part.status, part.body, JSON_CONTENT_TYPE, request_id)
                     if isinstance(part, Chunk):
                         if response is None:
-                            response = await _open_stream(request, content_type, request_id)
+                            response = await _open_stream(request, part.content_type, request_id)
                         await response.write(part.payload.encode("utf-8"))
                         continue
                     if response is None:  # nothing streamed: the whole answer in one body
-                        return _response(200, part.payload, content_type, request_id)
+                        return _response(200, part.payload, part.content_type, request_id)
                     await response.write(part.payload.encode("utf-8"))
                     await response.write_eof()
                     return response

@@ -7,12 +7,17 @@ between are the same and live here, so the two edges cannot drift apart:
   formats of ``llm_api.api`` (``native.parse_request``, ``openai.parse_call``), run on the service's
   worker threads when the body is large (embeddings: up to ~6 MB of JSON), so the event loop keeps
   serving the other streams meanwhile. They raise ``ApiError``.
-* ``native_parts(service, request, request_id, marker)`` / ``openai_parts(service, request, call,
-  request_id)``: ``service.generate``'s events turned into what the client receives, as ``Part``s:
-  ``Chunk`` (send it now, the answer is a 200 from here on), then exactly one of ``Final`` (the last
-  payload of a 200 answer, possibly the whole answer when nothing was streamed) or ``Refusal`` (the
-  request failed before anything was sent: its status and error body). ``ApiError`` from admission
-  propagates before the first part, as from ``service.generate``.
+* ``native_parts(service, request, request_id, marker, max_unary_bytes)`` / ``openai_parts(service,
+  request, call, request_id, marker)``: ``service.generate``'s events (text deltas and choice ends of
+  every choice, then one ``Finished``) turned into what the client receives, as ``Part``s: ``Chunk``
+  (send it now, the answer is a 200 from here on), then exactly one of ``Final`` (the last payload of a
+  200 answer, possibly the whole answer when nothing was streamed) or ``Refusal`` (the request failed
+  before anything was sent: its status and error body). Chunks and finals carry their content type
+  (the native ``output`` or the OpenAI ``stream`` choice decides it). ``ApiError`` from admission, or a
+  unary answer outgrowing ``max_unary_bytes`` (``response_too_large``), propagates before the first
+  part, as from ``service.generate``.
+* ``native_error_tail(request, marker)``: how a native answer that broke mid-stream for an unexpected
+  reason ends (the edge writes it after the chunks already sent).
 
 Leaving the iteration early (a client that went away) closes ``service.generate``, which aborts the
 request and frees its KV blocks.
@@ -26,9 +31,10 @@ from typing import Any, AsyncIterator, Mapping
 
 from llm_api.api import openai
 from llm_api.api.native import parse_request
+from llm_api.api.errors import ApiError
 from llm_api.api.native_stream import NativeStream
 from llm_api.api.request import CancelRequest, GenerateRequest
-from llm_api.service.service import ModelService, TextDelta
+from llm_api.service.service import ChoiceFinished, ModelService, TextDelta
 
 LARGE_BODY_BYTES = 64 * 1024  # bodies above this are parsed off the event loop
 
@@ -36,11 +42,13 @@ LARGE_BODY_BYTES = 64 * 1024  # bodies above this are parsed off the event loop
 @dataclass(frozen=True)
 class Chunk:
     payload: str
+    content_type: str
 
 
 @dataclass(frozen=True)
 class Final:
     payload: str
+    content_type: str
 
 
 @dataclass(frozen=True)
@@ -70,24 +78,39 @@ async def parse_openai(service: ModelService, api: str, body: bytes) -> tuple[Ge
     return openai.parse_call(api, body, service.model_name, service.limits)
 
 
-async def native_parts(service: ModelService, request: GenerateRequest, request_id: str, marker: str
-                       ) -> AsyncIterator[Part]:
-    stream = NativeStream(marker, streaming=request.stream)
+def _native_stream(request: GenerateRequest, marker: str, max_unary_bytes: int | None = None) -> NativeStream:
+    json_lines = request.output == "jsonl"
+    return NativeStream(marker, streaming=request.stream, json_lines=json_lines,
+                        with_logprobs=request.params.logprobs is not None, max_unary_bytes=max_unary_bytes)
+
+
+def native_error_tail(request: GenerateRequest, marker: str, error: ApiError) -> str:
+    stream = _native_stream(request, marker)
+    stream.started = True
+    return stream.fail(error)
+
+
+async def native_parts(service: ModelService, request: GenerateRequest, request_id: str, marker: str,
+                       max_unary_bytes: int | None = None) -> AsyncIterator[Part]:
+    stream = _native_stream(request, marker, max_unary_bytes)
+    kind = stream.content_type
     async with aclosing(service.generate(request, request_id, marker)) as events:
         async for event in events:
             if isinstance(event, TextDelta):
-                chunk = stream.delta(event.text)
-                if chunk:
-                    yield Chunk(chunk)
+                chunk = stream.delta(event.text, event.index, event.logprobs)
+            elif isinstance(event, ChoiceFinished):
+                chunk = stream.choice_finish(event.index, event.reason, event.num_generated_tokens)
             elif event.error is None:
-                yield Final(stream.finish())
+                yield Final(stream.finish(event.num_prompt_tokens, event.num_generated_tokens), kind)
                 return
             elif not stream.started:
                 yield Refusal(event.error.status, event.error.native_text(marker))
                 return
             else:
-                yield Final(stream.fail(event.error))
+                yield Final(stream.fail(event.error), kind)
                 return
+            if chunk:
+                yield Chunk(chunk, kind)
     raise RuntimeError("the request ended without a final event")
 
 
@@ -95,20 +118,23 @@ async def openai_parts(service: ModelService, request: GenerateRequest, call: op
                        marker: str = "") -> AsyncIterator[Part]:
     """``marker``: the native end-of-stream marker, kept out of refusals here too (no error ever holds it)."""
     started = False
+    kind = call.content_type
     async with aclosing(service.generate(request, request_id)) as events:
         async for event in events:
             if isinstance(event, TextDelta):
-                chunk = call.delta(event.text)
-                if chunk:
-                    started = True
-                    yield Chunk(chunk)
+                chunk = call.delta(event.text, event.index, event.logprobs)
+            elif isinstance(event, ChoiceFinished):
+                chunk = call.choice_finish(event.index, event.reason)
             elif event.error is None:
-                yield Final(call.finish(event.reason, event.num_prompt_tokens, event.num_generated_tokens))
+                yield Final(call.finish(event.reason, event.num_prompt_tokens, event.num_generated_tokens), kind)
                 return
             elif not started:
                 yield Refusal(event.error.status, event.error.openai_text(marker))
                 return
             else:
-                yield Final(call.error_event(event.error))
+                yield Final(call.error_event(event.error), kind)
                 return
+            if chunk:
+                started = True
+                yield Chunk(chunk, kind)
     raise RuntimeError("the request ended without a final event")

@@ -9,7 +9,9 @@ stats (``stats``) and the time it last made progress, so readers (metrics, healt
 
 ``generate()`` raises the core's refusal (bad input, prompt too long) before yielding anything; if a step
 raises, every stream in the engine ends with that error and their requests are aborted, so no stream
-hangs; if the consumer stops iterating or is cancelled, its request is aborted in a ``finally``.
+hangs; if the consumer stops iterating or is cancelled, its request is aborted in a ``finally``. A
+request with ``params.n`` > 1 has one stream carrying the outputs of all its sequences (each with its
+``index``); it ends when all n have finished.
 
 Threads: with GNU OpenMP, a thread that first enters a parallel region becomes the master of its own
 team, sized from its own copy of the thread-count setting; the loop thread sets torch's thread count
@@ -37,7 +39,7 @@ class EngineCore(Protocol):
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None, params: SamplingParams,
                     prompt_embeds: torch.Tensor | None = None) -> None: ...
 
-    def abort_request(self, request_id: str) -> None: ...
+    def abort_request(self, request_id: str, index: int | None = None) -> None: ...
 
     def has_unfinished_requests(self) -> bool: ...
 
@@ -54,6 +56,7 @@ class EngineDeadError(RuntimeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue  # RequestOutput items, or one BaseException that ends the stream
+    num_unfinished: int = 1  # sequences of the request still running (n); owned by the engine thread
 
     def put(self, item) -> None:
         try:
@@ -66,6 +69,7 @@ class _Stream:
 class _Abort:
     request_id: str
     stream: _Stream | None = None  # set: abort only the request this stream was added as
+    index: int | None = None  # set: only this choice of the request
 
 
 @dataclass
@@ -100,10 +104,11 @@ class EngineLoop:
     async def generate(self, request_id: str, prompt_token_ids: list[int] | None, params: SamplingParams,
                        prompt_embeds: torch.Tensor | None = None) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
+        stream = _Stream(loop, asyncio.Queue(), params.n)
         added = loop.create_future()
         self._submit(_Add(request_id, prompt_token_ids, params, prompt_embeds, stream, added))
         finished = False
+        num_unfinished = params.n
         try:
             await added  # add_request's error surfaces here, before any output
             while True:
@@ -111,7 +116,8 @@ class EngineLoop:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                finished = item.finished
+                num_unfinished -= item.finished
+                finished = num_unfinished == 0
                 yield item
                 if finished:
                     return
@@ -120,9 +126,10 @@ class EngineLoop:
                 # Conditional: a failed add (e.g. a duplicate id) must not abort the other request.
                 self._submit(_Abort(request_id, stream), during_shutdown=True)
 
-    def abort(self, request_id: str) -> None:
-        """Abort from any thread: applied between steps, frees the request's blocks."""
-        self._submit(_Abort(request_id), during_shutdown=True)
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Abort from any thread: applied between steps, frees the request's blocks (or only those of its
+        choice ``index``, which then reports an aborted output)."""
+        self._submit(_Abort(request_id, index=index), during_shutdown=True)
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         with self._wakeup:
@@ -170,7 +177,7 @@ class EngineLoop:
     def _apply(self, command) -> None:
         if isinstance(command, _Abort):
             if command.stream is None or self._streams.get(command.request_id) is command.stream:
-                self.core.abort_request(command.request_id)
+                self.core.abort_request(command.request_id, command.index)
             return
         try:
             self.core.add_request(command.request_id, command.prompt_token_ids, command.params,
@@ -200,7 +207,9 @@ class EngineLoop:
                 continue  # its consumer already left (the abort came from its finally)
             stream.put(output)
             if output.finished:
-                del self._streams[output.request_id]
+                stream.num_unfinished -= 1
+                if stream.num_unfinished == 0:
+                    del self._streams[output.request_id]
         self._apply_aborts()
 
     def _step(self) -> None:

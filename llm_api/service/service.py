@@ -12,11 +12,22 @@ server) parse a body into a ``GenerateRequest`` with the request formats of ``ll
    MAX_INPUT_TOKENS (refused by its length before tokenizing when it cannot fit), one that cannot fit the
    KV cache, a full server (503). Large prompts are tokenized, and embeddings converted, on a small
    thread pool, off the event loop;
-2. then ``TextDelta``s, then exactly one ``Finished`` (a finish reason, or an error). This is the only
-   place that decides how a request ends: its EOS or length (engine), a stop string (detokenizer), a
-   cancel (``service.cancel``), its deadline, an engine failure. Leaving the iteration early (a client
-   that went away) aborts the request and frees its blocks; the request leaves the service's tables in
-   a ``finally``.
+2. then ``TextDelta``s, one ``ChoiceFinished`` per choice as it ends, then exactly one ``Finished`` (a
+   finish reason, or an error). This is the only place that decides how a request ends: its EOS or
+   length (engine), a stop string (detokenizer), a cancel (``service.cancel``), its deadline, an engine
+   failure. Leaving the iteration early (a client that went away) aborts the request and frees its
+   blocks; the request leaves the service's tables in a ``finally``.
+
+A request with ``params.n`` > 1 is one engine request of n sequences: every ``TextDelta`` and
+``ChoiceFinished`` names its choice (``index``), each choice has its own detokenizer and stop strings (a
+choice that meets one is ended alone, in the engine too), and ``Finished`` comes once every choice
+ended; an error (cancel, deadline, engine failure) ends them all at once. Admission counts n x
+``max_new_tokens`` against MAX_TOKENS_IN_FLIGHT.
+
+With ``params.logprobs`` set, each ``TextDelta`` carries the ``LogprobItem`` of the tokens whose text it
+releases (text the detokenizer held back keeps its tokens' logprobs for the delta that releases it): in
+order, every generated token up to and including the one that completed a stop string, but not the
+end-of-sequence token that ended a choice (it is not part of the answer, as in OpenAI's answers).
 
 ``request_id`` is the id the edge issued for the request (TorchServe's ``x-request-id``, a random UUID;
 the standalone server's own): unguessable, returned to the client with the response, and the only handle
@@ -31,13 +42,14 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import torch
 
 from llm_api.api.detokenizer import TextStream
 from llm_api.api.errors import ApiError, echo, internal_error
+from llm_api.api.logprobs import LogprobItem, TokenTexts
 from llm_api.api.prompt import PromptBuilder
 from llm_api.api.request import GenerateRequest, Limits
 from llm_api.api.tokenize import TokenizeRequest
@@ -60,12 +72,24 @@ OFF_LOOP_MIN_SIZE = 4096
 
 @dataclass(frozen=True)
 class TextDelta:
-    text: str
+    text: str  # may be empty when only logprobs are released (the end of a choice)
+    index: int = 0  # the choice (0 .. n-1)
+    logprobs: tuple[LogprobItem, ...] = ()  # of the tokens this text came from, when asked for
+
+
+@dataclass(frozen=True)
+class ChoiceFinished:
+    """One choice ended (sent for n = 1 too, before ``Finished``)."""
+
+    index: int
+    reason: FinishReason
+    num_generated_tokens: int
 
 
 @dataclass(frozen=True)
 class Finished:
-    """How a request ended: complete (``reason``), or ``error``. Token counts for usage reports."""
+    """How a request ended: complete (``reason``: choice 0's), or ``error``. Token counts (all choices)
+    for usage reports."""
 
     reason: FinishReason | None
     error: ApiError | None
@@ -73,7 +97,7 @@ class Finished:
     num_generated_tokens: int
 
 
-Event = TextDelta | Finished
+Event = TextDelta | ChoiceFinished | Finished
 
 
 class ModelService:
@@ -82,7 +106,8 @@ class ModelService:
         self.lm = lm
         self.model_name = settings.model_name
         self.created = int(time.time())
-        self.limits = Limits(settings.max_input_tokens, settings.max_new_tokens, lm.hidden_size)
+        self.limits = Limits(settings.max_input_tokens, settings.max_new_tokens, lm.hidden_size,
+                             _vocab_size(lm.model), settings.max_num_seqs)
         self.engine: LLMEngine | None = self._build_engine() if settings.engine == "paged" else None
         core = self.engine if self.engine is not None else ReferenceCore(lm.model, lm.eos_token_ids,
                                                                          lm.tokenizer.pad_token_id)
@@ -101,6 +126,10 @@ class ModelService:
     @functools.cached_property
     def prompts(self) -> PromptBuilder:
         return PromptBuilder(self.lm.tokenizer, self.settings.max_input_tokens)
+
+    @functools.cached_property
+    def token_texts(self) -> TokenTexts:
+        return TokenTexts(self.lm.tokenizer)
 
     @property
     def path_name(self) -> str:
@@ -162,7 +191,7 @@ class ModelService:
         self._check_fits(num_prompt_tokens, request.params.max_new_tokens)
         if label is not None and label in self._labels:  # (another request took it while we tokenized)
             raise ApiError(409, "duplicate_request_id", f"a request with request_id {echo(label)} is still running")
-        cost = num_prompt_tokens + request.params.max_new_tokens
+        cost = num_prompt_tokens + request.params.n * request.params.max_new_tokens
         self._admit(cost)
         timeout = min(request.timeout_s or self.settings.request_timeout_s, self.settings.request_timeout_s)
         generation = Generation(self, request_id, request, prompt_ids, prompt_embeds, num_prompt_tokens,
@@ -293,7 +322,9 @@ class Generation:
 
     async def events(self) -> AsyncIterator[Event]:
         service = self.service
-        text = TextStream(service.lm.tokenizer, self.params.stop, self._marker)
+        choices = [_Choice(TextStream(service.lm.tokenizer, self.params.stop, self._marker))
+                   for _ in range(self.params.n)]
+        token_texts = service.token_texts if self.params.logprobs is not None else None
         timer = service.metrics.start(self.num_prompt_tokens, self._arrival)
         end: Finished | None = None
         try:
@@ -306,20 +337,35 @@ class Generation:
                         raise TimeoutError
                     async with asyncio.timeout(remaining):
                         out = await anext(outputs)
-                    timer.tokens(len(out.new_token_ids))
-                    self.num_generated_tokens += len(out.new_token_ids)
-                    delta = text.push(out.new_token_ids)
-                    if delta.text:
-                        yield TextDelta(delta.text)
-                    if delta.stopped:
-                        end = self._finished(FinishReason.STOP)
-                    elif out.finished and out.finish_reason is FinishReason.ABORT:
+                    choice = choices[out.index]
+                    if choice.reason is not None:
+                        continue  # a choice that met a stop string: the rest of its tokens are not the answer
+                    if out.finished and out.finish_reason is FinishReason.ABORT:
                         end = self._failed(ApiError(499, "cancelled", "the request was cancelled"))
-                    elif out.finished:
-                        tail = text.finish()
-                        if tail:
-                            yield TextDelta(tail)
-                        end = self._finished(out.finish_reason)
+                        break
+                    timer.tokens(len(out.new_token_ids))
+                    choice.num_tokens += len(out.new_token_ids)
+                    self.num_generated_tokens += len(out.new_token_ids)
+                    if token_texts is not None and out.logprobs:
+                        # The end-of-sequence token that ended the choice is not part of the answer.
+                        kept = out.logprobs[:-1] if out.finish_reason is FinishReason.STOP else out.logprobs
+                        choice.logprobs.extend(token_texts.item(lp) for lp in kept)
+                    delta = choice.text.push(out.new_token_ids)
+                    if delta.text:
+                        yield choice.delta(delta.text, out.index)
+                    if delta.stopped or out.finished:
+                        if not delta.stopped:
+                            tail = choice.text.finish()
+                            if tail or choice.logprobs:
+                                yield choice.delta(tail, out.index)
+                        elif choice.logprobs:
+                            yield choice.delta("", out.index)
+                        choice.reason = FinishReason.STOP if delta.stopped else out.finish_reason
+                        if delta.stopped and not out.finished and len(choices) > 1:
+                            service.loop.abort(self.request_id, out.index)  # the other choices go on
+                        yield ChoiceFinished(out.index, choice.reason, choice.num_tokens)
+                        if all(c.reason is not None for c in choices):
+                            end = self._finished(choices[0].reason)
         except TimeoutError:
             end = self._failed(ApiError(408, "timeout", "the request exceeded its deadline"))
         except PromptTooLongError as exc:
@@ -338,3 +384,22 @@ class Generation:
 
     def _failed(self, error: ApiError) -> Finished:
         return Finished(None, error, self.num_prompt_tokens, self.num_generated_tokens)
+
+
+@dataclass
+class _Choice:
+    """One choice's progress inside ``Generation.events``."""
+
+    text: TextStream
+    logprobs: list[LogprobItem] = field(default_factory=list)  # not yet sent with a delta
+    num_tokens: int = 0
+    reason: FinishReason | None = None  # set once the choice ended
+
+    def delta(self, text: str, index: int) -> TextDelta:
+        released, self.logprobs = tuple(self.logprobs), []
+        return TextDelta(text, index, released)
+
+
+def _vocab_size(model) -> int | None:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return getattr(config, "vocab_size", None)

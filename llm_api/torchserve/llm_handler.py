@@ -30,6 +30,7 @@ from ts.torch_handler.base_handler import BaseHandler
 
 from llm_api.api import openai
 from llm_api.api.errors import ApiError, internal_error
+from llm_api.api.native_stream import GRPC_MAX_MESSAGE_BYTES
 from llm_api.api.request import CancelRequest
 from llm_api.model.settings import ConfigError, Settings
 from llm_api.service.answer import Chunk, Refusal, native_parts, openai_parts, parse_native, parse_openai
@@ -116,14 +117,17 @@ class LLMHandler(BaseHandler):
             found = self.service.cancel(request.target_id)
             logger.info("cancel of request %s: %s", request.target_id[:64], "done" if found else "not running")
             return reply.finish(json.dumps({"cancelled": found}), JSON_CONTENT_TYPE)
-        async with aclosing(native_parts(self.service, request, reply.request_id, self.marker)) as parts:
+        # A unary gRPC answer is one message, which gRPC clients refuse above 4 MiB by default.
+        max_unary_bytes = GRPC_MAX_MESSAGE_BYTES if reply.is_grpc else None
+        async with aclosing(native_parts(self.service, request, reply.request_id, self.marker,
+                                         max_unary_bytes)) as parts:
             async for part in parts:
                 if isinstance(part, Chunk):
-                    reply.send(part.payload)
+                    reply.send(part.payload, part.content_type)
                 elif isinstance(part, Refusal):
                     return reply.refuse(part.status, part.body)
                 else:
-                    return reply.finish(part.payload)
+                    return reply.finish(part.payload, part.content_type)
         raise RuntimeError("the request ended without a final part")
 
     # -------------------------------------------------------------------------------------------
@@ -145,10 +149,10 @@ class LLMHandler(BaseHandler):
         async with aclosing(openai_parts(service, request, call, reply.request_id, self.marker)) as parts:
             async for part in parts:
                 if isinstance(part, Chunk):
-                    reply.send(part.payload, call.content_type)
+                    reply.send(part.payload, part.content_type)
                 elif isinstance(part, Refusal):
                     return reply.refuse(part.status, part.body)
                 else:
-                    reply.send(part.payload, call.content_type)
-                    return reply.finish("", call.content_type)
+                    reply.send(part.payload, part.content_type)
+                    return reply.finish("", part.content_type)
         raise RuntimeError("the request ended without a final part")

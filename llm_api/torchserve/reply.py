@@ -16,7 +16,12 @@ for that row as the final message. TorchServe 0.12 behaviours this is shaped by 
   is a fixed ASCII text per status, never a message: the frontend copies it into the HTTP status line,
   and the worker protocol frames it by character count while writing UTF-8 bytes, so one non-ASCII
   character desynchronizes the frontend and kills the worker;
-* HTTP requests carry their headers (``url_path`` among them); gRPC requests carry none.
+* HTTP requests carry their headers (``url_path`` among them); gRPC requests carry none;
+* a message larger than ``max_response_size`` (6,553,500 bytes by default) kills the worker: an HTTP
+  payload (a non-streamed answer with logprobs and n choices can reach megabytes) goes out in pieces of
+  at most ``MAX_MESSAGE_CHARS`` characters (64 KiB of UTF-8 at most, below any sensible setting), which
+  the client receives as one chunked body; a gRPC answer cannot be split (a unary call takes one
+  message), so the native encoder bounds it (``llm_api.api.native_stream``).
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from __future__ import annotations
 from ts.handler_utils.utils import send_intermediate_predict_response
 
 from llm_api.api.errors import status_phrase
+from llm_api.api.native_stream import TEXT_CONTENT_TYPE
 
-TEXT_CONTENT_TYPE = "text/plain; charset=utf-8"
+MAX_MESSAGE_CHARS = 16 * 1024
 JSON_CONTENT_TYPE = "application/json"
 
 
@@ -47,13 +53,18 @@ class Reply:
             return
         if not self.started:
             self.context.set_response_content_type(self.idx, content_type)
-        # Keyed by row: TorchServe reads ret[idx] for every idx of the id map.
-        send_intermediate_predict_response({self.idx: payload}, {self.idx: self.request_id}, "Intermediate", 200,
-                                           self.context)
+        pieces = [payload] if self.is_grpc else _pieces(payload)
+        for piece in pieces:
+            # Keyed by row: TorchServe reads ret[idx] for every idx of the id map.
+            send_intermediate_predict_response({self.idx: piece}, {self.idx: self.request_id}, "Intermediate", 200,
+                                               self.context)
         self.started = True
 
     def finish(self, payload: str | bytes, content_type: str = TEXT_CONTENT_TYPE):
         """The final message of a 200 answer (``payload`` may be the whole answer when nothing was sent)."""
+        if not self.is_grpc and len(payload) > MAX_MESSAGE_CHARS:
+            self.send(payload[:-MAX_MESSAGE_CHARS], content_type)  # (the rest is small enough to end with)
+            payload = payload[-MAX_MESSAGE_CHARS:]
         if self.is_grpc or not self.async_mode or self.started:
             if not self.started:
                 self.context.set_response_content_type(self.idx, content_type)
@@ -71,3 +82,7 @@ class Reply:
         if self.is_grpc:
             self.context.set_response_header(self.idx, "ts_stream_next", "false")
         return body
+
+
+def _pieces(payload: str | bytes) -> list[str | bytes]:
+    return [payload[i : i + MAX_MESSAGE_CHARS] for i in range(0, len(payload), MAX_MESSAGE_CHARS)]

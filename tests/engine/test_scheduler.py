@@ -140,7 +140,8 @@ def test_eos_max_new_tokens_and_abort_finish_and_free():
     assert outputs["eos"][-1].finish_reason is FinishReason.STOP and outputs["len"][-1].finish_reason is FinishReason.LENGTH
     scheduler.add(_request("cut", [1, 2, 3], 10))
     _step(scheduler)
-    assert scheduler.abort("cut").finish_reason is FinishReason.ABORT
+    [aborted] = scheduler.abort("cut")
+    assert aborted.finish_reason is FinishReason.ABORT
     assert scheduler.block_pool.num_free_blocks == scheduler.block_pool.num_blocks
 
 
@@ -171,7 +172,7 @@ def test_random_scheduler_operations_keep_invariants(seed):
             limits[request_id] = (len(prompt), max_new_tokens)
         elif op < 0.2 and scheduler.requests:
             request_id = rng.choice(list(scheduler.requests))
-            assert scheduler.abort(request_id) is not None
+            assert len(scheduler.abort(request_id)) == 1
             finished[request_id] = "abort"
         else:
             output = scheduler.schedule()
