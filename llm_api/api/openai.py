@@ -9,6 +9,14 @@ header; ``route()`` maps it to one of the calls below. Contract:
   ``messages``, ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``n`` (1 only),
   ``stop``, ``seed``, ``stream``, ``stream_options.include_usage``, ``user``); parameters we cannot
   honour are refused by name rather than silently ignored.
+* Structured output and tools (chat): ``response_format`` (``text``, ``json_object``, ``json_schema``)
+  becomes a grammar the answer must follow (``llm_api.api.constraints``). ``tools`` are rendered by the
+  model's chat template and, with ``tool_choice`` ``auto`` (the default with tools), ``required`` or a
+  named function, the answer runs under the tool grammar of the model's format (``llm_api.api.tools``);
+  ``none`` renders no tools and allows no call. Calls in the answer are parsed into ``tool_calls``
+  (streamed as ``delta.tool_calls`` with the arguments in pieces) and the finish reason is
+  ``tool_calls``. Messages may carry a conversation's earlier calls: assistant ``tool_calls`` and
+  ``role: "tool"`` results (``tool_call_id``).
 * ``GET v1/models``: ``models_list``. ``GET v1/health``: see ``llm_api.service.metrics.Health``.
 * Streaming answers are server-sent events (``text/event-stream``): one ``data: {chunk}`` per text
   delta, a last chunk carrying ``finish_reason`` (and ``usage`` when asked for), then ``data: [DONE]``.
@@ -21,17 +29,20 @@ header; ``route()`` maps it to one of the calls below. Contract:
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from llm_api.api.constraints import json_object_constraint, json_schema_constraint, tool_constraint
 from llm_api.api.errors import ApiError, echo
 from llm_api.api.fields import (Integer, Number, StopStrings, StrictFlag, StrictWholeNumber, Text, field_path,
                                 first_error, is_type_error, message_of, unknown_fields)
-from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, MAX_SEED, GenerateRequest, Limits
+from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, MAX_SEED, Constraint, GenerateRequest, Limits
+from llm_api.api.tools import ToolCallDelta, ToolCallParser
 from llm_api.api.validation import decode_json
 from llm_api.engine.request import FinishReason
 from llm_api.engine.sampler import SamplingParams
@@ -51,9 +62,9 @@ ROUTES = {
 NEUTRAL_VALUES = {
     "echo": (False,), "best_of": (1,), "logprobs": (False, None), "top_logprobs": (None, 0), "suffix": (None, ""),
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, False, True),
 }
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function and schema names
+TOOL_CHOICES = ("none", "auto", "required")
 
 
 def route(url_path: str | None) -> str | None:
@@ -82,6 +93,7 @@ class OpenAICall:
     include_usage: bool
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+    tool_parser: ToolCallParser | None = None  # set when the call has tools: the answer's calls are parsed
     _text: list[str] = field(default_factory=list)
     _sent_role: bool = False
 
@@ -97,6 +109,24 @@ class OpenAICall:
         """New text -> what to send now ("" for a non-streaming call, which answers at the end)."""
         if not text:
             return ""
+        if self.tool_parser is not None:
+            return self._events(self.tool_parser.push(text))
+        return self._content(text)
+
+    def _events(self, events: list[str | ToolCallDelta]) -> str:
+        out = ""
+        for event in events:
+            if isinstance(event, str):
+                out += self._content(event)
+            elif self.stream:
+                call = {"index": event.index, "function": {"arguments": event.arguments}}
+                if event.id is not None:
+                    call = {"index": event.index, "id": event.id, "type": "function",
+                            "function": {"name": event.name, "arguments": event.arguments}}
+                out += self._role_event() + _sse(self._chunk(None, None, {"tool_calls": [call]}))
+        return out
+
+    def _content(self, text: str) -> str:
         if not self.stream:
             self._text.append(text)
             return ""
@@ -106,18 +136,24 @@ class OpenAICall:
         """The last payload: the finish reason and usage (the whole answer when not streaming); ``[DONE]``
         when streaming."""
         reason = finish_reason.value
+        tail = self._events(self.tool_parser.finish()) if self.tool_parser is not None else ""
+        calls = [c.to_openai() for c in self.tool_parser.calls] if self.tool_parser is not None else []
+        if calls and finish_reason is FinishReason.STOP:
+            reason = "tool_calls"
         usage = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
                  "total_tokens": num_prompt_tokens + num_completion_tokens}
         if not self.stream:
             text = "".join(self._text)
             if self.kind == "chat":
-                choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                          "finish_reason": reason}
+                message = {"role": "assistant", "content": text}
+                if calls:
+                    message = {"role": "assistant", "content": text or None, "tool_calls": calls}
+                choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
             else:
                 choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
             return json.dumps({"id": self.response_id, "object": self._object, "created": self.created,
                                "model": self.model, "choices": [choice], "usage": usage})
-        out = self._role_event() + _sse(self._chunk(None, reason))
+        out = tail + self._role_event() + _sse(self._chunk(None, reason))
         if self.include_usage:
             out += _sse({**self._envelope(), "choices": [], "usage": usage})
         return out + "data: [DONE]\n\n"
@@ -135,10 +171,11 @@ class OpenAICall:
     def _envelope(self) -> dict:
         return {"id": self.response_id, "object": self._object, "created": self.created, "model": self.model}
 
-    def _chunk(self, text: str | None, reason: str | None) -> dict:
+    def _chunk(self, text: str | None, reason: str | None, delta: dict | None = None) -> dict:
         if self.kind == "chat":
-            choice = {"index": 0, "delta": {"content": text} if text is not None else {}, "logprobs": None,
-                      "finish_reason": reason}
+            if delta is None:
+                delta = {"content": text} if text is not None else {}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
         chunk = {**self._envelope(), "choices": [choice]}
@@ -188,17 +225,97 @@ class TextPart(BaseModel):
     text: Text
 
 
+def _tool_name(value: str) -> str:
+    if not TOOL_NAME.fullmatch(value):
+        raise ValueError("must be 1 to 64 characters a-z, A-Z, 0-9, _ or -")
+    return value
+
+
+ToolName = Annotated[Text, AfterValidator(_tool_name)]
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: ToolName
+    arguments: Text  # JSON text of an object (checked in parse_call, where the error can name it)
+
+
+class ToolCallItem(BaseModel):
+    """One call of an earlier assistant turn, sent back as conversation history."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: Text
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[Text | list[TextPart], BeforeValidator(_content_shape)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[Text | list[TextPart], BeforeValidator(_content_shape)] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCallItem] | None = None  # assistant turns only
+    tool_call_id: Text | None = None  # tool turns only: the call this result answers
+
+    @model_validator(mode="after")
+    def _role_rules(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs 'content'" +
+                             (" or 'tool_calls'" if self.role == "assistant" else ""))
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages may carry 'tool_calls'")
+        if (self.tool_call_id is None) != (self.role != "tool"):
+            raise ValueError("a tool message needs 'tool_call_id'" if self.role == "tool"
+                             else "only tool messages may carry 'tool_call_id'")
+        return self
 
     def to_turn(self) -> dict:
-        """Our chat turn: text parts joined; ``developer`` (OpenAI's newer name) as the system role."""
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        """Our chat turn: text parts joined; ``developer`` (OpenAI's newer name) as the system role; calls
+        with their arguments as objects (what chat templates render; parse_call checked the JSON)."""
+        content = self.content if isinstance(self.content, str) or self.content is None else \
+            "".join(p.text for p in self.content)
+        turn = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.tool_calls:
+            turn["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
+        return turn
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: ToolName
+    description: Text | None = None
+    parameters: dict | None = None  # a JSON schema; None: no arguments
+    strict: StrictFlag | None = None  # accepted; arguments always follow the schema here
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ResponseSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: ToolName
+    description: Text | None = None
+    schema_: dict | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: StrictFlag | None = None  # accepted; the answer always follows the schema here
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: ResponseSchema | None = None
 
 
 class StreamOptions(BaseModel):
@@ -232,10 +349,10 @@ class ChatBody(_CallBody):
     messages: Annotated[list[ChatMessage], BeforeValidator(_nonempty_list)]
     max_completion_tokens: StrictWholeNumber | None = None
     top_logprobs: Any = None
-    response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}: checked below
+    parallel_tool_calls: StrictFlag | None = None
 
 
 class CompletionBody(_CallBody):
@@ -267,8 +384,11 @@ def parse_call(kind: str, body: Any, model_name: str, limits: Limits) -> tuple[G
         raise ApiError(400, "invalid_value", "'stream_options' is only allowed with stream=true", "stream_options")
 
     request = GenerateRequest(stream=True)  # the handler streams internally; the call encodes the answer
+    tool_parser = None
     if isinstance(call, ChatBody):
+        _check_tool_call_arguments(call.messages)
         request.messages = [m.to_turn() for m in call.messages]
+        request.constraint, request.tools, tool_parser = _structured_output(call, limits)
         max_default = min(DEFAULT_MAX_NEW_TOKENS, limits.max_new_tokens)
         max_tokens, param = ((call.max_completion_tokens, "max_completion_tokens") if call.max_completion_tokens
                              is not None else (call.max_tokens, "max_tokens"))
@@ -290,7 +410,82 @@ def parse_call(kind: str, body: Any, model_name: str, limits: Limits) -> tuple[G
         stop=call.stop or (),
     )
     include_usage = call.stream_options is not None and call.stream_options.include_usage
-    return request, OpenAICall(kind=kind, model=model_name, stream=call.stream, include_usage=include_usage)
+    return request, OpenAICall(kind=kind, model=model_name, stream=call.stream, include_usage=include_usage,
+                               tool_parser=tool_parser)
+
+
+def _check_tool_call_arguments(messages: list[ChatMessage]) -> None:
+    for i, message in enumerate(messages):
+        for j, item in enumerate(message.tool_calls or ()):
+            param = f"messages[{i}].tool_calls[{j}].function.arguments"
+            try:
+                value = decode_json(item.function.arguments.encode("utf-8"), what=f"{param!r}", code="invalid_value")
+            except ApiError as error:
+                raise ApiError(400, error.code, error.message, param) from None
+            if not isinstance(value, dict):
+                raise ApiError(400, "invalid_value", f"{param!r} must be a JSON object (as text)", param)
+
+
+def _structured_output(call: ChatBody, limits: Limits) -> tuple[Constraint | None, list[dict] | None,
+                                                                 ToolCallParser | None]:
+    """response_format, tools, tool_choice, parallel_tool_calls -> (constraint, tools to render, parser)."""
+    constraint = None
+    response_format = call.response_format
+    if response_format is not None and response_format.type == "json_schema":
+        if response_format.json_schema is None:
+            raise ApiError(400, "missing_required_parameter", "'response_format.json_schema' is required when "
+                           "'response_format.type' is json_schema", "response_format.json_schema")
+        schema = response_format.json_schema.schema_
+        constraint = (json_schema_constraint(schema, "response_format.json_schema.schema") if schema is not None
+                      else json_object_constraint("response_format"))
+    elif response_format is not None and response_format.json_schema is not None:
+        raise ApiError(400, "invalid_value", "'response_format.json_schema' is only allowed with type json_schema",
+                       "response_format.json_schema")
+    elif response_format is not None and response_format.type == "json_object":
+        constraint = json_object_constraint("response_format")
+
+    choice = _tool_choice(call.tool_choice, call.tools)
+    if not call.tools or choice == "none":
+        return constraint, None, None  # "none": the tools are not rendered, so no call can be made
+    if constraint is not None:
+        raise ApiError(400, "invalid_value", "'response_format' cannot be combined with 'tools' (unless "
+                       "tool_choice is none): the answer is either a tool call or the response format",
+                       "response_format")
+    if limits.tool_format is None:
+        raise ApiError(400, "unsupported_parameter", "this model's chat template has no tool-call format this server "
+                       "parses (Hermes/Qwen <tool_call>, Llama 3 JSON): 'tools' cannot be used", "tools")
+    names = [t.function.name for t in call.tools]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ApiError(400, "invalid_value", f"'tools[{i}].function.name' repeats the name {name!r}",
+                           f"tools[{i}].function.name")
+    tools = [t.model_dump(exclude_none=True) for t in call.tools]
+    parallel = call.parallel_tool_calls is not False
+    return tool_constraint(limits.tool_format, tools, choice, parallel), tools, ToolCallParser(limits.tool_format)
+
+
+def _tool_choice(value: Any, tools: list[ToolDefinition] | None) -> str:
+    """tool_choice -> "none" | "auto" | "required" | the name of the function to call."""
+    if value is None:
+        return "auto" if tools else "none"
+    if isinstance(value, str):
+        if value not in TOOL_CHOICES:
+            raise ApiError(400, "invalid_value", f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or "
+                           f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {echo(value)}",
+                           "tool_choice")
+        if value != "none" and not tools:
+            raise ApiError(400, "invalid_value", f"'tool_choice' {value} needs 'tools'", "tool_choice")
+        return value
+    function = value.get("function") if isinstance(value, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if (not isinstance(value, dict) or set(value) != {"type", "function"} or value["type"] != "function"
+            or set(function or ()) != {"name"} or not isinstance(name, str)):
+        raise ApiError(400, "invalid_value", "'tool_choice' must be none, auto, required or "
+                       "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    if not any(t.function.name == name for t in tools or ()):
+        raise ApiError(400, "invalid_value", f"'tool_choice' names the function {echo(name)}, which is not in 'tools'",
+                       "tool_choice.function.name")
+    return name
 
 
 def _api_error(error: ValidationError) -> ApiError:

@@ -7,9 +7,15 @@ accepts, from the settings and the loaded model.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from llm_api.engine.grammar import GrammarSpec
 from llm_api.engine.sampler import SamplingParams
+
+if TYPE_CHECKING:
+    from llm_api.api.tools import ToolFormat
 
 INPUT_FIELDS = ("text", "messages", "inputs_embeds")
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -21,6 +27,18 @@ class Limits:
     max_input_tokens: int
     max_new_tokens: int
     hidden_size: int | None = None
+    tool_format: "ToolFormat | None" = None  # how the model writes tool calls; None: no tools served
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """Structured output a request asks for: the grammar, the request field it came from (named in every
+    error about it), and for a grammar built from several client schemas (tool calls) each schema with
+    its own field, so that an error names the one at fault."""
+
+    spec: GrammarSpec
+    param: str
+    parts: tuple[tuple[str, GrammarSpec], ...] = ()
 
 
 @dataclass
@@ -32,6 +50,8 @@ class GenerateRequest:
     stream: bool = True  # HTTP always streams; gRPC streams only when asked (see docs/torchserve.md)
     client_request_id: str | None = None  # the client's label: unique among live requests
     timeout_s: float | None = None
+    constraint: Constraint | None = None  # structured output; the service compiles it into params.grammar
+    tools: list[dict] | None = None  # tool definitions rendered by the chat template ({"type": "function", ...})
 
     @property
     def input_kind(self) -> str:
@@ -42,7 +62,10 @@ class GenerateRequest:
         if self.text is not None:
             return len(self.text)
         if self.messages is not None:
-            return sum(len(m.get("content") or "") for m in self.messages)
+            chars = sum(len(m.get("content") or "") for m in self.messages)
+            calls = [m["tool_calls"] for m in self.messages if m.get("tool_calls")]
+            extra = [self.tools] if self.tools else []
+            return chars + sum(len(json.dumps(x, ensure_ascii=False)) for x in calls + extra)
         return 0
 
 

@@ -1,9 +1,17 @@
 """Structured output: grammar specs, their compiled forms, and per-sequence token masks (xgrammar).
 
 Contract
-- ``GrammarSpec`` is what a request asks for: a JSON schema, any JSON object, a regex or an EBNF
-  grammar, as text. Specs are frozen and hashable; equal specs share one compiled grammar. Build them
-  with the class methods (``GrammarSpec.json_schema(dict_or_text)`` writes the canonical text).
+- ``GrammarSpec`` is what a request asks for: a JSON schema, any JSON object, a regex, an EBNF grammar
+  or an xgrammar structural tag (free text with tagged JSON sections: tool calls), as text. Specs are
+  frozen and hashable; equal specs share one compiled grammar. Build them with the class methods
+  (``GrammarSpec.json_schema(dict_or_text)`` writes the canonical text).
+- Compile cost is bounded before compiling (``GrammarLimits``, ``check_limits``; the compiler checks
+  every spec): the source may hold at most ``max_source_chars`` characters, and the string-length
+  bounds (``minLength``/``maxLength``, one count per distinct pair) and repetition bounds (``{m,n}`` in
+  a regex, a schema ``pattern`` or an EBNF grammar) may add up to at most ``max_bound_total``. Each unit
+  costs ~20 ms of compile on one CPU core (measured: ``maxLength`` 64: 1.4 s, 128: 2.9 s, 300: 4.4 s;
+  ten fields with bounds 10..19: 2.2 s), so the default 256 keeps one spec to a few seconds; a spec over
+  a limit raises ``GrammarError`` naming the limit, at once.
 - ``GrammarCompiler(tokenizer, vocab_size, stop_token_ids)`` is built once per model. ``compile(spec)``
   is thread-safe and meant for a worker pool, never the engine thread (xgrammar releases the GIL while
   compiling). Most schemas take ~50 ms of CPU, but each distinct string length bound costs ~20 ms per
@@ -43,14 +51,15 @@ from typing import Any, Iterable, Sequence
 import torch
 
 __all__ = [
-    "GrammarSpec", "GrammarError", "GrammarCompiler", "CompiledGrammar", "GrammarCacheInfo",
+    "GrammarSpec", "GrammarError", "GrammarLimits", "check_limits", "GrammarCompiler", "CompiledGrammar", "GrammarCacheInfo",
     "GrammarMatcher", "allocate_bitmask", "apply_bitmask", "apply_bitmask_reference", "fill_bitmasks",
     "special_token_ids",
 ]
 
-GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
 XGRAMMAR_PIP = "pip install xgrammar==0.2.8"
 _MAX_ECHO_CHARS = 200
+JSON_MAX_WHITESPACE = 32  # whitespace characters in a row a JSON grammar allows (see GrammarCompiler)
 # "[11:33:45] /project/cpp/regex_converter.cc:83: " and "Check failed: (...) is false: " in xgrammar errors.
 _LOG_PREFIX = re.compile(r"^\s*\[[0-9:.]+\]\s+\S+:\d+:\s*")
 _CHECK_PREFIX = re.compile(r"Check failed: \(.*?\) is false:\s*")
@@ -82,8 +91,9 @@ def _library_message(error: BaseException) -> str:
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """kind: json_object | json_schema | regex | ebnf; source: the schema as canonical JSON text, the
-    regex (matched in full), or the EBNF (root rule ``root``); "" for json_object."""
+    """kind: json_object | json_schema | regex | ebnf | structural_tag; source: the schema as canonical
+    JSON text, the regex (matched in full), the EBNF (root rule ``root``), or the structural tag as
+    canonical JSON text (xgrammar's ``{"type": "structural_tag", "format": ...}``); "" for json_object."""
 
     kind: str
     source: str = ""
@@ -123,6 +133,80 @@ class GrammarSpec:
     @classmethod
     def ebnf(cls, grammar: str) -> "GrammarSpec":
         return cls("ebnf", grammar)
+
+    @classmethod
+    def structural_tag(cls, tag: dict) -> "GrammarSpec":
+        """From xgrammar's structural tag object (``{"type": "structural_tag", "format": {...}}``)."""
+        if not isinstance(tag, dict):
+            raise GrammarError(f"a structural tag must be an object, got {type(tag).__name__}")
+        return cls("structural_tag", json.dumps(tag, ensure_ascii=False, separators=(",", ":")))
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """What one spec may cost to compile (see the module docstring); None: no limit."""
+
+    max_source_chars: int | None = 65536
+    max_bound_total: int | None = 256
+
+
+# {m}, {m,} or {m,n} in a regex or an EBNF grammar (a literal "{3}" inside quotes counts too: conservative).
+_QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+def _repetition_total(text: str) -> int:
+    total = 0
+    for match in _QUANTIFIER.finditer(text):
+        low, high = match.group(1), match.group(2)
+        # (digits of a huge literal are not converted: anything over 9 digits is over any limit anyway)
+        total += min(max(int(low[:10]), int(high[:10]) if high else 0), 10**10)
+    return total
+
+
+def _schema_bound_total(value: Any) -> int:
+    """String-length bounds (one count per distinct min/max pair) + repetition bounds of the patterns and
+    grammars anywhere in a JSON schema or structural tag. Iterative: the value may be deeply nested."""
+    length_pairs: set[tuple[int, int]] = set()
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            low, high = item.get("minLength"), item.get("maxLength")
+            bounds = [b for b in (low, high) if isinstance(b, int) and not isinstance(b, bool)]
+            if bounds:
+                length_pairs.add((low if low in bounds else 0, high if high in bounds else 0))
+            for key in ("pattern", "grammar"):
+                if isinstance(item.get(key), str):
+                    total += _repetition_total(item[key])
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total + sum(min(max(abs(low), abs(high)), 10**10) for low, high in length_pairs)
+
+
+def check_limits(spec: GrammarSpec, limits: GrammarLimits = GrammarLimits()) -> None:
+    """Raise ``GrammarError`` when ``spec`` is over a compile-cost limit (cheap: one pass over the source)."""
+    if limits.max_source_chars is not None and len(spec.source) > limits.max_source_chars:
+        raise GrammarError(f"the {_kind_name(spec.kind)} has {len(spec.source)} characters; the limit is "
+                           f"{limits.max_source_chars}")
+    if limits.max_bound_total is None or spec.kind == "json_object":
+        return
+    if spec.kind in ("json_schema", "structural_tag"):
+        try:
+            total = _schema_bound_total(json.loads(spec.source))
+        except (ValueError, RecursionError):
+            return  # not JSON: compile() names that problem
+    else:
+        total = _repetition_total(spec.source)
+    if total > limits.max_bound_total:
+        raise GrammarError(f"the {_kind_name(spec.kind)}'s length and repetition bounds (maxLength, minLength, "
+                           f"{{m,n}}) add up to {total if total < 10**10 else 'more than 10**10'}; the limit is "
+                           f"{limits.max_bound_total} (each unit costs ~20 ms of grammar compile)")
+
+
+def _kind_name(kind: str) -> str:
+    return {"json_schema": "JSON schema", "json_object": "JSON object grammar", "ebnf": "EBNF grammar",
+            "structural_tag": "structural tag"}.get(kind, kind)
 
 
 @dataclass(frozen=True, eq=False)
@@ -164,13 +248,15 @@ class GrammarCompiler:
       max_new_tokens. ``json_any_whitespace=False``: one fixed layout (``, `` and ``: ``).
     num_threads: xgrammar's threads per compilation (default half the cores, 1 to 8: compilation shares
       the machine with the engine thread).
+    limits: the compile-cost limits every spec is checked against before compiling (``check_limits``).
     """
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int] | None = None, *,
                  max_cached: int = 64, max_cached_bytes: int = 256 << 20,
-                 json_any_whitespace: bool = True, json_max_whitespace: int | None = 32,
-                 num_threads: int | None = None):
+                 json_any_whitespace: bool = True, json_max_whitespace: int | None = JSON_MAX_WHITESPACE,
+                 num_threads: int | None = None, limits: GrammarLimits = GrammarLimits()):
         xgr = _xgrammar()
+        self.limits = limits
         if stop_token_ids is None:
             if getattr(tokenizer, "eos_token_id", None) is None:
                 raise ValueError("the tokenizer has no eos_token_id: pass stop_token_ids")
@@ -209,9 +295,20 @@ class GrammarCompiler:
         self._hits = self._misses = 0
         self._compile_seconds_total = 0.0
 
+    def cached(self, spec: GrammarSpec) -> CompiledGrammar | None:
+        """The compiled grammar of ``spec`` when it is in the cache (a hit), else None; never compiles,
+        so it may run on an event loop."""
+        with self._lock:
+            compiled = self._cache.get(spec)
+            if compiled is not None:
+                self._cache.move_to_end(spec)
+                self._hits += 1
+            return compiled
+
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         if not isinstance(spec, GrammarSpec):
             raise TypeError(f"compile() takes a GrammarSpec, got {type(spec).__name__}")
+        check_limits(spec, self.limits)
         with self._lock:
             compiled = self._cache.get(spec)
             if compiled is not None:
@@ -272,13 +369,14 @@ class GrammarCompiler:
                 compiled = self._compiler.compile_json_schema('{"type":"object"}', **self._json_options)
             elif spec.kind == "regex":
                 compiled = self._compiler.compile_regex(spec.source)
+            elif spec.kind == "structural_tag":
+                compiled = self._compiler.compile_structural_tag(spec.source)
             else:
                 compiled = self._compiler.compile_grammar(spec.source, root_rule_name="root")
         except GrammarError:
             raise
         except (RuntimeError, ValueError, TypeError) as e:
-            kind = {"json_schema": "JSON schema", "ebnf": "EBNF grammar"}.get(spec.kind, spec.kind)
-            raise GrammarError(f"invalid {kind}: {_library_message(e)}") from None
+            raise GrammarError(f"invalid {_kind_name(spec.kind)}: {_library_message(e)}") from None
         seconds = time.perf_counter() - start
         with self._lock:
             self._compile_seconds_total += seconds

@@ -6,15 +6,32 @@ one step's logits ``[B, V]`` for a batch of requests, each with its own paramete
 top-p and draw with the request's own ``torch.Generator`` so a seeded request gives the same tokens
 whatever else shares its batch. The paged engine and the ``generate()`` reference both call it, so the
 two paths pick tokens the same way.
+
+Structured output: a row whose ``SamplerBatch.grammar_matchers`` entry is a live ``GrammarMatcher`` (its
+request's ``SamplingParams.grammar``) is constrained: its token mask is filled and applied after the
+repetition penalty and before temperature / top-k / top-p (so sampling only sees allowed tokens), and
+the token picked for it is accepted into its matcher here, so every caller keeps the matcher in step
+with the tokens it produced. Only constrained rows are masked; unconstrained rows of the same step are
+not touched, and a batch without constrained rows costs what it did before. A matcher that terminated
+(its stop token was accepted: only an ``ignore_eos`` request or a finished row of a ``generate()``
+batch is sampled again) leaves its row unconstrained.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
+
+from llm_api.engine.grammar import allocate_bitmask, apply_bitmask
+
+if TYPE_CHECKING:
+    from llm_api.engine.grammar import CompiledGrammar, GrammarMatcher
+
+logger = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 16
 MIN_SAMPLING_TEMPERATURE = 1e-5
@@ -32,6 +49,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    grammar: "CompiledGrammar | None" = None  # structured output: tokens must follow it (compiled by the service)
 
     @property
     def greedy(self) -> bool:
@@ -66,6 +84,8 @@ class SamplerBatch:
     params: Sequence[SamplingParams]
     states: Sequence[SamplingState]
     seen_token_ids: Sequence[Sequence[int] | torch.Tensor | None] = field(default_factory=list)
+    # Per row: the GrammarMatcher of a structured-output request, else None; empty: no row is constrained.
+    grammar_matchers: Sequence["GrammarMatcher | None"] = field(default_factory=list)
 
 
 class Sampler:
@@ -74,16 +94,31 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplerBatch) -> torch.Tensor:
         # logits: [B, V] -> token ids: [B] (int64, on logits.device)
         params = batch.params
-        if all(p.greedy and not p.needs_penalty for p in params):
+        matchers = batch.grammar_matchers
+        constrained = [row for row, m in enumerate(matchers) if m is not None and not m.is_terminated()]
+        if not constrained and all(p.greedy and not p.needs_penalty for p in params):
             return logits.argmax(dim=-1)
-        logits = logits.float().clone()
+        # A float32 copy: penalties and masks write into it (and bf16 argmax is slow on CPUs).
+        logits = logits.to(torch.float32, copy=True)
         for row, p in enumerate(params):
             if p.needs_penalty:
                 _apply_repetition_penalty(logits[row], batch.seen_token_ids[row], p.repetition_penalty)
+        if constrained:
+            bitmask = allocate_bitmask(len(params), logits.shape[1])
+            # fill_bitmask says whether the row needs masking at all (False: every token is allowed).
+            masked = [row for row in constrained if matchers[row].fill_bitmask(bitmask, row)]
+            apply_bitmask(logits, bitmask, masked)
         token_ids = logits.argmax(dim=-1)
         for row, p in enumerate(params):
             if not p.greedy:
                 token_ids[row] = _sample_row(logits[row], p, batch.states[row].generator)
+        if constrained:
+            picked = token_ids[constrained].tolist()
+            for row, token_id in zip(constrained, picked):
+                if not matchers[row].accept_token(token_id):
+                    # Cannot happen with a correct mask (a masked token has probability 0): say so loudly
+                    # rather than end the whole step; the matcher stays where it was.
+                    logger.error("grammar matcher refused sampled token %d (row %d)", token_id, row)
         return token_ids
 
 
