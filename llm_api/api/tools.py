@@ -15,8 +15,8 @@ without ``tools`` (refused by name, never ignored).
 ``tool_grammar(format, tools, choice, parallel)`` is the structural tag (xgrammar's format, compiled like
 any other grammar) that every request with tools runs under: with ``auto`` the model writes free text,
 and once it starts a call (the format's trigger) the call must name one of the tools and carry arguments
-valid for that tool's ``parameters`` schema; ``required`` makes the first thing it writes a call, a named
-function forces that one call. ``parallel=False`` allows one call at most. So every call the parser sees
+valid for that tool's ``parameters`` schema; with ``required`` the answer is one or more calls and
+nothing else; a named function: exactly that one call. ``parallel=False`` allows one call at most. So every call the parser sees
 is well formed, and the arguments of a complete call always validate.
 
 ``ToolCallParser`` turns the answer's text, as it streams, into events in order: content text (``str``)
@@ -46,6 +46,7 @@ class ToolFormat:
     end: str  # the text that closes a call after its arguments
     head: re.Pattern  # matches from the trigger through the arguments key (group "name")
     separators: str  # characters allowed between calls (not content)
+    call_separator: str  # what the grammar puts between two calls when the answer is only calls
 
     def call_begin(self, name: str) -> str:
         return self.begin.replace("{name}", name)
@@ -55,11 +56,11 @@ HERMES = ToolFormat(
     name="hermes", trigger="<tool_call>", begin='<tool_call>\n{"name": "{name}", "arguments": ',
     end="}\n</tool_call>",
     head=re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_.-]{1,64})"\s*,\s*"arguments"\s*:\s*'),
-    separators=" \t\r\n")
+    separators=" \t\r\n", call_separator="\n")
 LLAMA3_JSON = ToolFormat(
     name="llama3_json", trigger='{"name": ', begin='{"name": "{name}", "parameters": ', end="}",
     head=re.compile(r'\{"name":\s*"(?P<name>[A-Za-z0-9_.-]{1,64})"\s*,\s*"(?:parameters|arguments)"\s*:\s*'),
-    separators=" \t\r\n;")
+    separators=" \t\r\n;", call_separator="; ")
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON)}
 
 
@@ -91,11 +92,14 @@ def tool_grammar(fmt: ToolFormat, tools: list[dict], choice: str | None, paralle
                 "end": fmt.end}
 
     functions = [t["function"] for t in tools]
-    if choice not in ("auto", "required"):
-        forced = next(f for f in functions if f["name"] == choice)
-        return GrammarSpec.structural_tag({"type": "structural_tag", "format": tag(forced)})
-    body = {"type": "triggered_tags", "triggers": [fmt.trigger], "tags": [tag(f) for f in functions],
-            "at_least_one": choice == "required", "stop_after_first": not parallel}
+    if choice == "auto":
+        body = {"type": "triggered_tags", "triggers": [fmt.trigger], "tags": [tag(f) for f in functions],
+                "at_least_one": False, "stop_after_first": not parallel}
+    elif choice == "required":
+        body = {"type": "tags_with_separator", "tags": [tag(f) for f in functions], "separator": fmt.call_separator,
+                "at_least_one": True, "stop_after_first": not parallel}
+    else:
+        body = tag(next(f for f in functions if f["name"] == choice))
     return GrammarSpec.structural_tag({"type": "structural_tag", "format": body})
 
 
