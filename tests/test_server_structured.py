@@ -121,13 +121,15 @@ def test_auto_none_and_a_tool_conversation(client):
     answer = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, tool_choice="none",
                                             temperature=0, max_tokens=30)
     assert not answer.choices[0].message.tool_calls and answer.choices[0].message.content
+    plain_prompt = answer.usage.prompt_tokens
     history = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
     answer = client.chat.completions.create(model="smollm2", messages=history, tools=TOOLS, tool_choice="none",
                                             temperature=0, max_tokens=30)
-    assert answer.choices[0].message.content and answer.usage.prompt_tokens > 200
+    # The earlier call and its result are in the prompt (rendered by the template).
+    assert answer.choices[0].message.content and answer.usage.prompt_tokens > plain_prompt + 20
 
 
 @pytest.mark.parametrize("kwargs, param", [

@@ -164,8 +164,8 @@ def parse_request(row: Mapping[str, Any], limits: Limits, default_stream: bool =
 def _constraint(body: NativeBody):
     asked = [name for name in CONSTRAINT_FIELDS if getattr(body, name) is not None]
     if len(asked) > 1:
-        raise ApiError(400, "invalid_parameter", f"give at most one of json_schema, regex and grammar, not "
-                       f"{' and '.join(asked)}", asked[1])
+        raise ApiError(400, "invalid_parameter", f"give at most one of 'json_schema', 'regex' and 'grammar', not "
+                       f"{' and '.join(map(repr, asked))}", asked[1])
     if asked and body.ignore_eos:
         raise ApiError(400, "invalid_parameter", f"'ignore_eos' cannot be combined with {asked[0]!r}: the answer "
                        f"ends where its grammar ends", "ignore_eos")
