@@ -1,13 +1,15 @@
 """Structured output under continuous batching: what JSON schemas cost the engine, on this machine.
 
 (a) throughput: 16 concurrent requests on the embedded model, loaded and sized as the server does
-    (``Settings`` defaults: its dtype choice, the CPU step budget), through ``LLMEngine``: a "plain" round
-    (16 requests, no schema) and a "mixed" round (the same 16, half of them under a JSON schema: four
-    distinct schemas, two requests each), alternating, in one run. Every request generates exactly
-    ``--tokens`` tokens (plain ones with ignore_eos; the schemas describe lists longer than that, so their
-    grammars never end early), so the rounds do the same model work and the ratio of their throughputs
-    (mixed / plain, per pair of rounds, then the median) is the cost of the masks: filling 8 rows'
-    bitmasks, applying them, accepting the tokens, per step.
+    (``Settings`` defaults: its dtype choice, the CPU step budget), through two ``LLMEngine``s sharing the
+    model: the "plain" engine runs 16 requests without schemas, the "mixed" engine the same 16 with half
+    of them under a JSON schema (four distinct schemas, two requests each). Every request generates
+    exactly ``--tokens`` tokens (plain ones with ignore_eos; the schemas describe lists longer than that,
+    so their grammars never end early), so both engines do the same model work, step for step. The two
+    are stepped in lockstep, alternating which goes first, and each step is timed: on a shared machine
+    whose load drifts, neighbouring steps see the same load, so the ratio of the summed step times
+    (plain / mixed = mixed throughput / plain throughput) is the cost of the masks (filling 8 rows'
+    bitmasks, applying them, accepting the tokens) and little else. Reported per round and pooled.
 (b) compile: each distinct schema compiled cold (cache cleared), median of ``--compile-rounds``.
 (c) stalls: a plain stream through ``ModelService`` (the server's request driver) while another request
     brings a schema that takes seconds to compile (a distinct one each round): the stream's inter-token
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import os
@@ -72,38 +75,52 @@ def prompts(tokenizer) -> list[list[int]]:
             for i in range(NUM_REQUESTS)]
 
 
-def run_round(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]], tag: str) -> tuple[float, int]:
-    start = time.perf_counter()
-    num_tokens = 0
-    batch = [(f"{tag}-{i}", p, sp, None) for i, (p, sp) in enumerate(requests)]
-    for outputs in engine.generate_batch_stream(batch):
-        num_tokens += sum(len(o.new_token_ids) for o in outputs)
-    return time.perf_counter() - start, num_tokens
+def lockstep_round(engines: dict, workloads: dict, tag: str) -> dict:
+    """Both engines' requests added, then one step of each in turn (alternating who goes first) until
+    both are done. Returns each engine's summed step seconds and tokens."""
+    seconds = {name: 0.0 for name in engines}
+    tokens = {name: 0 for name in engines}
+    for name, engine in engines.items():
+        for i, (prompt, params) in enumerate(workloads[name]):
+            engine.add_request(f"{tag}-{name}-{i}", prompt, params)
+    order = list(engines)
+    while any(e.has_unfinished_requests() for e in engines.values()):
+        for name in order:
+            engine = engines[name]
+            if not engine.has_unfinished_requests():
+                continue
+            start = time.perf_counter()
+            outputs = engine.step()
+            seconds[name] += time.perf_counter() - start
+            tokens[name] += sum(len(o.new_token_ids) for o in outputs)
+        order.reverse()
+    return {"seconds": seconds, "tokens": tokens}
 
 
-def throughput(args, lm, engine: LLMEngine, compiler: GrammarCompiler) -> dict:
+def throughput(args, lm, engines: dict, compiler: GrammarCompiler) -> dict:
     ids = prompts(lm.tokenizer)
     compiled = [compiler.compile(GrammarSpec.json_schema(s)) for s in SCHEMAS.values()]
     plain = [(p, SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)) for p in ids]
-    # Half the requests under a schema (each of the 4 schemas twice), the other half as in the plain round.
+    # Half the requests under a schema (each of the 4 schemas twice), the other half as in the plain engine.
     mixed = [(p, SamplingParams(max_new_tokens=args.tokens, grammar=compiled[i // 2 % 4]) if i % 2 == 0 else sp)
              for i, (p, sp) in enumerate(plain)]
-    # Every prompt once first: later rounds all find them in the prefix cache alike (decode-bound rounds).
-    run_round(engine, plain, "warmup")
-    run_round(engine, mixed[:4], "warmup-mixed")
+    workloads = {"plain": plain, "mixed": mixed}
+    # Every prompt once first: later rounds find them all in each engine's prefix cache (decode-bound rounds).
+    lockstep_round(engines, workloads, "warmup")
     rounds = []
     for r in range(args.rounds):
-        order = [("plain", plain), ("mixed", mixed)] if r % 2 == 0 else [("mixed", mixed), ("plain", plain)]
-        result = {}
-        for name, requests in order:
-            seconds, tokens = run_round(engine, requests, f"{name}{r}")
-            assert tokens == NUM_REQUESTS * args.tokens, (name, tokens)
-            result[name] = tokens / seconds
-        result["ratio"] = result["mixed"] / result["plain"]
-        rounds.append(result)
-        print(f"round {r}: plain {result['plain']:.1f} tok/s, mixed {result['mixed']:.1f} tok/s, "
-              f"ratio {result['ratio']:.3f}", flush=True)
+        result = lockstep_round(engines, workloads, f"round{r}")
+        for name in engines:
+            assert result["tokens"][name] == NUM_REQUESTS * args.tokens, (name, result["tokens"])
+        row = {name: result["tokens"][name] / result["seconds"][name] for name in engines}
+        row["ratio"] = row["mixed"] / row["plain"]
+        rounds.append(row)
+        print(f"round {r}: plain {row['plain']:.1f} tok/s, mixed {row['mixed']:.1f} tok/s, ratio {row['ratio']:.3f}",
+              flush=True)
+    pooled = sum(NUM_REQUESTS * args.tokens / r["mixed"] for r in rounds)
+    pooled_plain = sum(NUM_REQUESTS * args.tokens / r["plain"] for r in rounds)
     return {"rounds": rounds, "median_ratio": statistics.median(r["ratio"] for r in rounds),
+            "pooled_ratio": pooled_plain / pooled,
             "median_plain_tokens_per_s": statistics.median(r["plain"] for r in rounds),
             "median_mixed_tokens_per_s": statistics.median(r["mixed"] for r in rounds)}
 
@@ -171,12 +188,17 @@ def main() -> None:
     parser.add_argument("--compile-rounds", type=int, default=3)
     parser.add_argument("--stall-tokens", type=int, default=200, help="tokens of the stream beside a slow compile")
     parser.add_argument("--skip-stalls", action="store_true")
+    parser.add_argument("--kv-cache-mib", type=int, default=256, help="KV pool of each of the two engines")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
     settings = Settings.from_env({**os.environ, "MODEL_PATH": os.environ.get("MODEL_PATH") or str(default_model_path(os.environ))})
     lm = loader.load(settings)
-    engine = LLMEngine(lm.model, EngineConfig.from_settings(settings), set(lm.eos_token_ids))
+    # Two engines on one model (each its own KV pool), the second with the step budget the first measured.
+    config = dataclasses.replace(EngineConfig.from_settings(settings), kv_cache_memory_mib=args.kv_cache_mib)
+    engine = LLMEngine(lm.model, config, set(lm.eos_token_ids))
+    config = dataclasses.replace(config, max_num_batched_tokens=engine.config.max_num_batched_tokens)
+    engines = {"plain": engine, "mixed": LLMEngine(lm.model, config, set(lm.eos_token_ids))}
     compiler = GrammarCompiler(lm.tokenizer, engine.vocab_size, lm.eos_token_ids)
     report = {"machine": machine(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "dtype": str(lm.model.dtype), "max_num_batched_tokens": engine.config.max_num_batched_tokens,
@@ -184,8 +206,8 @@ def main() -> None:
     print(report, flush=True)
     report["compile_seconds"] = compile_times(args, compiler)
     print("compile seconds per distinct schema:", report["compile_seconds"], flush=True)
-    report["throughput"] = throughput(args, lm, engine, compiler)
-    del engine
+    report["throughput"] = throughput(args, lm, engines, compiler)
+    del engine, engines
     if not args.skip_stalls:
         report["stalls"] = asyncio.run(stalls(args, settings, lm))
     print(json.dumps(report, indent=2))
