@@ -62,7 +62,8 @@ def test_completion_defaults_follow_openai():
     ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 3}, "presence_penalty", 400),
     ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "best_of": 2}, "best_of", 400),
     ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "frobnicate": 1}, "frobnicate", 400),
-    ({"model": "smollm2", "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", 400),
+    ({"model": "smollm2", "messages": [{"role": "tool", "content": "x"}]}, "messages[0]", 400),  # no tool_call_id
+    ({"model": "smollm2", "messages": [{"role": "function", "content": "x"}]}, "messages[0].role", 400),
     ({"model": "other", "messages": [{"role": "user", "content": "x"}]}, "model", 404),
     ({"messages": [{"role": "user", "content": "x"}]}, "model", 400),
     ({"model": "smollm2", "messages": []}, "messages", 400),

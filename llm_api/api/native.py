@@ -9,7 +9,9 @@ field's type (structured fields as JSON text).
 A control request ``{"cancel": "<x-request-id>"}`` parses to ``CancelRequest``. Otherwise the request
 carries exactly one input (``text``, ``messages`` or ``inputs_embeds``: vectors of the model's hidden
 size) and generation parameters, declared by ``NativeBody`` with the shared field rules of
-``llm_api.api.fields``. Anything else raises ``ApiError`` (4xx, ``invalid_parameter`` /
+``llm_api.api.fields``, and at most one structured-output constraint: ``json_schema`` (an object, or its
+JSON text in form fields and gRPC), ``regex`` (the whole answer matches it) or ``grammar`` (EBNF, root
+rule ``root``), see ``llm_api.api.constraints``. Anything else raises ``ApiError`` (4xx, ``invalid_parameter`` /
 ``invalid_input`` / ``unknown_field`` / ...) naming the field, for that request alone.
 
 ``n`` (choices, up to MAX_NUM_SEQS) above 1 and ``logprobs`` (0..20 alternatives per token) need
@@ -25,6 +27,7 @@ from typing import Annotated, Any, Literal, Mapping
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo, field_validator
 
+from llm_api.api.constraints import ebnf_constraint, json_schema_constraint, regex_constraint
 from llm_api.api.errors import ApiError, echo
 from llm_api.api.fields import (Flag, Integer, LogitBias, NonEmptyText, Number, StopStrings, Text, WholeNumber, fail,
                                 first_error, from_form_json, message_of, unknown_fields)
@@ -51,6 +54,21 @@ def _message_list(value: Any) -> Any:
     if not isinstance(value, list) or not value:
         raise ValueError("must be a non-empty array of {role, content} objects")
     return value
+
+
+def _schema_value(value: Any) -> Any:
+    """json_schema: an object or a boolean, or its JSON text (form fields, gRPC's input map)."""
+    if isinstance(value, str):
+        try:
+            value = decode_json(value.encode("utf-8"), what="its JSON text", code="invalid_parameter")
+        except ApiError as error:
+            raise ValueError(error.message) from None
+    if not isinstance(value, (dict, bool)):
+        raise ValueError("must be a JSON schema: an object (or its JSON text)")
+    return value
+
+
+CONSTRAINT_FIELDS = ("json_schema", "regex", "grammar")
 
 
 def _finite_rows(value: Any) -> Any:
@@ -93,6 +111,9 @@ class NativeBody(BaseModel):
     n: WholeNumber = 1  # range: 1 .. MAX_NUM_SEQS (a setting), checked below
     logprobs: Integer(0, MAX_TOP_LOGPROBS) | None = None
     output: Literal["text", "jsonl"] = "text"
+    json_schema: Annotated[dict | bool, BeforeValidator(_schema_value)] | None = None
+    regex: NonEmptyText | None = None
+    grammar: NonEmptyText | None = None
 
     @field_validator("n")
     @classmethod
@@ -154,6 +175,7 @@ def parse_request(row: Mapping[str, Any], limits: Limits, default_stream: bool =
                 raise ApiError(400, "invalid_parameter", f"'{name}' needs \"output\": \"jsonl\" (the plain text "
                                "stream has no place for several choices or logprobs)", name)
     return GenerateRequest(
+        constraint=_constraint(body),
         text=body.text,
         messages=[m.model_dump(exclude_none=True) for m in body.messages] if body.messages is not None else None,
         inputs_embeds=body.inputs_embeds,
@@ -163,6 +185,23 @@ def parse_request(row: Mapping[str, Any], limits: Limits, default_stream: bool =
         timeout_s=body.timeout,
         output=body.output,
     )
+
+
+def _constraint(body: NativeBody):
+    asked = [name for name in CONSTRAINT_FIELDS if getattr(body, name) is not None]
+    if len(asked) > 1:
+        raise ApiError(400, "invalid_parameter", f"give at most one of 'json_schema', 'regex' and 'grammar', not "
+                       f"{' and '.join(map(repr, asked))}", asked[1])
+    if asked and body.ignore_eos:
+        raise ApiError(400, "invalid_parameter", f"'ignore_eos' cannot be combined with {asked[0]!r}: the answer "
+                       f"ends where its grammar ends", "ignore_eos")
+    if body.json_schema is not None:
+        return json_schema_constraint(body.json_schema, "json_schema")
+    if body.regex is not None:
+        return regex_constraint(body.regex, "regex")
+    if body.grammar is not None:
+        return ebnf_constraint(body.grammar, "grammar")
+    return None
 
 
 def _sampling_params(body: NativeBody, limits: Limits) -> SamplingParams:

@@ -17,6 +17,14 @@ header; ``route()`` maps it to one of the calls below. Contract:
 * logprobs (``llm_api.api.logprobs``): with the text they belong to, in every chunk of a stream and in
   the answer's choices (chat: ``logprobs.content``; completions: ``tokens``, ``token_logprobs``,
   ``top_logprobs``, ``text_offset``).
+* Structured output and tools (chat): ``response_format`` (``text``, ``json_object``, ``json_schema``)
+  becomes a grammar the answer must follow (``llm_api.api.constraints``). ``tools`` are rendered by the
+  model's chat template and, with ``tool_choice`` ``auto`` (the default with tools), ``required`` or a
+  named function, the answer runs under the tool grammar of the model's format (``llm_api.api.tools``);
+  ``none`` renders no tools and allows no call. Calls in the answer are parsed into ``tool_calls``
+  (streamed as ``delta.tool_calls`` with the arguments in pieces) and the finish reason is
+  ``tool_calls``. Messages may carry a conversation's earlier calls: assistant ``tool_calls`` and
+  ``role: "tool"`` results (``tool_call_id``).
 * ``GET v1/models``: ``models_list``. ``GET v1/health``: see ``llm_api.service.metrics.Health``.
 * Streaming answers are server-sent events (``text/event-stream``): one ``data: {chunk}`` per text
   delta, a last chunk carrying ``finish_reason`` (and ``usage`` when asked for), then ``data: [DONE]``.
@@ -29,18 +37,21 @@ header; ``route()`` maps it to one of the calls below. Contract:
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from llm_api.api.constraints import json_object_constraint, json_schema_constraint, tool_constraint
 from llm_api.api.errors import ApiError, echo
 from llm_api.api.fields import (Integer, LogitBias, Number, StopStrings, StrictFlag, StrictWholeNumber, Text,
                                 field_path, first_error, is_type_error, message_of, unknown_fields)
 from llm_api.api.logprobs import LogprobItem, openai_chat_logprobs, openai_completion_logprobs
-from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, MAX_SEED, GenerateRequest, Limits
+from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, MAX_SEED, Constraint, GenerateRequest, Limits
+from llm_api.api.tools import ToolCallDelta, ToolCallParser, ToolFormat
 from llm_api.api.validation import decode_json
 from llm_api.engine.request import FinishReason
 from llm_api.engine.sampler import SamplingParams
@@ -59,11 +70,11 @@ ROUTES = {
 # explicitly to their defaults); anything else is refused, naming the parameter.
 NEUTRAL_VALUES = {
     "echo": (False,), "best_of": (1,), "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, False, True),
 }
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function and schema names
+TOOL_CHOICES = ("none", "auto", "required")
 
 
 def route(url_path: str | None) -> str | None:
@@ -84,7 +95,13 @@ def route(url_path: str | None) -> str | None:
 
 @dataclass
 class OpenAICall:
-    """One accepted completions/chat call: what the client asked for and how to encode our answer."""
+    """One accepted completions/chat call: what the client asked for and how to encode our answer.
+
+    Per choice (``index``), in the order the service reports them: its text deltas (with their tokens'
+    logprobs when asked for), then its end (``choice_finish``); ``finish`` once all ended. With tools,
+    every choice's text goes through its own ``ToolCallParser``: content comes out as content, calls as
+    ``tool_calls`` (streamed in pieces), and a choice that made a call ends with ``tool_calls``. Logprobs
+    of text the parser holds back ride on the next chunk of that choice."""
 
     kind: str  # "completions" | "chat"
     model: str
@@ -92,12 +109,14 @@ class OpenAICall:
     include_usage: bool
     n: int = 1
     with_logprobs: bool = False
+    tool_format: ToolFormat | None = None  # set when the call has tools: the answer's calls are parsed
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
-    _text: dict[int, list[str]] = field(default_factory=dict)  # choice -> its text so far (not streaming)
-    _logprobs: dict[int, list[dict]] = field(default_factory=dict)  # choice -> rendered logprobs per delta
-    _num_chars: dict[int, int] = field(default_factory=dict)  # choice -> characters sent (text_offset)
+    _text: dict[int, list[str]] = field(default_factory=dict)  # choice -> its content so far (not streaming)
+    _logprobs: dict[int, list[dict]] = field(default_factory=dict)  # choice -> rendered logprobs not yet sent
+    _num_chars: dict[int, int] = field(default_factory=dict)  # choice -> characters generated (text_offset)
     _reasons: dict[int, str] = field(default_factory=dict)  # choice -> finish reason, once ended
+    _tool_parsers: dict[int, ToolCallParser] = field(default_factory=dict)
     _sent_role: set[int] = field(default_factory=set)
 
     @property
@@ -114,19 +133,25 @@ class OpenAICall:
         if not text and not logprobs:
             return ""
         rendered = self._render_logprobs(index, text, logprobs)
-        if not self.stream:
-            self._text.setdefault(index, []).append(text)
-            if rendered is not None:
-                self._logprobs.setdefault(index, []).append(rendered)
-            return ""
-        return self._role_event(index) + _sse(self._chunk(index, text, None, rendered))
+        if rendered is not None:
+            self._logprobs.setdefault(index, []).append(rendered)
+        if self.tool_format is None:
+            return self._content(index, text)
+        return self._events(index, self._tool_parser(index).push(text))
 
     def choice_finish(self, index: int, finish_reason: FinishReason) -> str:
-        """Choice ``index`` ended: its finish-reason chunk when streaming."""
-        self._reasons[index] = finish_reason.value
+        """Choice ``index`` ended: what its parser still held, then its finish-reason chunk when streaming."""
+        reason = finish_reason.value
+        out = ""
+        parser = self._tool_parsers.get(index)
+        if parser is not None:
+            out = self._events(index, parser.finish())
+            if parser.calls and finish_reason is FinishReason.STOP:
+                reason = "tool_calls"
+        self._reasons[index] = reason
         if not self.stream:
             return ""
-        return self._role_event(index) + _sse(self._chunk(index, None, finish_reason.value, None))
+        return out + self._role_event(index) + _sse(self._chunk(index, None, reason, self._take_logprobs(index)))
 
     def finish(self, finish_reason: FinishReason, num_prompt_tokens: int, num_completion_tokens: int) -> str:
         """The last payload: usage (the whole answer when not streaming); ``[DONE]`` when streaming. Choices
@@ -155,6 +180,32 @@ class OpenAICall:
     def _envelope(self) -> dict:
         return {"id": self.response_id, "object": self._object, "created": self.created, "model": self.model}
 
+    def _tool_parser(self, index: int) -> ToolCallParser:
+        parser = self._tool_parsers.get(index)
+        if parser is None:
+            parser = self._tool_parsers[index] = ToolCallParser(self.tool_format)
+        return parser
+
+    def _events(self, index: int, events: list[str | ToolCallDelta]) -> str:
+        out = ""
+        for event in events:
+            if isinstance(event, str):
+                out += self._content(index, event)
+            elif self.stream:
+                call = {"index": event.index, "function": {"arguments": event.arguments}}
+                if event.id is not None:
+                    call = {"index": event.index, "id": event.id, "type": "function",
+                            "function": {"name": event.name, "arguments": event.arguments}}
+                out += self._role_event(index) + _sse(self._chunk(index, None, None, self._take_logprobs(index),
+                                                                  {"tool_calls": [call]}))
+        return out
+
+    def _content(self, index: int, text: str) -> str:
+        if not self.stream:
+            self._text.setdefault(index, []).append(text)
+            return ""
+        return self._role_event(index) + _sse(self._chunk(index, text, None, self._take_logprobs(index)))
+
     def _render_logprobs(self, index: int, text: str, items: tuple[LogprobItem, ...]) -> dict | None:
         if not self.with_logprobs:
             return None
@@ -164,26 +215,37 @@ class OpenAICall:
             return openai_chat_logprobs(list(items))
         return openai_completion_logprobs(list(items), offset)
 
+    def _take_logprobs(self, index: int) -> dict | None:
+        """The logprobs of choice ``index`` not sent yet, as one object (None: not asked for)."""
+        if not self.with_logprobs:
+            return None
+        parts = self._logprobs.pop(index, [])
+        if not parts and self.stream:
+            return None
+        if self.kind == "chat":
+            return {"content": [entry for part in parts for entry in part["content"]], "refusal": None}
+        return {key: [x for part in parts for x in part[key]]
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
     def _whole_choice(self, index: int) -> dict:
         text = "".join(self._text.get(index, ()))
-        logprobs = None
-        if self.with_logprobs:
-            parts = self._logprobs.get(index, [])
-            if self.kind == "chat":
-                logprobs = {"content": [entry for part in parts for entry in part["content"]], "refusal": None}
-            else:
-                logprobs = {key: [x for part in parts for x in part[key]]
-                            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        logprobs = self._take_logprobs(index)
         reason = self._reasons.get(index)
-        if self.kind == "chat":
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                    "finish_reason": reason}
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        if self.kind != "chat":
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        message: dict = {"role": "assistant", "content": text}
+        parser = self._tool_parsers.get(index)
+        if parser is not None and parser.calls:
+            message = {"role": "assistant", "content": text or None,
+                       "tool_calls": [c.to_openai() for c in parser.calls]}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
-    def _chunk(self, index: int, text: str | None, reason: str | None, logprobs: dict | None) -> dict:
+    def _chunk(self, index: int, text: str | None, reason: str | None, logprobs: dict | None,
+               delta: dict | None = None) -> dict:
         if self.kind == "chat":
-            choice = {"index": index, "delta": {"content": text} if text is not None else {}, "logprobs": logprobs,
-                      "finish_reason": reason}
+            if delta is None:
+                delta = {"content": text} if text is not None else {}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
         chunk = {**self._envelope(), "choices": [choice]}
@@ -233,17 +295,97 @@ class TextPart(BaseModel):
     text: Text
 
 
+def _tool_name(value: str) -> str:
+    if not TOOL_NAME.fullmatch(value):
+        raise ValueError("must be 1 to 64 characters a-z, A-Z, 0-9, _ or -")
+    return value
+
+
+ToolName = Annotated[Text, AfterValidator(_tool_name)]
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: ToolName
+    arguments: Text  # JSON text of an object (checked in parse_call, where the error can name it)
+
+
+class ToolCallItem(BaseModel):
+    """One call of an earlier assistant turn, sent back as conversation history."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: Text
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[Text | list[TextPart], BeforeValidator(_content_shape)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[Text | list[TextPart], BeforeValidator(_content_shape)] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCallItem] | None = None  # assistant turns only
+    tool_call_id: Text | None = None  # tool turns only: the call this result answers
+
+    @model_validator(mode="after")
+    def _role_rules(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs 'content'" +
+                             (" or 'tool_calls'" if self.role == "assistant" else ""))
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages may carry 'tool_calls'")
+        if (self.tool_call_id is None) != (self.role != "tool"):
+            raise ValueError("a tool message needs 'tool_call_id'" if self.role == "tool"
+                             else "only tool messages may carry 'tool_call_id'")
+        return self
 
     def to_turn(self) -> dict:
-        """Our chat turn: text parts joined; ``developer`` (OpenAI's newer name) as the system role."""
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        """Our chat turn: text parts joined; ``developer`` (OpenAI's newer name) as the system role; calls
+        with their arguments as objects (what chat templates render; parse_call checked the JSON)."""
+        content = self.content if isinstance(self.content, str) or self.content is None else \
+            "".join(p.text for p in self.content)
+        turn = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.tool_calls:
+            turn["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
+        return turn
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: ToolName
+    description: Text | None = None
+    parameters: dict | None = None  # a JSON schema; None: no arguments
+    strict: StrictFlag | None = None  # accepted; arguments always follow the schema here
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ResponseSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: ToolName
+    description: Text | None = None
+    schema_: dict | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: StrictFlag | None = None  # accepted; the answer always follows the schema here
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: ResponseSchema | None = None
 
 
 class StreamOptions(BaseModel):
@@ -277,10 +419,10 @@ class ChatBody(_CallBody):
     max_completion_tokens: StrictWholeNumber | None = None
     logprobs: StrictFlag | None = None
     top_logprobs: Integer(0, MAX_CHAT_TOP_LOGPROBS, text_ok=False) | None = None
-    response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}: checked below
+    parallel_tool_calls: StrictFlag | None = None
 
 
 class CompletionBody(_CallBody):
@@ -313,6 +455,7 @@ def parse_call(kind: str, body: Any, model_name: str, limits: Limits) -> tuple[G
         raise ApiError(400, "invalid_value", "'stream_options' is only allowed with stream=true", "stream_options")
 
     request = GenerateRequest(stream=True)  # the handler streams internally; the call encodes the answer
+    tool_format = None
     if isinstance(call, ChatBody):
         if call.top_logprobs and not call.logprobs:
             raise ApiError(400, "invalid_value", "'top_logprobs' needs 'logprobs': true", "top_logprobs")
@@ -320,7 +463,9 @@ def parse_call(kind: str, body: Any, model_name: str, limits: Limits) -> tuple[G
     else:
         logprobs = call.logprobs
     if isinstance(call, ChatBody):
+        _check_tool_call_arguments(call.messages)
         request.messages = [m.to_turn() for m in call.messages]
+        request.constraint, request.tools, tool_format = _structured_output(call, limits)
         max_default = min(DEFAULT_MAX_NEW_TOKENS, limits.max_new_tokens)
         max_tokens, param = ((call.max_completion_tokens, "max_completion_tokens") if call.max_completion_tokens
                              is not None else (call.max_tokens, "max_tokens"))
@@ -348,7 +493,82 @@ def parse_call(kind: str, body: Any, model_name: str, limits: Limits) -> tuple[G
     )
     include_usage = call.stream_options is not None and call.stream_options.include_usage
     return request, OpenAICall(kind=kind, model=model_name, stream=call.stream, include_usage=include_usage, n=call.n,
-                               with_logprobs=logprobs is not None)
+                               with_logprobs=logprobs is not None, tool_format=tool_format)
+
+
+def _check_tool_call_arguments(messages: list[ChatMessage]) -> None:
+    for i, message in enumerate(messages):
+        for j, item in enumerate(message.tool_calls or ()):
+            param = f"messages[{i}].tool_calls[{j}].function.arguments"
+            try:
+                value = decode_json(item.function.arguments.encode("utf-8"), what=f"{param!r}", code="invalid_value")
+            except ApiError as error:
+                raise ApiError(400, error.code, error.message, param) from None
+            if not isinstance(value, dict):
+                raise ApiError(400, "invalid_value", f"{param!r} must be a JSON object (as text)", param)
+
+
+def _structured_output(call: ChatBody, limits: Limits) -> tuple[Constraint | None, list[dict] | None,
+                                                                 ToolFormat | None]:
+    """response_format, tools, tool_choice, parallel_tool_calls -> (constraint, tools to render, the format
+    their calls are parsed in)."""
+    constraint = None
+    response_format = call.response_format
+    if response_format is not None and response_format.type == "json_schema":
+        if response_format.json_schema is None:
+            raise ApiError(400, "missing_required_parameter", "'response_format.json_schema' is required when "
+                           "'response_format.type' is json_schema", "response_format.json_schema")
+        schema = response_format.json_schema.schema_
+        constraint = (json_schema_constraint(schema, "response_format.json_schema.schema") if schema is not None
+                      else json_object_constraint("response_format"))
+    elif response_format is not None and response_format.json_schema is not None:
+        raise ApiError(400, "invalid_value", "'response_format.json_schema' is only allowed with type json_schema",
+                       "response_format.json_schema")
+    elif response_format is not None and response_format.type == "json_object":
+        constraint = json_object_constraint("response_format")
+
+    choice = _tool_choice(call.tool_choice, call.tools)
+    if not call.tools or choice == "none":
+        return constraint, None, None  # "none": the tools are not rendered, so no call can be made
+    if constraint is not None:
+        raise ApiError(400, "invalid_value", "'response_format' cannot be combined with 'tools' (unless "
+                       "tool_choice is none): the answer is either a tool call or the response format",
+                       "response_format")
+    if limits.tool_format is None:
+        raise ApiError(400, "unsupported_parameter", "this model's chat template has no tool-call format this server "
+                       "parses (Hermes/Qwen <tool_call>, Llama 3 JSON): 'tools' cannot be used", "tools")
+    names = [t.function.name for t in call.tools]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ApiError(400, "invalid_value", f"'tools[{i}].function.name' repeats the name {name!r}",
+                           f"tools[{i}].function.name")
+    tools = [t.model_dump(exclude_none=True) for t in call.tools]
+    parallel = call.parallel_tool_calls is not False
+    return tool_constraint(limits.tool_format, tools, choice, parallel), tools, limits.tool_format
+
+
+def _tool_choice(value: Any, tools: list[ToolDefinition] | None) -> str:
+    """tool_choice -> "none" | "auto" | "required" | the name of the function to call."""
+    if value is None:
+        return "auto" if tools else "none"
+    if isinstance(value, str):
+        if value not in TOOL_CHOICES:
+            raise ApiError(400, "invalid_value", f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or "
+                           f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {echo(value)}",
+                           "tool_choice")
+        if value != "none" and not tools:
+            raise ApiError(400, "invalid_value", f"'tool_choice' {value} needs 'tools'", "tool_choice")
+        return value
+    function = value.get("function") if isinstance(value, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if (not isinstance(value, dict) or set(value) != {"type", "function"} or value["type"] != "function"
+            or set(function or ()) != {"name"} or not isinstance(name, str)):
+        raise ApiError(400, "invalid_value", "'tool_choice' must be none, auto, required or "
+                       "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    if not any(t.function.name == name for t in tools or ()):
+        raise ApiError(400, "invalid_value", f"'tool_choice' names the function {echo(name)}, which is not in 'tools'",
+                       "tool_choice.function.name")
+    return name
 
 
 def _api_error(error: ValidationError) -> ApiError:

@@ -11,6 +11,12 @@ pre-tokenize them) is encoded with special-token matching off. For ordinary cont
 ``apply_chat_template(..., tokenize=True)``. Without a fast tokenizer, or with a template that does not
 keep each placeholder once and intact, contents holding special-token text are refused instead.
 
+Tools (``request.tools``) are passed to the template's ``tools`` argument, and earlier calls (assistant
+``tool_calls``) stay in their messages; the template renders them itself (as JSON, in the model's own
+layout), so they cannot be kept as data the way contents are: a tool definition or an earlier call
+holding special-token text anywhere (a description, a schema, an argument) is refused with a 400 naming
+it. A tool result (``role: "tool"``) is a message content like any other: data.
+
 ``too_long(request)`` refuses, before any tokenizing, a prompt whose characters cannot fit in
 ``max_input_tokens`` tokens (no token of the vocabulary is longer than ``max_chars_per_token``
 characters), so a megabyte of text costs a length check, not a tokenizer run.
@@ -55,12 +61,15 @@ class PromptBuilder:
 
     def token_ids(self, request: GenerateRequest) -> list[int]:
         """The prompt's token ids (raises ApiError: no chat template, a template error, too long)."""
-        return self.ids_of(request.text, request.messages)
+        return self.ids_of(request.text, request.messages, tools=request.tools)
 
-    def ids_of(self, text: str | None, messages: list[dict] | None, add_special_tokens: bool = True) -> list[int]:
-        """``text`` (with the tokenizer's special tokens unless told not to) or chat ``messages`` -> ids."""
+    def ids_of(self, text: str | None, messages: list[dict] | None, add_special_tokens: bool = True,
+               tools: list[dict] | None = None) -> list[int]:
+        """``text`` (with the tokenizer's special tokens unless told not to) or chat ``messages`` (with the
+        ``tools`` the chat template renders) -> ids."""
         if messages is not None:
-            ids = self._chat_ids(messages)
+            self._refuse_control_text_in_tools(messages, tools)
+            ids = self._chat_ids(messages, tools)
         else:
             ids = list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
         if len(ids) > self.max_input_tokens:
@@ -70,21 +79,40 @@ class PromptBuilder:
 
     # ----------------------------------------------------------------------------------------------
 
-    def _render(self, messages: list[dict]) -> str:
+    def _refuse_control_text_in_tools(self, messages: list[dict], tools: list[dict] | None) -> None:
+        if self._special_pattern is None:
+            return
+        tool_values = [(f"tools[{i}]", tool) for i, tool in enumerate(tools or ())]
+        calls = [(f"messages[{i}].tool_calls", m["tool_calls"]) for i, m in enumerate(messages)
+                 if m.get("tool_calls")]
+        for where, value in tool_values + calls:
+            found = _find_in_strings(value, self._special_pattern)
+            if found is not None:
+                raise ApiError(400, "invalid_input", f"{where!r} holds the model's control token {found!r}; the "
+                               f"chat template renders it as markup, so it cannot be kept as plain text", where)
+
+    def _render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "unsupported_input", "this model has no chat template; send 'text' instead")
         try:
+            if tools:
+                return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                          tokenize=False)
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # templates raise on role orders they do not support
             raise ApiError(400, "invalid_input", f"the chat template rejected these messages: "
                            f"{str(exc)[:200]}") from None
 
-    def _chat_ids(self, messages: list[dict]) -> list[int]:
-        placeholders = [f"\ue000{uuid.uuid4().hex}\ue001" for _ in messages]
-        rendered = self._render([{**m, "content": p} for m, p in zip(messages, placeholders)])
-        pieces = _split_at(rendered, placeholders)
+    def _chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        # Only non-empty contents get a placeholder: templates test an empty content (an assistant turn
+        # that only calls tools), and an empty content holds no text to keep as data anyway.
+        with_text = [i for i, m in enumerate(messages) if m["content"]]
+        placeholders = {i: f"\ue000{uuid.uuid4().hex}\ue001" for i in with_text}
+        rendered = self._render([{**m, "content": placeholders.get(i, m["content"])} for i, m in enumerate(messages)],
+                                tools)
+        pieces = _split_at(rendered, list(placeholders.values()))
         if pieces is None or self._text_encoder is None:
-            return self._chat_ids_refusing_control_text(messages)
+            return self._chat_ids_refusing_control_text(messages, tools)
         # Assemble the real prompt, remembering where the template's own special tokens are.
         text, template_specials = "", []  # (start, end) in text of each special token of the template
         for i, markup in enumerate(pieces):
@@ -92,8 +120,8 @@ class PromptBuilder:
                 template_specials += [(len(text) + m.start(), len(text) + m.end())
                                       for m in self._special_pattern.finditer(markup)]
             text += markup
-            if i < len(messages):
-                text += messages[i]["content"]
+            if i < len(with_text):
+                text += messages[with_text[i]]["content"]
         ids, pos = [], 0
         for start, end in template_specials:
             ids += self._encode_text(text[pos:start])
@@ -107,13 +135,30 @@ class PromptBuilder:
         # worker thread would still freeze the event loop; measured 0.8 s of lateness for 1.2 MB).
         return self._text_encoder.encode_batch([text], add_special_tokens=False)[0].ids if text else []
 
-    def _chat_ids_refusing_control_text(self, messages: list[dict]) -> list[int]:
+    def _chat_ids_refusing_control_text(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         for i, message in enumerate(messages):
             found = self._special_pattern.search(message["content"]) if self._special_pattern else None
             if found:
                 raise ApiError(400, "invalid_input", f"messages[{i}].content holds the model's control token "
                                f"{found.group(0)!r}, which this tokenizer cannot keep as plain text")
-        return list(self.tokenizer(self._render(messages), add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(self._render(messages, tools), add_special_tokens=False)["input_ids"])
+
+
+def _find_in_strings(value, pattern: re.Pattern) -> str | None:
+    """The first match of ``pattern`` in any string (key or value) of a JSON-like value, else None."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            found = pattern.search(item)
+            if found:
+                return found.group(0)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
 
 
 def _split_at(rendered: str, placeholders: list[str]) -> list[str] | None:

@@ -7,9 +7,15 @@ accepts, from the settings and the loaded model.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from llm_api.engine.grammar import GrammarSpec
 from llm_api.engine.sampler import SamplingParams
+
+if TYPE_CHECKING:
+    from llm_api.api.tools import ToolFormat
 
 INPUT_FIELDS = ("text", "messages", "inputs_embeds")
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -23,6 +29,18 @@ class Limits:
     hidden_size: int | None = None
     vocab_size: int | None = None  # the model's logits width: logit_bias ids must be below it
     max_n: int = 128  # choices per request (MAX_NUM_SEQS: all n sequences run together)
+    tool_format: "ToolFormat | None" = None  # how the model writes tool calls; None: no tools served
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """Structured output a request asks for: the grammar, the request field it came from (named in every
+    error about it), and for a grammar built from several client schemas (tool calls) each schema with
+    its own field, so that an error names the one at fault."""
+
+    spec: GrammarSpec
+    param: str
+    parts: tuple[tuple[str, GrammarSpec], ...] = ()
 
 
 @dataclass
@@ -35,6 +53,8 @@ class GenerateRequest:
     client_request_id: str | None = None  # the client's label: unique among live requests
     timeout_s: float | None = None
     output: str = "text"  # native answers: "text" (chunks then the marker) or "jsonl" (llm_api.api.native_stream)
+    constraint: Constraint | None = None  # structured output; the service compiles it into params.grammar
+    tools: list[dict] | None = None  # tool definitions rendered by the chat template ({"type": "function", ...})
 
     @property
     def input_kind(self) -> str:
@@ -45,7 +65,10 @@ class GenerateRequest:
         if self.text is not None:
             return len(self.text)
         if self.messages is not None:
-            return sum(len(m.get("content") or "") for m in self.messages)
+            chars = sum(len(m.get("content") or "") for m in self.messages)
+            calls = [m["tool_calls"] for m in self.messages if m.get("tool_calls")]
+            extra = [self.tools] if self.tools else []
+            return chars + sum(len(json.dumps(x, ensure_ascii=False)) for x in calls + extra)
         return 0
 
 

@@ -31,6 +31,7 @@ from torch import nn
 from llm_api.engine.block_pool import BlockPool
 from llm_api.engine.attention import select_backend
 from llm_api.engine.cuda_graphs import capture_batch_sizes
+from llm_api.engine.grammar import GrammarMatcher
 from llm_api.engine.kv_cache import PagedKVCache, choose_num_blocks, cuda_layer_devices, layout_for_model
 from llm_api.engine.memory_profile import profile_device_memory, profile_sequence_lengths
 from llm_api.engine.model_runner import ModelRunner
@@ -178,6 +179,8 @@ class LLMEngine:
             raise ValueError(f"n must be >= 1, got {params.n}")
         siblings = [Request(request_id=request_id, prompt_token_ids=request.prompt_token_ids, params=params,
                             sampling_state=SamplingState.for_params(params, self.runner.logits_device, index),
+                            # each choice follows the grammar on its own (a matcher holds one sequence's state)
+                            grammar_matcher=GrammarMatcher(params.grammar) if params.grammar is not None else None,
                             prompt_embeds=request.prompt_embeds, index=index)
                     for index in range(1, params.n)]
         self.scheduler.add(request, siblings)
@@ -210,6 +213,7 @@ class LLMEngine:
             prompt_token_ids=prompt_token_ids,
             params=params,
             sampling_state=SamplingState.for_params(params, self.runner.logits_device),
+            grammar_matcher=GrammarMatcher(params.grammar) if params.grammar is not None else None,
             prompt_embeds=prompt_embeds,
         )
 
@@ -264,7 +268,9 @@ class LLMEngine:
     def _sampler_batch(self, requests: list[Request]) -> SamplerBatch:
         # Seen ids only for rows with repetition penalty: greedy rows stay a bare argmax.
         seen = [_seen_token_ids(r) if r.params.needs_penalty else None for r in requests]
-        return SamplerBatch([r.params for r in requests], [r.sampling_state for r in requests], seen)
+        matchers = [r.grammar_matcher for r in requests]
+        return SamplerBatch([r.params for r in requests], [r.sampling_state for r in requests], seen,
+                            matchers if any(m is not None for m in matchers) else [])
 
     # ----------------------------------------------------------------- helpers
 

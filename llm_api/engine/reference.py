@@ -9,8 +9,9 @@ as it happens; requests added meanwhile wait for the next batch. ``abort_request
 ``on_outputs`` ends a row at once. Requests in the batch may differ in every sampling parameter:
 
 * ``RowSampler`` (a logits processor) picks each row's token with the shared ``Sampler`` and the
-  request's own RNG, then hands ``generate()`` a one-hot score row, so ``generate()`` runs greedy and
-  simply takes that token. An all-greedy batch without penalties skips it: plain ``generate()``.
+  request's own RNG (and its grammar's token mask, for structured output: each row has its own
+  ``GrammarMatcher``), then hands ``generate()`` a one-hot score row, so ``generate()`` runs greedy and
+  simply takes that token. An all-greedy batch without penalties or grammars skips it: plain ``generate()``.
 * ``StepReporter`` (a stopping criterion, called once per step with the new tokens in every
   transformers version we support) decides per row when it is done (EOS, its own ``max_new_tokens``,
   an abort) and reports each step's tokens to the caller, with the logprobs ``RowSampler`` computed for
@@ -31,6 +32,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
+from llm_api.engine.grammar import GrammarMatcher
 from llm_api.engine.request import FinishReason, RequestOutput, TokenLogprob
 from llm_api.engine.sampler import Sampler, SamplerBatch, SamplingParams, SamplingState
 from llm_api.model.placement import execution_device
@@ -156,6 +158,8 @@ class RowSampler(LogitsProcessor):
         self._jobs = jobs
         self._sampler = Sampler()
         self._states = [SamplingState.for_params(j.params, device, j.index) for j in jobs]
+        matchers = [GrammarMatcher(j.params.grammar) if j.params.grammar is not None else None for j in jobs]
+        self._matchers = matchers if any(m is not None for m in matchers) else []
         self._generated: list[list[int]] = [[] for _ in jobs]
         self._first = True
         self.step_logprobs: list[TokenLogprob | None] | None = None  # this step's, per row (read by StepReporter)
@@ -169,7 +173,8 @@ class RowSampler(LogitsProcessor):
             (j.prompt_token_ids or []) + gen if j.params.needs_penalty else None
             for j, gen in zip(self._jobs, self._generated)
         ]
-        sampled = self._sampler(scores, SamplerBatch([j.params for j in self._jobs], self._states, seen))
+        sampled = self._sampler(scores, SamplerBatch([j.params for j in self._jobs], self._states, seen,
+                                                   self._matchers))
         self.step_logprobs = sampled.logprobs
         one_hot = torch.full_like(scores, float("-inf"))
         one_hot.scatter_(1, sampled.token_ids.view(-1, 1), 0.0)

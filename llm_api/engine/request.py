@@ -70,6 +70,10 @@ class Request:
     prompt_token_ids: list[int]
     params: "SamplingParams"
     sampling_state: Any = None  # llm_api.engine.sampler.SamplingState, built by the engine
+    # llm_api.engine.grammar.GrammarMatcher of a structured-output request (params.grammar), built by the
+    # engine. It has accepted every token of output_token_ids, so it stays valid across preemption: a
+    # preempted request keeps its output tokens, and its recompute samples only after the last of them.
+    grammar_matcher: Any = None
     prompt_embeds: Any = None  # torch.Tensor [num_prompt_tokens, hidden_size] or None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # leading tokens whose K/V are in the cache

@@ -12,7 +12,13 @@ Per row, in this order (vLLM's order; OpenAI documents none):
    ``frequency_penalty`` x count and ``presence_penalty`` x (count > 0) subtracted, counting the
    sequence's OUTPUT tokens only (OpenAI's definition); the counts live in the row's ``SamplingState``
    and grow by one token per draw, never rebuilt;
-3. (grammar masks belong here: after the penalties, before temperature);
+3. structured output: a row whose ``SamplerBatch.grammar_matchers`` entry is a live ``GrammarMatcher``
+   (its request's ``SamplingParams.grammar``) has its token mask filled and applied (disallowed tokens
+   get -inf), so temperature, top-k / top-p and logprobs only see allowed tokens; the token picked for it
+   is accepted into its matcher here, so every caller keeps the matcher in step with the tokens it
+   produced. Unconstrained rows of the same step are not touched; a matcher that terminated (its stop
+   token was accepted: only an ``ignore_eos`` row or a finished row of a ``generate()`` batch is sampled
+   again) leaves its row unconstrained;
 4. greedy rows take the argmax; sampling rows are divided by ``temperature``, cut to ``top_k`` and
    ``top_p`` and drawn from with the row's own ``torch.Generator``, so a seeded sequence gives the same
    tokens whatever else shares its batch.
@@ -36,13 +42,20 @@ A request with ``n`` > 1 answers has one ``SamplingState`` per sequence: index 0
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from llm_api.engine.request import TokenLogprob
+from llm_api.engine.grammar import allocate_bitmask, apply_bitmask
+
+if TYPE_CHECKING:
+    from llm_api.engine.grammar import CompiledGrammar, GrammarMatcher
+
+logger = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 16
 MIN_SAMPLING_TEMPERATURE = 1e-5
@@ -66,6 +79,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the k most likely
     n: int = 1  # sequences (choices) generated from the prompt
+    grammar: "CompiledGrammar | None" = None  # structured output: tokens must follow it (compiled by the service)
 
     @property
     def greedy(self) -> bool:
@@ -85,7 +99,7 @@ class SamplingParams:
     def argmax_only(self) -> bool:
         """Nothing but the argmax of the raw logits: the sampler's fast path."""
         return (self.greedy and not self.needs_penalty and not self.needs_output_counts and not self.logit_bias
-                and self.logprobs is None)
+                and self.logprobs is None and self.grammar is None)
 
 
 def sequence_seed(seed: int, index: int) -> int:
@@ -126,6 +140,8 @@ class SamplerBatch:
     params: Sequence[SamplingParams]
     states: Sequence[SamplingState]
     seen_token_ids: Sequence[Sequence[int] | torch.Tensor | None] = field(default_factory=list)
+    # Per row: the GrammarMatcher of a structured-output request, else None; empty: no row is constrained.
+    grammar_matchers: Sequence["GrammarMatcher | None"] = field(default_factory=list)
 
 
 @dataclass
@@ -140,11 +156,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplerBatch) -> SamplerOutput:
         # logits: [B, V]
         params = batch.params
-        if all(p.argmax_only for p in params):
+        matchers = batch.grammar_matchers
+        constrained = [row for row, m in enumerate(matchers) if m is not None and not m.is_terminated()]
+        if not constrained and all(p.argmax_only for p in params):
             return SamplerOutput(_argmax(logits))
         logits = logits.to(torch.float32, copy=True)  # transformed in place below
         _apply_logit_bias(logits, batch)
         _apply_penalties(logits, batch)
+        if constrained:
+            _apply_grammar_masks(logits, matchers, constrained)
         sampling_rows = [row for row, p in enumerate(params) if not p.greedy]
         if len(sampling_rows) < len(params):
             token_ids = logits.argmax(dim=-1)
@@ -155,9 +175,27 @@ class Sampler:
             probs = logits[sampling_rows].softmax(dim=-1) if len(sampling_rows) < len(params) else logits.softmax(-1)
             for i, row in enumerate(sampling_rows):
                 token_ids[row] = torch.multinomial(probs[i], 1, generator=batch.states[row].generator)[0]
+        if constrained:
+            _accept_tokens(token_ids, matchers, constrained)
         _count_output_tokens(token_ids, batch)
         logprobs = _logprobs(logits, token_ids, params) if any(p.logprobs is not None for p in params) else None
         return SamplerOutput(token_ids, logprobs)
+
+
+def _apply_grammar_masks(logits: torch.Tensor, matchers, constrained: list[int]) -> None:
+    bitmask = allocate_bitmask(logits.shape[0], logits.shape[1])
+    # fill_bitmask says whether the row needs masking at all (False: every token is allowed).
+    masked = [row for row in constrained if matchers[row].fill_bitmask(bitmask, row)]
+    apply_bitmask(logits, bitmask, masked)
+
+
+def _accept_tokens(token_ids: torch.Tensor, matchers, constrained: list[int]) -> None:
+    picked = token_ids[constrained].tolist()
+    for row, token_id in zip(constrained, picked):
+        if not matchers[row].accept_token(token_id):
+            # Cannot happen with a correct mask (a masked token has probability 0): say so loudly rather
+            # than end the whole step; the matcher stays where it was.
+            logger.error("grammar matcher refused sampled token %d (row %d)", token_id, row)
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,10 @@ server) parse a body into a ``GenerateRequest`` with the request formats of ``ll
 1. before the first event, the request is admitted or ``ApiError`` is raised (nothing was sent yet, so
    the edge answers with the error's status): a duplicate live ``request_id`` label (409), a prompt over
    MAX_INPUT_TOKENS (refused by its length before tokenizing when it cannot fit), one that cannot fit the
-   KV cache, a full server (503). Large prompts are tokenized, and embeddings converted, on a small
-   thread pool, off the event loop;
+   KV cache, a grammar (structured output, tool calls) the library rejects (400 naming the field), a
+   full server (503). Large prompts are tokenized, and embeddings converted, on a small thread pool, off
+   the event loop; grammars are compiled on a pool of their own (``service.grammars``) and reach the
+   engine compiled, in ``SamplingParams.grammar`` (each of a request's n sequences gets its own matcher);
 2. then ``TextDelta``s, one ``ChoiceFinished`` per choice as it ends, then exactly one ``Finished`` (a
    finish reason, or an error). This is the only place that decides how a request ends: its EOS or
    length (engine), a stop string (detokenizer), a cancel (``service.cancel``), its deadline, an engine
@@ -37,6 +39,7 @@ the standalone server's own): unguessable, returned to the client with the respo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -53,6 +56,7 @@ from llm_api.api.logprobs import LogprobItem, TokenTexts
 from llm_api.api.prompt import PromptBuilder
 from llm_api.api.request import GenerateRequest, Limits
 from llm_api.api.tokenize import TokenizeRequest
+from llm_api.api.tools import detect_tool_format
 from llm_api.engine.engine import EngineConfig, LLMEngine
 from llm_api.engine.reference import ReferenceCore
 from llm_api.engine.request import FinishReason
@@ -61,6 +65,7 @@ from llm_api.engine.support import unsupported_reason
 from llm_api.model.loader import LoadedModel, load
 from llm_api.model.settings import Settings
 from llm_api.service.engine_loop import EngineLoop
+from llm_api.service.grammars import GrammarCompilation
 from llm_api.service.metrics import ServingMetrics, Sink
 
 logger = logging.getLogger(__name__)
@@ -107,7 +112,7 @@ class ModelService:
         self.model_name = settings.model_name
         self.created = int(time.time())
         self.limits = Limits(settings.max_input_tokens, settings.max_new_tokens, lm.hidden_size,
-                             _vocab_size(lm.model), settings.max_num_seqs)
+                             _vocab_size(lm.model), settings.max_num_seqs, detect_tool_format(lm.tokenizer))
         self.engine: LLMEngine | None = self._build_engine() if settings.engine == "paged" else None
         core = self.engine if self.engine is not None else ReferenceCore(lm.model, lm.eos_token_ids,
                                                                          lm.tokenizer.pad_token_id)
@@ -115,6 +120,7 @@ class ModelService:
         self.metrics = ServingMetrics(metrics_sink or (lambda *args: None), lambda: self.loop.stats,
                                       engine_alive=lambda: self.loop.alive)
         self._prepare_pool = ThreadPoolExecutor(2, thread_name_prefix="llm-prepare")
+        self.grammars = GrammarCompilation(lm.tokenizer, _logits_width(lm.model), lm.eos_token_ids)
         self._live: dict[str, Generation] = {}  # request id -> admitted request
         self._labels: set[str] = set()  # client request_id labels of live requests
         self._tokens_in_flight = 0
@@ -160,6 +166,7 @@ class ModelService:
     def shutdown(self) -> None:
         self.loop.shutdown()
         self._prepare_pool.shutdown(wait=False, cancel_futures=True)
+        self.grammars.shutdown()
 
     # ------------------------------------------------------------------------------------------
     # admission
@@ -189,6 +196,10 @@ class ModelService:
         prompt_ids, prompt_embeds = await self._prepare(request)
         num_prompt_tokens = len(prompt_ids) if prompt_ids is not None else int(prompt_embeds.shape[0])
         self._check_fits(num_prompt_tokens, request.params.max_new_tokens)
+        if request.constraint is not None:
+            timeout = min(request.timeout_s or self.settings.request_timeout_s, self.settings.request_timeout_s)
+            grammar = await self.grammars.compile(request.constraint, arrival + timeout)
+            request.params = dataclasses.replace(request.params, grammar=grammar)
         if label is not None and label in self._labels:  # (another request took it while we tokenized)
             raise ApiError(409, "duplicate_request_id", f"a request with request_id {echo(label)} is still running")
         cost = num_prompt_tokens + request.params.n * request.params.max_new_tokens
@@ -294,6 +305,11 @@ class ModelService:
         if stats is None:
             return f"no paged KV cache; live requests {self.num_live_requests}"
         return f"KV blocks free {stats.num_free_blocks}/{stats.num_total_blocks}; live requests {self.num_live_requests}"
+
+
+def _logits_width(model) -> int:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(config.vocab_size)
 
 
 class Generation:

@@ -1,0 +1,97 @@
+"""Grammar compilation at admission (llm_api.service.grammars) with the embedded tokenizer: off the event
+loop, bounded (503 when the queue is full, 408 at the deadline), cached, and errors naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+pytest.importorskip("xgrammar")
+
+from llm_api.api.constraints import json_schema_constraint, tool_constraint  # noqa: E402
+from llm_api.api.errors import ApiError  # noqa: E402
+from llm_api.api.request import Constraint  # noqa: E402
+from llm_api.api.tools import HERMES  # noqa: E402
+from llm_api.engine.grammar import GrammarSpec  # noqa: E402
+from llm_api.service.grammars import GrammarCompilation  # noqa: E402
+
+# About 2 to 4 s of compile each on one core (distinct string-length bounds), under the limits.
+SLOW = [{"type": "object", "properties": {"a": {"type": "string", "maxLength": 100 + i}}} for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(embedded_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded_model_path)
+
+
+def compilation(tokenizer, **kw) -> GrammarCompilation:
+    return GrammarCompilation(tokenizer, 49152, [2], num_workers=1, **kw)
+
+
+def test_compiles_off_the_loop_then_answers_from_the_cache(tokenizer):
+    grammars = compilation(tokenizer)
+    constraint = json_schema_constraint(SLOW[0], "json_schema")
+
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        start = time.monotonic()
+        compiled = await grammars.compile(constraint)
+        seconds = time.monotonic() - start
+        task.cancel()
+        again = time.monotonic()
+        assert await grammars.compile(constraint) is compiled  # from the cache, on the loop
+        return ticks, seconds, time.monotonic() - again
+
+    ticks, seconds, cached_seconds = asyncio.run(main())
+    assert seconds > 0.5 and ticks > seconds * 20  # the loop kept running (a tick per ~10 ms) while it compiled
+    assert cached_seconds < 0.05 and grammars.num_pending == 0
+    grammars.shutdown()
+
+
+def test_full_queue_is_a_503_and_a_passed_deadline_a_408(tokenizer):
+    grammars = compilation(tokenizer, max_pending=1)
+
+    async def main():
+        first = asyncio.create_task(grammars.compile(json_schema_constraint(SLOW[1], "json_schema")))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ApiError) as busy:
+            await grammars.compile(json_schema_constraint(SLOW[2], "json_schema"))
+        await first
+        with pytest.raises(ApiError) as late:
+            await grammars.compile(json_schema_constraint(SLOW[3], "json_schema"), deadline=time.monotonic() + 0.2)
+        return busy.value, late.value
+
+    busy, late = asyncio.run(main())
+    assert busy.status == 503 and busy.code == "overloaded"
+    assert late.status == 408 and late.code == "timeout"
+    grammars.shutdown()
+
+
+def test_errors_name_the_field_and_the_tool_at_fault(tokenizer):
+    grammars = compilation(tokenizer)
+    tools = [{"type": "function", "function": {"name": "ok", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "bad", "parameters": {"$ref": "#/$defs/missing"}}}]
+
+    async def refusal(constraint: Constraint) -> ApiError:
+        with pytest.raises(ApiError) as err:
+            await grammars.compile(constraint)
+        return err.value
+
+    bad_regex = asyncio.run(refusal(Constraint(GrammarSpec.regex("(a"), "regex")))
+    assert bad_regex.status == 400 and bad_regex.param == "regex" and bad_regex.code == "invalid_grammar"
+    assert "'regex'" in bad_regex.message and "regex" in bad_regex.message.lower()
+    bad_tool = asyncio.run(refusal(tool_constraint(HERMES, tools, "auto", True)))
+    assert bad_tool.param == "tools[1].function.parameters" and "missing" in bad_tool.message
+    grammars.shutdown()

@@ -1,0 +1,174 @@
+"""Structured-output and tool fields of the request formats, without a server: what they become, and a 400
+naming the field for every bad value (response_format, tools, tool_choice, tool messages; the native
+json_schema / regex / grammar), including grammars over the compile-cost limits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llm_api.api.errors import ApiError
+from llm_api.api.native import parse_request
+from llm_api.api.openai import parse_call
+from llm_api.api.request import Limits
+from llm_api.api.tools import HERMES
+
+LIMITS = Limits(max_input_tokens=2048, max_new_tokens=2048, hidden_size=576, tool_format=HERMES)
+NO_TOOLS = Limits(max_input_tokens=2048, max_new_tokens=2048, hidden_size=576)
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}}
+
+
+def chat(limits=LIMITS, **fields):
+    return parse_call("chat", json.dumps({"model": "smollm2", "messages": USER, **fields}).encode(), "smollm2", limits)
+
+
+def native(**fields):
+    return parse_request({"body": json.dumps(fields).encode()}, LIMITS)
+
+
+def refused(fn, *args, **kw) -> ApiError:
+    with pytest.raises(ApiError) as err:
+        fn(*args, **kw)
+    assert err.value.status == 400, err.value
+    return err.value
+
+
+def test_response_formats():
+    request, _ = chat(response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER,
+                                                                              "strict": True}})
+    assert request.constraint.spec.kind == "json_schema" and json.loads(request.constraint.spec.source) == WEATHER
+    assert request.constraint.param == "response_format.json_schema.schema"
+    request, _ = chat(response_format={"type": "json_object"})
+    assert request.constraint.spec.kind == "json_object"
+    request, _ = chat(response_format={"type": "json_schema", "json_schema": {"name": "any"}})
+    assert request.constraint.spec.kind == "json_object"
+    request, _ = chat(response_format={"type": "text"})
+    assert request.constraint is None and request.params.grammar is None
+
+
+def test_tools_and_tool_choices():
+    request, call = chat(tools=[TOOL])
+    assert request.tools == [TOOL] and request.constraint.param == "tools" and call.tool_format is not None
+    tag = json.loads(request.constraint.spec.source)["format"]
+    assert tag["type"] == "triggered_tags" and not tag["at_least_one"] and not tag["stop_after_first"]
+    assert request.constraint.parts[0][0] == "tools[0].function.parameters"
+    request, _ = chat(tools=[TOOL], tool_choice="required", parallel_tool_calls=False)
+    tag = json.loads(request.constraint.spec.source)["format"]
+    assert tag["type"] == "tags_with_separator" and tag["at_least_one"] and tag["stop_after_first"]
+    request, _ = chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert json.loads(request.constraint.spec.source)["format"]["begin"].startswith('<tool_call>\n{"name": "get_weather"')
+    # none: no tools rendered, nothing constrained, nothing parsed
+    request, call = chat(tools=[TOOL], tool_choice="none")
+    assert request.tools is None and request.constraint is None and call.tool_format is None
+    request, call = chat(tools=[], parallel_tool_calls=True)
+    assert request.tools is None and call.tool_format is None
+
+
+def test_tool_conversation_history_is_accepted():
+    messages = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "18 C, sunny"}]},
+    ]
+    request, _ = parse_call("chat", json.dumps({"model": "smollm2", "messages": messages, "tools": [TOOL]}).encode(),
+                            "smollm2", LIMITS)
+    assert request.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert request.messages[2] == {"role": "tool", "content": "18 C, sunny", "tool_call_id": "call_1"}
+
+
+CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": "json"}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_object", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": WEATHER}}}, "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": WEATHER}}},
+     "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "string", "maxLength": 300}}}}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_object"}, "tools": [TOOL]}, "response_format"),
+    ({"tools": {"type": "function"}}, "tools"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "x" * 65}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]}, "tools[0].function.parameters"),
+    ({"tools": [TOOL, TOOL]}, "tools[1].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 40 + i} for i in range(8)}}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": f"f{j}", "parameters": {  # each under the limit, not all
+        "type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 40 + i + 4 * j} for i in range(4)}}}}
+        for j in range(2)]}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": "always"}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice.function.name"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"tools": [TOOL], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
+    ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "messages[0]"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}]}, "messages[0]"),
+    ({"messages": [{"role": "assistant"}]}, "messages[0]"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{**CALL, "type": "code"}]}]}, "messages[0].tool_calls[0].type"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "{nope"}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "[1]"}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": {}}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
+])
+def test_bad_values_are_400s_naming_the_field(fields, param):
+    error = refused(chat, **fields)
+    assert error.param == param, error
+    assert set(error.openai_json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_tools_need_a_model_whose_format_is_parsed():
+    error = refused(chat, NO_TOOLS, tools=[TOOL])
+    assert error.param == "tools" and "tool-call format" in error.message
+    request, _ = chat(NO_TOOLS, tools=[TOOL], tool_choice="none")  # nothing to parse: fine
+    assert request.tools is None
+
+
+def test_native_constraints():
+    request = native(text="x", json_schema=WEATHER)
+    assert request.constraint.spec.kind == "json_schema" and request.constraint.param == "json_schema"
+    assert native(text="x", json_schema=json.dumps(WEATHER)).constraint == request.constraint
+    assert native(text="x", regex="[0-9]+").constraint.spec.kind == "regex"
+    assert native(text="x", grammar='root ::= "a"').constraint.spec.kind == "ebnf"
+    # Form fields / gRPC: JSON text
+    form = parse_request({"text": b"x", "json_schema": json.dumps(WEATHER).encode()}, LIMITS)
+    assert form.constraint == request.constraint
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"json_schema": "{nope"}, "json_schema"),
+    ({"json_schema": 5}, "json_schema"),
+    ({"json_schema": "[1, 2]"}, "json_schema"),
+    ({"json_schema": {"type": "string", "maxLength": 10**40}}, "json_schema"),
+    ({"json_schema": "[" * 40 + "]" * 40}, "json_schema"),  # nested deeper than any body may be
+    ({"regex": ""}, "regex"),
+    ({"regex": 5}, "regex"),
+    ({"regex": "[a-z]{0,300}"}, "regex"),
+    ({"grammar": 'root ::= [a-z]{0,200} [0-9]{0,100}'}, "grammar"),
+    ({"grammar": "x" * 70_000}, "grammar"),
+    ({"regex": "a", "grammar": 'root ::= "a"'}, "grammar"),
+    ({"json_schema": {}, "regex": "a"}, "regex"),
+    ({"regex": "a", "ignore_eos": True}, "ignore_eos"),
+])
+def test_native_bad_constraints_are_400s_naming_the_field(fields, param):
+    error = refused(native, text="x", **fields)
+    assert error.param == param, error
+
+
+def test_long_tool_definitions_count_towards_the_prompt_length():
+    request, _ = chat(tools=[{"type": "function", "function": {"name": "f", "description": "d" * 5000}}])
+    assert request.num_input_chars() > 5000
