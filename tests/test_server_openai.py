@@ -139,3 +139,26 @@ def test_metrics_endpoint_shows_each_metric(async_frontend):
     assert values["llm_prefix_cache_hits_total"] > 0 and 0 < values["llm_prefix_cache_hit_rate"] <= 1
     assert values["llm_num_requests_running"] >= 0 and values["llm_num_requests_waiting"] >= 0
     assert 0 <= values["llm_kv_cache_usage_ratio"] <= 1 and values["llm_num_preemptions_total"] >= 0
+
+
+def test_tokenize_and_detokenize(async_frontend):
+    """vLLM's tokenizer routes: at /tokenize and /detokenize on `llm_api serve`, below the model
+    (/predictions/<model>/1.0/tokenize) on TorchServe."""
+    base = async_frontend.openai_base.rsplit("/v1", 1)[0]
+    status, _, body = call(async_frontend, f"{base}/tokenize", {"prompt": "The capital of France is"})
+    answer = json.loads(body)
+    assert status == 200 and answer["count"] == len(answer["tokens"]) > 3 and answer["max_model_len"] > 1000
+    status, _, body = call(async_frontend, f"{base}/detokenize", {"tokens": answer["tokens"]})
+    assert status == 200 and json.loads(body) == {"prompt": "The capital of France is"}
+    # Chat messages tokenize exactly as a chat call's prompt (its usage counts them).
+    _, _, body = call(async_frontend, f"{base}/tokenize", {"model": "smollm2", "messages": CHAT})
+    _, _, completion = call(async_frontend, "chat/completions", {"model": "smollm2", "messages": CHAT, "max_tokens": 2})
+    assert json.loads(body)["count"] == json.loads(completion)["usage"]["prompt_tokens"]
+    for path, payload, code in (("tokenize", {"prompt": "a", "messages": CHAT}, 400), ("tokenize", {}, 400),
+                                ("tokenize", {"prompt": "a", "model": "gpt-4"}, 404),
+                                ("tokenize", {"prompt": "a", "extra": 1}, 400),
+                                ("detokenize", {"tokens": [-1]}, 400), ("detokenize", {"tokens": [10**9]}, 400),
+                                ("detokenize", {"tokens": ["a"]}, 400), ("detokenize", {"tokens": [True]}, 400),
+                                ("detokenize", {"tokens": "\u00e9\r\n<|endoftext|>"}, 400)):
+        status, _, body = call(async_frontend, f"{base}/{path}", payload)
+        assert status == code and set(json.loads(body)["error"]) == {"message", "type", "param", "code"}, (path, payload)

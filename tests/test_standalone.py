@@ -211,27 +211,6 @@ def test_metrics_parse_and_carry_the_router_series(standalone_server):
     assert next(s for s in families["vllm:num_requests_waiting"].samples).labels["model_name"] == "smollm2"
 
 
-def test_tokenize_and_detokenize(standalone_server):
-    server, key = standalone_server, standalone_server.key()
-    status, _, body = post(server.http + "/tokenize", {"prompt": "The capital of France is"}, key)
-    answer = json.loads(body)
-    assert status == 200 and answer["count"] == len(answer["tokens"]) > 3 and answer["max_model_len"] > 1000
-    status, _, body = post(server.http + "/detokenize", {"tokens": answer["tokens"]}, key)
-    assert status == 200 and json.loads(body) == {"prompt": "The capital of France is"}
-    # Chat messages tokenize exactly as a chat call's prompt (its usage counts them).
-    chat = [{"role": "user", "content": "What is the capital of France?"}]
-    _, _, body = post(server.http + "/tokenize", {"model": "smollm2", "messages": chat}, key)
-    _, _, completion = post(server.http + "/v1/chat/completions", {"model": "smollm2", "messages": chat, "max_tokens": 2}, key)
-    assert json.loads(body)["count"] == json.loads(completion)["usage"]["prompt_tokens"]
-    for path, payload, code in (("/tokenize", {"prompt": "a", "messages": chat}, 400), ("/tokenize", {}, 400),
-                                ("/tokenize", {"prompt": "a", "model": "gpt-4"}, 404),
-                                ("/tokenize", {"prompt": "a", "extra": 1}, 400),
-                                ("/detokenize", {"tokens": [-1]}, 400), ("/detokenize", {"tokens": [10**9]}, 400),
-                                ("/detokenize", {"tokens": ["a"]}, 400), ("/detokenize", {"tokens": [True]}, 400)):
-        status, _, body = post(server.http + path, payload, key)
-        assert status == code and set(json.loads(body)["error"]) == {"message", "type", "param", "code"}, (path, payload)
-
-
 def test_request_ids_cancel_http_and_grpc_requests(standalone_server):
     server, key = standalone_server, standalone_server.key()
     sock = open_raw(server, "/predictions/smollm2", LONG)

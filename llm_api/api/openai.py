@@ -65,6 +65,9 @@ ROUTES = {
     "v1/chat/completions": "chat",
     "v1/models": "models",
     "v1/health": "health",
+    # vLLM's tokenizer routes (llm_api.api.tokenize), served beside the OpenAI ones below the model
+    "tokenize": "tokenize",
+    "detokenize": "detokenize",
 }
 # Accepted only at the value that means "off" (what the openai client sends when a caller sets them
 # explicitly to their defaults); anything else is refused, naming the parameter.
@@ -78,7 +81,8 @@ TOOL_CHOICES = ("none", "auto", "required")
 
 
 def route(url_path: str | None) -> str | None:
-    """``url_path`` header -> "completions" | "chat" | "models" | "health"; None for the native API.
+    """``url_path`` header -> "completions" | "chat" | "models" | "health" | "tokenize" | "detokenize";
+    None for the native API.
 
     Raises ``ApiError`` (404) for any other path below the model, so a typo is not served as a
     native generation request."""

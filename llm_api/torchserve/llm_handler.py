@@ -32,6 +32,7 @@ from llm_api.api import openai
 from llm_api.api.errors import ApiError, internal_error
 from llm_api.api.native_stream import GRPC_MAX_MESSAGE_BYTES
 from llm_api.api.request import CancelRequest
+from llm_api.api.tokenize import detokenize_answer, parse_detokenize, parse_tokenize, tokenize_answer
 from llm_api.model.settings import ConfigError, Settings
 from llm_api.service.answer import Chunk, Refusal, native_parts, openai_parts, parse_native, parse_openai
 from llm_api.service.service import ModelService
@@ -145,6 +146,12 @@ class LLMHandler(BaseHandler):
         body = row.get("body") if hasattr(row, "get") else None
         if body is None:
             raise ApiError(400, "invalid_json", "send a JSON body (Content-Type: application/json)")
+        if api == "tokenize":
+            token_ids = await service.tokenize(parse_tokenize(body, service.model_name))
+            return reply.finish(tokenize_answer(token_ids, service.max_model_len), JSON_CONTENT_TYPE)
+        if api == "detokenize":
+            token_ids = parse_detokenize(body, service.model_name, service.vocab_size, service.max_model_len)
+            return reply.finish(detokenize_answer(await service.detokenize(token_ids)), JSON_CONTENT_TYPE)
         request, call = await parse_openai(service, api, body)
         async with aclosing(openai_parts(service, request, call, reply.request_id, self.marker)) as parts:
             async for part in parts:
