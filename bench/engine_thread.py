@@ -71,7 +71,9 @@ def main() -> int:
                        set(lm.eos_token_ids))
     rates: dict[str, list[float]] = {"main thread": [], "new thread": [], "new thread + set_num_threads": []}
     for r in range(args.rounds):
-        run = lambda tag: decode_rate(engine, lm.tokenizer, args.batch, args.tokens, f"{tag}{r}")  # noqa: E731
+        def run(tag: str, r: int = r) -> float:
+            return decode_rate(engine, lm.tokenizer, args.batch, args.tokens, f"{tag}{r}")
+
         rates["main thread"].append(run("m"))
         rates["new thread"].append(on_thread(lambda: run("t"), set_threads=False))
         rates["new thread + set_num_threads"].append(on_thread(lambda: run("s"), set_threads=True))

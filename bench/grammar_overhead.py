@@ -212,7 +212,7 @@ def bench_step(compiler, vocab_size, dtype, args, stop_ids):
         return {"total": t4 - t0, "fill": t1 - t0, "apply": t2 - t1, "argmax": t3 - t2, "accept": t4 - t3}
 
     variants = {"plain": plain, "masked": masked, "no rows": lambda i: masked(i, use_rows=False)}
-    for name, fn in variants.items():  # warm-up
+    for fn in variants.values():  # warm-up
         for i in range(3):
             fn(i)
     samples = {name: [] for name in variants}

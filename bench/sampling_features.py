@@ -163,8 +163,8 @@ def main():
         "n": {**n_runs, "median_speedup": speedup},
     }
     print()
-    print(f"| comparison | A | B | B vs A |")
-    print(f"|---|---:|---:|---:|")
+    print("| comparison | A | B | B vs A |")
+    print("|---|---:|---:|---:|")
     print(f"| decode, batch {args.batch}, greedy (tok/s) | no logprobs {med(logprobs_runs['none']):.1f} | "
           f"logprobs={args.top_logprobs} {med(logprobs_runs['logprobs']):.1f} | cost {paired_cost * 100:.1f}% |")
     print(f"| {args.new_tokens} tokens x 4 from a {args.n_prompt_tokens}-token prompt (tok/s) | 4 sequential "

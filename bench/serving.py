@@ -242,7 +242,8 @@ def main() -> int:
         results["engine (async)"] = serve_and_measure("engine", engine_config, {**env, "ENGINE": "paged"}, work, args, root)
         if not args.skip_reference:
             for bs in [int(b) for b in args.batch_sizes.split(",")]:
-                config = f"minWorkers: 1\nmaxWorkers: 1\nbatchSize: {bs}\nmaxBatchDelay: {args.max_batch_delay_ms}\nresponseTimeout: 600\n"
+                config = (f"minWorkers: 1\nmaxWorkers: 1\nbatchSize: {bs}\nmaxBatchDelay: {args.max_batch_delay_ms}\n"
+                          "responseTimeout: 600\n")
                 results[f"reference bs={bs}"] = serve_and_measure(
                     f"reference-bs{bs}", config, {**env, "ENGINE": "generate"}, work, args, root
                 )
@@ -292,7 +293,8 @@ def _version(package: str) -> str | None:
 
 
 def print_table(results: dict) -> None:
-    head = f"{'config':<20}{'ok':>8}{'tok/s':>9}{'TTFT p50/p95/p99 (s)':>24}{'ITL p50/p95/p99 (ms)':>24}{'E2E p50/p95/p99 (s)':>24}"
+    head = (f"{'config':<20}{'ok':>8}{'tok/s':>9}{'TTFT p50/p95/p99 (s)':>24}{'ITL p50/p95/p99 (ms)':>24}"
+            f"{'E2E p50/p95/p99 (s)':>24}")
     print("\n" + head + "\n" + "-" * len(head))
     for name, r in results.items():
         t, i, e = r["ttft_s"], r["itl_s"], r["e2e_s"]

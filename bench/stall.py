@@ -23,7 +23,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time

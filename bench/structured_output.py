@@ -157,7 +157,7 @@ async def stalls(args, settings: Settings, lm) -> dict:
         request = GenerateRequest(text="JSON:", params=SamplingParams(max_new_tokens=4),
                                   constraint=json_schema_constraint(schema, "json_schema"))
         start = time.monotonic()
-        async for event in service.generate(request, f"slow{i}"):
+        async for _ in service.generate(request, f"slow{i}"):
             return start, time.monotonic()  # its first event: the compile is done
         return start, time.monotonic()
 
@@ -192,7 +192,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    settings = Settings.from_env({**os.environ, "MODEL_PATH": os.environ.get("MODEL_PATH") or str(default_model_path(os.environ))})
+    model_path = os.environ.get("MODEL_PATH") or str(default_model_path(os.environ))
+    settings = Settings.from_env({**os.environ, "MODEL_PATH": model_path})
     lm = loader.load(settings)
     # Two engines on one model (each its own KV pool), the second with the step budget the first measured.
     config = dataclasses.replace(EngineConfig.from_settings(settings), kv_cache_memory_mib=args.kv_cache_mib)

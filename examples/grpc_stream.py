@@ -11,7 +11,8 @@ import sys
 from llm_api.client import GRPCClient, read_key
 
 prompt = sys.argv[1] if len(sys.argv) > 1 else "Once upon a time"
-with GRPCClient(os.environ.get("LLM_API_GRPC", "127.0.0.1:7070"), os.environ.get("MODEL_NAME", "smollm2"), key=os.environ.get("LLM_API_KEY") or read_key("key_file.json")) as client:
+KEY = os.environ.get("LLM_API_KEY") or read_key("key_file.json")
+with GRPCClient(os.environ.get("LLM_API_GRPC", "127.0.0.1:7070"), os.environ.get("MODEL_NAME", "smollm2"), key=KEY) as client:
     for text in client.stream({"text": prompt, "max_new_tokens": "64"}):
         print(text, end="", flush=True)
     print()

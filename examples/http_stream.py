@@ -11,7 +11,8 @@ import sys
 from llm_api.client import HTTPClient, read_key
 
 question = sys.argv[1] if len(sys.argv) > 1 else "What is the capital of France?"
-client = HTTPClient(os.environ.get("LLM_API_HTTP", "http://127.0.0.1:8080"), os.environ.get("MODEL_NAME", "smollm2"), key=os.environ.get("LLM_API_KEY") or read_key("key_file.json"))
+KEY = os.environ.get("LLM_API_KEY") or read_key("key_file.json")
+client = HTTPClient(os.environ.get("LLM_API_HTTP", "http://127.0.0.1:8080"), os.environ.get("MODEL_NAME", "smollm2"), key=KEY)
 for text in client.stream({"messages": [{"role": "user", "content": question}], "max_new_tokens": 128}):
     print(text, end="", flush=True)
 print()

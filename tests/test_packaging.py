@@ -1,7 +1,6 @@
 """The README's commands: the archiver command as written, the main job, and bad settings."""
 
 import os
-import re
 import shutil
 import subprocess
 import sys

@@ -1,9 +1,12 @@
 """The batched sampler: greedy rows are argmax, seeded rows are reproducible whatever shares the batch."""
 
+import math
+
 import pytest
 import torch
 
-from llm_api.engine.sampler import Sampler, SamplerBatch, SamplingParams, SamplingState
+from llm_api.engine import sampler as sampler_module
+from llm_api.engine.sampler import Sampler, SamplerBatch, SamplingParams, SamplingState, sequence_seed
 
 
 def run(logits, params, seen=None, states=None):
@@ -66,10 +69,6 @@ def test_extreme_valid_parameters_still_pick_a_token(params):
 # ---------------------------------------------------------------------------------------------------
 # logprobs, penalties, logit bias, per-choice seeds
 
-import math
-
-from llm_api.engine import sampler as sampler_module
-from llm_api.engine.sampler import sequence_seed
 
 
 def sample(logits, params, states=None, seen=None):

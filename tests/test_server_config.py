@@ -10,7 +10,6 @@ why, instead of serving requests it would lose.
 
 from __future__ import annotations
 
-import json
 import threading
 
 import pytest

@@ -1,7 +1,6 @@
 """Logprobs, n > 1, penalties and logit bias against real TorchServes: the openai package on the OpenAI
 routes, the native route over HTTP and gRPC (``"output": "jsonl"``), and the generate() reference."""
 
-import asyncio
 import json
 import math
 

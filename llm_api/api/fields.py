@@ -198,7 +198,8 @@ def LogitBias(text_ok: bool = True):  # noqa: N802
         items = []
         for key, bias in value.items():
             # Canonical decimal only, so two keys can never name the same id ("1" and "01").
-            if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12 and (key == "0" or key[0] != "0")):
+            canonical = isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12
+            if not (canonical and (key == "0" or key[0] != "0")):
                 raise _fail("logit_bias_value", f"keys must be token ids (decimal integers), got {echo(key)}")
             try:
                 number = _to_number(bias, text_ok)

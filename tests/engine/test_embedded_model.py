@@ -21,7 +21,9 @@ def fp32_models(embedded_model_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_path)
-    load = lambda: AutoModelForCausalLM.from_pretrained(embedded_model_path, dtype=torch.float32).eval()
+    def load():
+        return AutoModelForCausalLM.from_pretrained(embedded_model_path, dtype=torch.float32).eval()
+
     return tokenizer, load(), load()  # (tokenizer, engine's model, generate()'s model)
 
 

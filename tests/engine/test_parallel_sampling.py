@@ -14,7 +14,7 @@ from llm_api.engine.request import Request
 from llm_api.engine.sampler import SamplingParams, sequence_seed
 from llm_api.engine.scheduler import Scheduler, SchedulerConfig
 
-from engine_helpers import assert_engine_idle, get_model, greedy, make_engine, random_prompt, reference_greedy, run_engine
+from engine_helpers import assert_engine_idle, get_model, greedy, make_engine, random_prompt, reference_greedy
 
 BLOCK_SIZE = 4
 
