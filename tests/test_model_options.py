@@ -18,7 +18,7 @@ import torch
 from llm_api.model import loader as model_loader
 from llm_api.model.settings import ConfigError, Settings
 from llm_api.api.native import parse_request
-from llm_api.service.service import ModelService
+from llm_api.service.service import ModelService, TextDelta
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -30,7 +30,7 @@ def _run(service: ModelService, rows: dict) -> dict[str, str]:
         request = parse_request(row, service.limits)
         events = [e async for e in service.generate(request, request_id)]
         assert events[-1].error is None, events[-1].error
-        return "".join(e.text for e in events[:-1])
+        return "".join(e.text for e in events if isinstance(e, TextDelta))
 
     async def main():
         return dict(zip(rows, await asyncio.gather(*(one(i, row) for i, row in rows.items()))))
