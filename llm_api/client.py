@@ -207,7 +207,8 @@ class GRPCClient:
         fields = {k: (v if isinstance(v, bytes) else str(v).encode("utf-8")) for k, v in inputs.items()}
         if stream:
             fields["stream"] = b"true"
-        return self._pb2.PredictionsRequest(model_name=self.model, input=fields)
+        # the generated protobuf module declares its messages at run time (no stubs are generated)
+        return self._pb2.PredictionsRequest(model_name=self.model, input=fields)  # type: ignore[attr-defined]
 
     def stream(self, inputs: Mapping) -> Iterator[str]:
         """Yield text deltas. ``inputs`` are form-style fields: text/messages/params as strings."""

@@ -39,6 +39,7 @@ class IncrementalDetokenizer:
     def push(self, token_ids: Sequence[int]) -> str:
         """Add new token ids; return the text they complete (possibly empty)."""
         if self._stream is not None:
+            assert self._backend is not None  # the stream is made only when the tokenizer has a backend
             return "".join(filter(None, (self._stream.step(self._backend, int(t)) for t in token_ids)))
         self._ids.extend(int(t) for t in token_ids)
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])

@@ -26,7 +26,7 @@ import math
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BeforeValidator, ValidationError, ValidationInfo
-from pydantic_core import PydanticCustomError
+from pydantic_core import ErrorDetails, PydanticCustomError
 
 from llm_api.api.errors import echo
 from llm_api.api.validation import decode_json
@@ -247,14 +247,14 @@ def field_path(loc: tuple) -> str:
     return path
 
 
-def first_error(error: ValidationError) -> dict:
+def first_error(error: ValidationError) -> ErrorDetails:
     """The error to report: an unknown top-level field first (as the formats checked before pydantic)."""
     errors = error.errors(include_url=False, include_input=False)
     extras = [e for e in errors if e["type"] == "extra_forbidden" and len(e["loc"]) == 1]
     return (extras or errors)[0]
 
 
-def message_of(error: dict) -> str:
+def message_of(error: ErrorDetails) -> str:
     path = field_path(tuple(error["loc"]))
     msg = error["msg"]
     if error["type"] == "missing":
@@ -272,7 +272,7 @@ def message_of(error: dict) -> str:
     return f"{path!r} {msg}" if path else msg
 
 
-def is_type_error(error: dict) -> bool:
+def is_type_error(error: ErrorDetails) -> bool:
     return error["type"].endswith(("_type", "_parsing"))
 
 

@@ -45,7 +45,7 @@ class LogprobItem:
 
 
 class TokenTexts:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
         self._cache: dict[int, TokenText] = {}
         backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -23,7 +23,7 @@ change. ``presence_penalty`` / ``frequency_penalty`` (-2..2) and ``logit_bias`` 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping, cast
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo, field_validator
 
@@ -118,7 +118,7 @@ class NativeBody(BaseModel):
     @field_validator("n")
     @classmethod
     def _n_within_limit(cls, value, info: ValidationInfo):
-        limit = info.context["limits"].max_n
+        limit = _limits(info).max_n
         if not 1 <= value <= limit:
             raise ValueError(f"must be between 1 and {limit} (MAX_NUM_SEQS), got {value if abs(value) < 10**20 else 'more'}")
         return value
@@ -126,7 +126,7 @@ class NativeBody(BaseModel):
     @field_validator("inputs_embeds")
     @classmethod
     def _embeds_fit(cls, value, info: ValidationInfo):
-        limits: Limits = info.context["limits"]
+        limits = _limits(info)
         if value is not None and len(value) > limits.max_input_tokens:
             raise fail("prompt_too_long", f"has {len(value)} positions; the limit is "
                                           f"MAX_INPUT_TOKENS={limits.max_input_tokens}")
@@ -140,10 +140,15 @@ class NativeBody(BaseModel):
     @field_validator("max_new_tokens")
     @classmethod
     def _within_limit(cls, value, info: ValidationInfo):
-        limit = info.context["limits"].max_new_tokens
+        limit = _limits(info).max_new_tokens
         if value is not None and not 1 <= value <= limit:
             raise ValueError(f"must be between 1 and {limit}, got {value if abs(value) < 10**20 else 'more'}")
         return value
+
+
+def _limits(info: ValidationInfo) -> Limits:
+    """The model's limits: parse_request validates with ``context={"limits": limits}``."""
+    return cast(dict, info.context)["limits"]
 
 
 def parse_request(row: Mapping[str, Any], limits: Limits, default_stream: bool = True) -> GenerateRequest | CancelRequest:

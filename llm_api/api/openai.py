@@ -187,6 +187,7 @@ class OpenAICall:
     def _tool_parser(self, index: int) -> ToolCallParser:
         parser = self._tool_parsers.get(index)
         if parser is None:
+            assert self.tool_format is not None  # (delta() comes here only for a call with tools)
             parser = self._tool_parsers[index] = ToolCallParser(self.tool_format)
         return parser
 
@@ -351,7 +352,7 @@ class ChatMessage(BaseModel):
         with their arguments as objects (what chat templates render; parse_call checked the JSON)."""
         content = self.content if isinstance(self.content, str) or self.content is None else \
             "".join(p.text for p in self.content)
-        turn = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        turn: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.tool_calls:
             turn["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]

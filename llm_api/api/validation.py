@@ -60,7 +60,7 @@ def _depth(value: Any) -> int:
         depth += 1
         if depth > MAX_JSON_DEPTH:
             return depth
-        nxt = []
+        nxt: list[Any] = []
         for item in level:
             if isinstance(item, dict):
                 nxt.extend(item.values())

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -97,7 +97,8 @@ class LLMEngine:
         check_supported(model)  # UnsupportedModelError before any memory is taken
         self.config = config
         self.model = model
-        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        model_config: Any = model.config  # (nn.Module's __getattr__ is typed Tensor | Module)
+        text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
         self.vocab_size = text_config.vocab_size
         self.hidden_size = text_config.hidden_size
         model_max_len = getattr(text_config, "max_position_embeddings", None) or 1 << 30
@@ -110,6 +111,7 @@ class LLMEngine:
             config = dataclasses.replace(config, max_num_batched_tokens=CUDA_TOKEN_BUDGET)
             self.config = config
         if not config.num_blocks and not config.kv_cache_memory_mib and on_cuda:
+            assert config.max_num_batched_tokens is not None  # set to CUDA_TOKEN_BUDGET above when on CUDA
             lengths = profile_sequence_lengths(config.max_num_batched_tokens, config.max_num_seqs, wanted_max_len)
             device_memory = profile_device_memory(model, layout, config.block_size, self.attention, lengths)
             for device, memory in device_memory.items():
@@ -131,6 +133,7 @@ class LLMEngine:
             budget = cpu_token_budget(self.runner, config.block_size, num_blocks, config.max_num_seqs, self.max_model_len)
             config = self.config = dataclasses.replace(config, max_num_batched_tokens=budget)
         self._enable_decode_graphs(config)
+        assert config.max_num_batched_tokens is not None  # set above: CUDA_TOKEN_BUDGET, or the CPU's budget
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
             BlockPool(num_blocks, config.block_size, config.enable_prefix_caching),

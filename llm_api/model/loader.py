@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -26,7 +27,7 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 @dataclass
 class LoadedModel:
-    tokenizer: object
+    tokenizer: Any  # a transformers tokenizer
     model: torch.nn.Module
     eos_token_ids: frozenset[int]
     hidden_size: int
@@ -47,7 +48,7 @@ def resolve_dtype(settings: Settings, checkpoint_dtype: torch.dtype | str | None
         return dtype
     if isinstance(checkpoint_dtype, str):
         checkpoint_dtype = _DTYPES.get(checkpoint_dtype.removeprefix("torch."))
-    dtype = checkpoint_dtype if checkpoint_dtype in _DTYPES.values() else torch.float32
+    dtype = checkpoint_dtype if checkpoint_dtype is not None and checkpoint_dtype in _DTYPES.values() else torch.float32
     if not on_gpu and dtype == torch.float16:
         return torch.float32  # CPUs have no float16 arithmetic: every op converts (see docs/model-options.md)
     return dtype
@@ -157,7 +158,7 @@ def load(settings: Settings) -> LoadedModel:
         tokenizer=tokenizer,
         model=model,
         eos_token_ids=eos_token_ids(model, tokenizer),
-        hidden_size=model.get_input_embeddings().embedding_dim,
+        hidden_size=cast(int, model.get_input_embeddings().embedding_dim),
         device=execution_device(model, model.get_input_embeddings()),
     )
 

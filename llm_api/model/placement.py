@@ -38,7 +38,7 @@ def execution_device(model: nn.Module, module: nn.Module) -> torch.device:
         device = _hook_execution_device(candidate)
         if device is not None:
             return device
-    tensor = next(module.parameters(), None)
+    tensor: torch.Tensor | None = next(module.parameters(), None)
     if tensor is None:
         tensor = next(module.buffers(), None)
     device = tensor.device if tensor is not None else torch.device("cpu")

@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 DTYPES = ("bfloat16", "float16", "float32", "auto")
 QUANTIZATIONS = ("none", "8bit", "4bit")
@@ -78,7 +78,7 @@ class Settings:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
         env = os.environ if env is None else env
-        values = {
+        values: dict[str, Any] = {
             "model_name": _nonempty(env, "MODEL_NAME", cls.model_name),
             "model_path": env.get("MODEL_PATH", "") or str(default_model_path(env)),
             "device_map": _device_map(env.get("DEVICE_MAP", cls.device_map)),

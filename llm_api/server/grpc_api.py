@@ -26,7 +26,7 @@ import asyncio
 import json
 import logging
 from contextlib import aclosing
-from typing import AsyncIterator
+from typing import AsyncGenerator
 
 import grpc
 
@@ -62,7 +62,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
     async def StreamPredictions2(self, request_iterator, context):  # noqa: N802
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "StreamPredictions2 is not served; use StreamPredictions")
 
-    async def _answer(self, request, context, streaming_call: bool) -> AsyncIterator[str]:
+    async def _answer(self, request, context, streaming_call: bool) -> AsyncGenerator[str, None]:
         state = self.state
         metadata = dict(context.invocation_metadata() or ())
         if not state.auth.allows(metadata.get("authorization")):
@@ -72,6 +72,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
         if service is None or state.lifecycle.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is loading" if service is None else
                                 "the server is shutting down; retry on another replica")
+        assert service is not None  # (context.abort raised above)
         if request.model_name != service.model_name:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no model {request.model_name[:64]!r}; this server serves "
                                                            f"{service.model_name!r}")

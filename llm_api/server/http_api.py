@@ -298,7 +298,9 @@ async def _answer(request: web.Request, parts, error_tail: Callable[[ApiError], 
             raise
         except ConnectionError:
             logger.info("request %s: the client went away while being written to; aborted", request_id)
-            return response
+            # None when the stream never opened (the client left during prepare): aiohttp logs a handler
+            # that returned no response; the connection is gone either way.
+            return response  # type: ignore[return-value]
         except ApiError:
             raise
         except Exception:  # a bug costs this request only

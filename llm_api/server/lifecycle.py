@@ -20,7 +20,7 @@ FLUSH_AFTER_CANCEL_S = 5.0  # time for cancelled streams to write their error li
 
 
 class Lifecycle:
-    def __init__(self):
+    def __init__(self) -> None:
         self.loaded = False
         self.draining = False
         self.stop_requested = asyncio.Event()

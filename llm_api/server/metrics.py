@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
 
 from llm_api.service.metrics import METRICS
 
@@ -43,6 +44,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self._series: dict[str, Any] = {}
         for name, (kind, _, help_text) in METRICS.items():
+            metric: MetricWrapperBase
             if kind == "counter":
                 metric = Counter(name, help_text, ["model_name"], registry=self.registry)
             elif kind == "gauge":

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncGenerator, Mapping
 
 from llm_api.api import openai
 from llm_api.api.native import parse_request
@@ -91,7 +91,7 @@ def native_error_tail(request: GenerateRequest, marker: str, error: ApiError) ->
 
 
 async def native_parts(service: ModelService, request: GenerateRequest, request_id: str, marker: str,
-                       max_unary_bytes: int | None = None) -> AsyncIterator[Part]:
+                       max_unary_bytes: int | None = None) -> AsyncGenerator[Part, None]:
     stream = _native_stream(request, marker, max_unary_bytes)
     kind = stream.content_type
     async with aclosing(service.generate(request, request_id, marker)) as events:
@@ -115,7 +115,7 @@ async def native_parts(service: ModelService, request: GenerateRequest, request_
 
 
 async def openai_parts(service: ModelService, request: GenerateRequest, call: openai.OpenAICall, request_id: str,
-                       marker: str = "") -> AsyncIterator[Part]:
+                       marker: str = "") -> AsyncGenerator[Part, None]:
     """``marker``: the native end-of-stream marker, kept out of refusals here too (no error ever holds it)."""
     started = False
     kind = call.content_type
@@ -126,6 +126,7 @@ async def openai_parts(service: ModelService, request: GenerateRequest, call: op
             elif isinstance(event, ChoiceFinished):
                 chunk = call.choice_finish(event.index, event.reason)
             elif event.error is None:
+                assert event.reason is not None  # a Finished without an error has its reason (Generation._finished)
                 yield Final(call.finish(event.reason, event.num_prompt_tokens, event.num_generated_tokens), kind)
                 return
             elif not started:

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncGenerator, Protocol
 
 import torch
 
@@ -102,7 +102,7 @@ class EngineLoop:
     # ----------------------------------------------------------------- caller side
 
     async def generate(self, request_id: str, prompt_token_ids: list[int] | None, params: SamplingParams,
-                       prompt_embeds: torch.Tensor | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt_embeds: torch.Tensor | None = None) -> AsyncGenerator[RequestOutput, None]:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), params.n)
         added = loop.create_future()

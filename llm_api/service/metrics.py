@@ -213,6 +213,7 @@ class RequestTimer:
         now = self.metrics.clock()
         self.metrics._emit("llm_e2e_request_latency_seconds", now - self.arrival)
         if self.first_token is not None and self.num_tokens > 1:
+            assert self.last_token is not None  # tokens() sets it with first_token
             self.metrics._emit("llm_inter_token_latency_seconds",
                                (self.last_token - self.first_token) / (self.num_tokens - 1))
         self.metrics._on_finish()

@@ -46,7 +46,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncGenerator, Callable, cast
 
 import torch
 
@@ -171,7 +171,7 @@ class ModelService:
     # ------------------------------------------------------------------------------------------
     # admission
 
-    async def generate(self, request: GenerateRequest, request_id: str, marker: str = "") -> AsyncIterator[Event]:
+    async def generate(self, request: GenerateRequest, request_id: str, marker: str = "") -> AsyncGenerator[Event, None]:
         """Admit the request (or raise ApiError), then its events. ``marker``: text the detokenizer keeps
         out of the answer (the native format's end-of-stream marker)."""
         generation = await self._admit_request(request, request_id, marker)
@@ -194,7 +194,11 @@ class ModelService:
         if refusal is not None:
             raise refusal
         prompt_ids, prompt_embeds = await self._prepare(request)
-        num_prompt_tokens = len(prompt_ids) if prompt_ids is not None else int(prompt_embeds.shape[0])
+        if prompt_ids is not None:
+            num_prompt_tokens = len(prompt_ids)
+        else:
+            assert prompt_embeds is not None  # _prepare gives ids or embeddings
+            num_prompt_tokens = int(prompt_embeds.shape[0])
         self._check_fits(num_prompt_tokens, request.params.max_new_tokens)
         if request.constraint is not None:
             timeout = min(request.timeout_s or self.settings.request_timeout_s, self.settings.request_timeout_s)
@@ -214,6 +218,9 @@ class ModelService:
         return generation
 
     async def _prepare(self, request: GenerateRequest) -> tuple[list[int] | None, torch.Tensor | None]:
+        # (a tensor of embeddings, or token ids)
+        work: Callable[[GenerateRequest], Any]
+        result: Any
         if request.inputs_embeds is not None:
             work, size = self._embeds_tensor, len(request.inputs_embeds) * (self.limits.hidden_size or 1)
         else:
@@ -225,7 +232,7 @@ class ModelService:
         return (None, result) if request.inputs_embeds is not None else (result, None)
 
     def _embeds_tensor(self, request: GenerateRequest) -> torch.Tensor:
-        return torch.tensor(request.inputs_embeds, dtype=self.lm.model.dtype, device=self.lm.device)
+        return torch.tensor(request.inputs_embeds, dtype=cast(torch.dtype, self.lm.model.dtype), device=self.lm.device)
 
     def _check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
         if self.engine is None:
@@ -332,11 +339,15 @@ class Generation:
         self._deadline = deadline
 
     def _log_end(self, end: Finished) -> None:
-        how = end.reason.value if end.error is None else end.error.code
+        if end.error is None:
+            assert end.reason is not None  # a Finished without an error has its reason (_finished)
+            how = end.reason.value
+        else:
+            how = end.error.code
         logger.info("request %s ended: %s after %d tokens; %s", self.request_id, how, self.num_generated_tokens,
                     self.service.kv_usage())
 
-    async def events(self) -> AsyncIterator[Event]:
+    async def events(self) -> AsyncGenerator[Event, None]:
         service = self.service
         choices = [_Choice(TextStream(service.lm.tokenizer, self.params.stop, self._marker))
                    for _ in range(self.params.n)]
@@ -376,12 +387,16 @@ class Generation:
                                 yield choice.delta(tail, out.index)
                         elif choice.logprobs:
                             yield choice.delta("", out.index)
-                        choice.reason = FinishReason.STOP if delta.stopped else out.finish_reason
+                        reason = FinishReason.STOP if delta.stopped else out.finish_reason
+                        assert reason is not None  # a finished output carries its reason
+                        choice.reason = reason
                         if delta.stopped and not out.finished and len(choices) > 1:
                             service.loop.abort(self.request_id, out.index)  # the other choices go on
                         yield ChoiceFinished(out.index, choice.reason, choice.num_tokens)
                         if all(c.reason is not None for c in choices):
-                            end = self._finished(choices[0].reason)
+                            first_reason = choices[0].reason
+                            assert first_reason is not None  # (every choice has one)
+                            end = self._finished(first_reason)
         except TimeoutError:
             end = self._failed(ApiError(408, "timeout", "the request exceeded its deadline"))
         except PromptTooLongError as exc:

@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 
 class LLMHandler(BaseHandler):
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.service: ModelService | None = None
         self.async_mode = False
@@ -75,6 +75,13 @@ class LLMHandler(BaseHandler):
         logger.info("LLMHandler ready: model=%s path=%s mode=%s batch_size=%s", settings.model_name,
                     self.service.path_name, "async" if self.async_mode else "classic",
                     context.system_properties.get("batch_size"))
+
+    @property
+    def _service(self) -> ModelService:
+        """The loaded service (``initialize`` sets it; TorchServe sends requests only after it returned)."""
+        if self.service is None:  # (a request's failure: _serve_row answers it with a 500)
+            raise RuntimeError("the model is not loaded")
+        return self.service
 
     def handle(self, data, context):
         if self.async_mode:
@@ -109,18 +116,19 @@ class LLMHandler(BaseHandler):
     # native: /predictions/<model> and gRPC
 
     async def _serve_native(self, reply: Reply, row):
-        request = await parse_native(self.service, row, default_stream=not reply.is_grpc)
+        service = self._service
+        request = await parse_native(service, row, default_stream=not reply.is_grpc)
+        if isinstance(request, CancelRequest):
+            found = service.cancel(request.target_id)
+            logger.info("cancel of request %s: %s", request.target_id[:64], "done" if found else "not running")
+            return reply.finish(json.dumps({"cancelled": found}), JSON_CONTENT_TYPE)
         if reply.is_grpc and not self.grpc_streaming:
             # A unary Predictions call looks the same as StreamPredictions here, and a second message to a
             # unary call kills the worker: without GRPC_STREAMING every gRPC answer is one message.
             request.stream = False
-        if isinstance(request, CancelRequest):
-            found = self.service.cancel(request.target_id)
-            logger.info("cancel of request %s: %s", request.target_id[:64], "done" if found else "not running")
-            return reply.finish(json.dumps({"cancelled": found}), JSON_CONTENT_TYPE)
         # A unary gRPC answer is one message, which gRPC clients refuse above 4 MiB by default.
         max_unary_bytes = GRPC_MAX_MESSAGE_BYTES if reply.is_grpc else None
-        async with aclosing(native_parts(self.service, request, reply.request_id, self.marker,
+        async with aclosing(native_parts(service, request, reply.request_id, self.marker,
                                          max_unary_bytes)) as parts:
             async for part in parts:
                 if isinstance(part, Chunk):
@@ -135,7 +143,7 @@ class LLMHandler(BaseHandler):
     # OpenAI-compatible: /predictions/<model>/<version>/v1/...
 
     async def _serve_openai(self, reply: Reply, api: str, row):
-        service = self.service
+        service = self._service
         if api == "models":
             return reply.finish(openai.models_list(service.model_name, service.created), JSON_CONTENT_TYPE)
         if api == "health":

@@ -73,7 +73,7 @@ class AttentionBackend(ABC):
 
 
 def paged_attention_forward(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
-                            sliding_window=None, softcap=None, **kwargs):
+                            sliding_window=None, softcap=None, **kwargs) -> tuple[torch.Tensor, None]:
     metadata: PagedAttentionMetadata | None = kwargs.get(METADATA_KWARG)
     if metadata is None:
         raise RuntimeError(f"{ATTENTION_NAME} attention needs `{METADATA_KWARG}=` in the model call")
