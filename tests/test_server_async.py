@@ -77,6 +77,19 @@ def test_cancel_by_torchserve_request_id(async_server):
     assert json.loads(read_rest(resp).strip().splitlines()[-1])["type"] == "cancelled"
 
 
+
+def test_cancel_over_grpc(async_server):
+    """A cancel sent as a unary gRPC call (the default, one-message gRPC answers) ends an HTTP stream."""
+    resp = open_stream(async_server, LONG)
+    resp.read1(1)
+    with GRPCClient(async_server.grpc, "smollm2", async_server.key()) as client:
+        # (the client's generate() expects an answer ending in the marker; a cancel answers JSON alone)
+        response = client._stub.Predictions(client._request({"cancel": resp.headers["x-request-id"]}, False),
+                                            metadata=client._metadata, timeout=60)
+    assert json.loads(response.prediction) == {"cancelled": True}
+    assert json.loads(read_rest(resp).strip().splitlines()[-1])["type"] == "cancelled"
+
+
 def test_deadline_ends_stream(async_server):
     t0 = time.monotonic()
     with open_stream(async_server, {**LONG, "timeout": 1.5}) as resp:

@@ -298,9 +298,8 @@ async def _answer(request: web.Request, parts, error_tail: Callable[[ApiError], 
             raise
         except ConnectionError:
             logger.info("request %s: the client went away while being written to; aborted", request_id)
-            # None when the stream never opened (the client left during prepare): aiohttp logs a handler
-            # that returned no response; the connection is gone either way.
-            return response  # type: ignore[return-value]
+            # (no stream opened yet: the client left while it was being prepared; nobody reads this answer)
+            return response if response is not None else web.Response(status=499)
         except ApiError:
             raise
         except Exception:  # a bug costs this request only
