@@ -445,7 +445,7 @@ def parse_call(kind: str, body: Any, model_name: str, limits: Limits) -> tuple[G
     try:
         call = model_class.model_validate(data, context={"limits": limits})
     except ValidationError as error:
-        raise _api_error(error) from None
+        raise api_error(error) from None
     for name, neutral in NEUTRAL_VALUES.items():
         if name in data and not any(_same(data[name], v) for v in neutral):
             raise ApiError(400, "unsupported_parameter", f"'{name}' is not supported by this server (only {neutral[0]!r})",
@@ -576,7 +576,8 @@ def _tool_choice(value: Any, tools: list[ToolDefinition] | None) -> str:
     return name
 
 
-def _api_error(error: ValidationError) -> ApiError:
+def api_error(error: ValidationError) -> ApiError:
+    """A pydantic validation error -> the OpenAI-shaped 400 naming the field (shared by the tokenizer routes)."""
     unknown = unknown_fields(error)
     if unknown:
         return ApiError(400, "unknown_parameter", f"Unrecognized request argument supplied: {echo(unknown[0])}",

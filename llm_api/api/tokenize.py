@@ -22,8 +22,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 
 from llm_api.api.errors import ApiError, echo
-from llm_api.api.fields import NonEmptyText, StrictFlag, Text, field_path, first_error, message_of, unknown_fields
-from llm_api.api.openai import ChatMessage
+from llm_api.api.fields import NonEmptyText, StrictFlag, Text
+from llm_api.api.openai import ChatMessage, api_error
 from llm_api.api.validation import decode_json
 
 
@@ -67,7 +67,7 @@ def parse_tokenize(body: bytes, model_name: str) -> TokenizeRequest:
     try:
         call = TokenizeBody.model_validate(data)
     except ValidationError as error:
-        raise _api_error(error) from None
+        raise api_error(error) from None
     _check_model(call.model, model_name)
     if (call.prompt is None) == (call.messages is None):
         raise ApiError(400, "invalid_value", "give exactly one of 'prompt' or 'messages'", "prompt")
@@ -84,7 +84,7 @@ def parse_detokenize(body: bytes, model_name: str, vocab_size: int, max_tokens: 
     try:
         call = DetokenizeBody.model_validate(data)
     except ValidationError as error:
-        raise _api_error(error) from None
+        raise api_error(error) from None
     _check_model(call.model, model_name)
     if len(call.tokens) > max_tokens:
         raise ApiError(400, "invalid_value", f"'tokens' may hold at most {max_tokens} ids", "tokens")
@@ -114,12 +114,3 @@ def _check_model(model: str | None, model_name: str) -> None:
     if model is not None and model != model_name:
         raise ApiError(404, "model_not_found", f"The model {echo(model)} does not exist; this server serves "
                        f"{model_name!r}", "model")
-
-
-def _api_error(error: ValidationError) -> ApiError:
-    unknown = unknown_fields(error)
-    if unknown:
-        return ApiError(400, "unknown_parameter", f"Unrecognized request argument supplied: {echo(unknown[0])}",
-                        unknown[0])
-    detail = first_error(error)
-    return ApiError(400, "invalid_value", message_of(detail), field_path(tuple(detail["loc"])) or None)
