@@ -114,10 +114,14 @@ def engine_decoder(model, batch_size, context_len, max_steps, block_size):
 
     # The prefill step: real scheduling and block allocation, forward skipped (the K/V are synthetic).
     real_execute = engine.runner.execute
-    engine.runner.execute = lambda scheduled: (
-        torch.zeros(sum(s.samples for s in scheduled), model.config.vocab_size, dtype=model.dtype),
-        [s.request for s in scheduled if s.samples],
-    )
+
+    def skip_forward(output):
+        engine.runner.block_tables.update(output)  # the runner's tables follow the scheduler's deltas
+        scheduled = output.scheduled
+        return (torch.zeros(sum(s.samples for s in scheduled), model.config.vocab_size, dtype=model.dtype),
+                [s.request for s in scheduled if s.samples])
+
+    engine.runner.execute = skip_forward
     engine.step()
     engine.runner.execute = real_execute
     assert engine.stats().num_running == batch_size
