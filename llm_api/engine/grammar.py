@@ -299,21 +299,23 @@ class GrammarCompiler:
         """The compiled grammar of ``spec`` when it is in the cache (a hit), else None; never compiles,
         so it may run on an event loop."""
         with self._lock:
-            compiled = self._cache.get(spec)
-            if compiled is not None:
-                self._cache.move_to_end(spec)
-                self._hits += 1
-            return compiled
+            return self._cache_hit(spec)
+
+    def _cache_hit(self, spec: GrammarSpec) -> CompiledGrammar | None:
+        # (the caller holds self._lock) a hit is counted and becomes the most recently used entry
+        compiled = self._cache.get(spec)
+        if compiled is not None:
+            self._cache.move_to_end(spec)
+            self._hits += 1
+        return compiled
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         if not isinstance(spec, GrammarSpec):
             raise TypeError(f"compile() takes a GrammarSpec, got {type(spec).__name__}")
         check_limits(spec, self.limits)
         with self._lock:
-            compiled = self._cache.get(spec)
+            compiled = self._cache_hit(spec)
             if compiled is not None:
-                self._cache.move_to_end(spec)
-                self._hits += 1
                 return compiled
             future = self._in_flight.get(spec)
             owner = future is None
