@@ -133,9 +133,11 @@ def parse_settings(argv=None) -> tuple[BenchSettings, Path | None]:
 
     out = Path(args.out) if args.out else None
     if args.smoke:
+        # 32 decode steps: generate()'s decode time is the full call minus the prefill call, and with fewer
+        # steps a loaded machine could stall a prefill call for longer than the whole decode took.
         return BenchSettings(
             device="cpu", dtype="float32", models=(SMOKE_MODEL,), batch_sizes=(1, 2), compile_batch_sizes=(),
-            context_len=32, decode_steps=8, warmup_steps=2, block_size=16, max_num_batched_tokens=1024,
+            context_len=32, decode_steps=32, warmup_steps=2, block_size=16, max_num_batched_tokens=1024,
             graphs_model=SMOKE_MODEL, graphs_batch_size=1, copy_bytes=16 << 20, copy_trials=3,
             generate_repeats=3, max_seconds=args.max_seconds, smoke=True), out
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
