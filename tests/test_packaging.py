@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from llm_api.client import HTTPClient
-from torchserve_server import TorchServe, _group_alive, free_port
+from server_process import _group_alive, free_port
+from torchserve_server import TorchServe
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

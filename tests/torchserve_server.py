@@ -2,8 +2,9 @@
 
 ``TorchServe.start()`` builds the archive (a folder, or a ``.mar``) from the repo's handler and the
 given model-config, writes a config.properties that is the shipped one with free loopback ports, and
-starts ``torchserve --foreground`` in a new process session. ``stop()`` signals that session (the
-launcher, its Java frontend and the Python workers it forked) and nothing else.
+starts ``torchserve --foreground`` as a ``server_process.ServerProcess``, in a new process session.
+``stop()`` signals that session (the launcher, its Java frontend and the Python workers it forked) and
+nothing else.
 """
 
 from __future__ import annotations
@@ -11,24 +12,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
-REPO = Path(__file__).resolve().parent.parent
+from server_process import REPO, ServerProcess
+
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_archive(workdir: Path, model_name: str, model_config: str | None, mar: bool = False) -> Path:
@@ -49,42 +43,48 @@ def build_archive(workdir: Path, model_name: str, model_config: str | None, mar:
     return store
 
 
-@dataclass
-class TorchServe:
-    workdir: Path
-    model_name: str = "smollm2"
+@dataclass(kw_only=True)
+class TorchServe(ServerProcess):
     model_config: str | None = None
-    env: dict = field(default_factory=dict)
     mar: bool = False
     extra_properties: str = ""  # appended to the shipped config.properties (a user's own settings)
-    proc: subprocess.Popen | None = None
-    ports: dict = field(default_factory=dict)
+    _store: Path | None = field(default=None, init=False, repr=False)  # the model store start() built
 
-    @property
-    def http(self) -> str:
-        return f"http://127.0.0.1:{self.ports['inference']}"
+    kind = "torchserve"
+    program = "torchserve"
+    port_names = ("inference", "management", "metrics", "grpc", "grpc_mgmt")
+    http_port = "inference"
+    openai_path = "/predictions/{model}/1.0/v1"
+    ready_path = "/predictions/{model}/1.0/v1/health"
+    metrics_port = "metrics"
+    out_name = "torchserve.out"
+    model_log_name = "logs/model_log.log"  # (the frontend writes the worker's output there: LOG_LOCATION)
+    stop_grace = 15
 
-    @property
-    def grpc(self) -> str:
-        return f"127.0.0.1:{self.ports['grpc']}"
+    def start(self, wait_ready: bool = True, timeout: float = 240) -> Self:
+        # The archive before the ports are taken: they are free only until someone binds them.
+        self._store = build_archive(self.workdir, self.model_name, self.model_config, self.mar)
+        return super().start(wait_ready, timeout)
 
-    kind = "torchserve"  # (the front-end surface shared with tests/standalone_server.py)
+    def _command(self) -> list[str]:
+        shipped = (REPO / "config.properties").read_text()
+        props = re.sub(r"(?m)^(inference|management|metrics)_address=.*$", lambda m: f"{m.group(1)}_address=http://127.0.0.1:{self.ports[m.group(1)]}", shipped)
+        props = re.sub(r"(?m)^grpc_inference_port=.*$", f"grpc_inference_port={self.ports['grpc']}", props)
+        props = re.sub(r"(?m)^grpc_management_port=.*$", f"grpc_management_port={self.ports['grpc_mgmt']}", props)
+        props = re.sub(r"(?m)^model_store=.*$", f"model_store={self._store}", props)
+        (self.workdir / "config.properties").write_text(props + self.extra_properties)
+        target = self.model_name + (".mar" if self.mar else "")
+        return [str(BIN / "torchserve"), "--start", "--foreground", "--ncs", "--ts-config", "config.properties",
+                "--model-store", str(self._store), "--models", f"{self.model_name}={target}"]
 
-    @property
-    def native_url(self) -> str:
-        return f"{self.http}/predictions/{self.model_name}"
+    def _env_defaults(self, tmp: Path) -> dict[str, str]:
+        # TEMP too: the Java frontend takes its temp dir (and the worker socket's) from it, not TMPDIR.
+        return {"TEMP": str(tmp), "LOG_LOCATION": str(self.log_dir), "METRICS_LOCATION": str(self.log_dir)}
 
-    @property
-    def openai_base(self) -> str:
-        return f"{self.http}/predictions/{self.model_name}/1.0/v1"
-
-    @property
-    def ready_url(self) -> str:
-        return f"{self.openai_base}/health"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports['metrics']}/metrics"
+    def _environment(self) -> dict[str, str]:
+        env = super()._environment()
+        env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+        return env
 
     @property
     def log_dir(self) -> Path:
@@ -93,119 +93,26 @@ class TorchServe:
     def key(self, kind: str = "inference") -> str:
         return json.loads((self.workdir / "key_file.json").read_text())[kind]["key"]
 
-    def model_log(self) -> str:
-        path = self.log_dir / "model_log.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def wait_for_log_lines(self, needle: str, count: int = 1, timeout: float = 10) -> list[str]:
-        """The model-log lines holding ``needle`` once there are ``count`` of them: the worker's output
-        reaches model_log.log through the frontend a moment after the response that follows it."""
-        deadline = time.monotonic() + timeout
-        while True:
-            lines = [line for line in self.model_log().splitlines() if needle in line]
-            if len(lines) >= count or time.monotonic() > deadline:
-                return lines
-            time.sleep(0.1)
-
-    def start(self, wait_ready: bool = True, timeout: float = 240) -> "TorchServe":
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        store = build_archive(self.workdir, self.model_name, self.model_config, self.mar)
-        self.ports = {k: free_port() for k in ("inference", "management", "metrics", "grpc", "grpc_mgmt")}
-        shipped = (REPO / "config.properties").read_text()
-        props = re.sub(r"(?m)^(inference|management|metrics)_address=.*$", lambda m: f"{m.group(1)}_address=http://127.0.0.1:{self.ports[m.group(1)]}", shipped)
-        props = re.sub(r"(?m)^grpc_inference_port=.*$", f"grpc_inference_port={self.ports['grpc']}", props)
-        props = re.sub(r"(?m)^grpc_management_port=.*$", f"grpc_management_port={self.ports['grpc_mgmt']}", props)
-        props = re.sub(r"(?m)^model_store=.*$", f"model_store={store}", props)
-        (self.workdir / "config.properties").write_text(props + self.extra_properties)
-        tmp = self.workdir / "tmp"
-        tmp.mkdir(exist_ok=True)
-        # TEMP too: the Java frontend takes its temp dir (and the worker socket's) from it, not TMPDIR.
-        env = {**os.environ, "TMPDIR": str(tmp), "TEMP": str(tmp), "LOG_LOCATION": str(self.log_dir), "METRICS_LOCATION": str(self.log_dir), **self.env}
-        env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-        target = self.model_name + (".mar" if self.mar else "")
-        self.proc = subprocess.Popen(
-            [str(BIN / "torchserve"), "--start", "--foreground", "--ncs", "--ts-config", "config.properties",
-             "--model-store", str(store), "--models", f"{self.model_name}={target}"],
-            cwd=self.workdir, env=env, stdout=open(self.workdir / "torchserve.out", "wb"), stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        if wait_ready:
-            self.wait_ready(timeout)
-        return self
-
-    def wait_ready(self, timeout: float = 240) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"torchserve exited with {self.proc.returncode}:\n{self.tail()}")
-            if self.worker_status() == "READY":
-                return
-            time.sleep(0.5)
-        raise TimeoutError(f"model not ready after {timeout}s:\n{self.tail()}")
-
     def worker_status(self) -> str | None:
-        try:
-            req = urllib.request.Request(
-                f"http://127.0.0.1:{self.ports['management']}/models/{self.model_name}",
-                headers={"Authorization": f"Bearer {self.key('management')}"},
-            )
-            with urllib.request.urlopen(req, timeout=5) as resp:
-                workers = json.loads(resp.read())[0]["workers"]
-        except (OSError, KeyError, ValueError, urllib.error.URLError):
-            return None
+        workers = self._workers(timeout=5)
         return workers[0]["status"] if workers else None
 
     def worker_pid(self) -> int | None:
         """The pid of the model's worker process (a restart changes it)."""
+        workers = self._workers(timeout=30)
+        return workers[0].get("pid") if workers else None
+
+    def _workers(self, timeout: float) -> list[dict] | None:
+        """The model's workers as the management API describes them, or None when it cannot be asked."""
         try:
             req = urllib.request.Request(
                 f"http://127.0.0.1:{self.ports['management']}/models/{self.model_name}",
                 headers={"Authorization": f"Bearer {self.key('management')}"},
             )
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                return json.loads(resp.read())[0]["workers"][0]["pid"]
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return json.loads(resp.read())[0]["workers"]
         except (OSError, KeyError, IndexError, ValueError, urllib.error.URLError):
             return None
 
     def tail(self, n: int = 4000) -> str:
-        out_file = self.workdir / "torchserve.out"
-        out = out_file.read_text(errors="replace")[-n:] if out_file.exists() else ""
-        return out + "\n--- model_log ---\n" + self.model_log()[-n:]
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None and not _group_alive(self.proc.pid):
-            return
-        # The session started with our launcher: its Java frontend and Python workers are in it.
-        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and _group_alive(self.proc.pid):
-                self.proc.poll()
-                time.sleep(0.2)
-            if not _group_alive(self.proc.pid):
-                break
-        self.proc.poll()
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # Zombies of the group count as gone.
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        fields_ = stat[stat.rindex(")") + 2 :].split()
-        if int(fields_[2]) == pgid and fields_[0] != "Z":
-            return True
-    return False
+        return super().tail(n) + "\n--- model_log ---\n" + self.model_log()[-n:]

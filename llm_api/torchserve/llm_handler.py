@@ -25,6 +25,7 @@ import json
 import logging
 import os
 from contextlib import aclosing
+from typing import AsyncGenerator
 
 from ts.torch_handler.base_handler import BaseHandler
 
@@ -34,7 +35,7 @@ from llm_api.api.native_stream import GRPC_MAX_MESSAGE_BYTES
 from llm_api.api.request import CancelRequest
 from llm_api.api.tokenize import detokenize_answer, parse_detokenize, parse_tokenize, tokenize_answer
 from llm_api.model.settings import ConfigError, Settings
-from llm_api.service.answer import Chunk, Refusal, native_parts, openai_parts, parse_native, parse_openai
+from llm_api.service.answer import Chunk, Part, Refusal, native_parts, openai_parts, parse_native, parse_openai
 from llm_api.service.service import ModelService
 from llm_api.torchserve.metrics_sink import TorchServeMetricSink
 from llm_api.torchserve.reply import JSON_CONTENT_TYPE, Reply
@@ -128,16 +129,8 @@ class LLMHandler(BaseHandler):
             request.stream = False
         # A unary gRPC answer is one message, which gRPC clients refuse above 4 MiB by default.
         max_unary_bytes = GRPC_MAX_MESSAGE_BYTES if reply.is_grpc else None
-        async with aclosing(native_parts(service, request, reply.request_id, self.marker,
-                                         max_unary_bytes)) as parts:
-            async for part in parts:
-                if isinstance(part, Chunk):
-                    reply.send(part.payload, part.content_type)
-                elif isinstance(part, Refusal):
-                    return reply.refuse(part.status, part.body)
-                else:
-                    return reply.finish(part.payload, part.content_type)
-        raise RuntimeError("the request ended without a final part")
+        return await self._write_parts(reply, native_parts(service, request, reply.request_id, self.marker,
+                                                           max_unary_bytes))
 
     # -------------------------------------------------------------------------------------------
     # OpenAI-compatible: /predictions/<model>/<version>/v1/...
@@ -161,13 +154,29 @@ class LLMHandler(BaseHandler):
             token_ids = parse_detokenize(body, service.model_name, service.vocab_size, service.max_model_len)
             return reply.finish(detokenize_answer(await service.detokenize(token_ids)), JSON_CONTENT_TYPE)
         request, call = await parse_openai(service, api, body)
-        async with aclosing(openai_parts(service, request, call, reply.request_id, self.marker)) as parts:
+        return await self._write_parts(reply, openai_parts(service, request, call, reply.request_id, self.marker),
+                                       final_as_chunk=True)
+
+    # -------------------------------------------------------------------------------------------
+    # writing an answer
+
+    async def _write_parts(self, reply: Reply, parts: AsyncGenerator[Part, None], final_as_chunk: bool = False):
+        """Write a request's parts (``llm_api.service.answer``): each chunk as it comes, then the final part
+        as the final message, or the refusal.
+
+        ``final_as_chunk`` (the OpenAI routes): the final part goes out as one more chunk and an empty final
+        message closes the answer. That differs from ``reply.finish(payload)`` only in classic mode when
+        nothing was sent before (a non-streamed answer): there the answer is then a chunked body instead
+        of one plain message."""
+        async with aclosing(parts):
             async for part in parts:
                 if isinstance(part, Chunk):
                     reply.send(part.payload, part.content_type)
                 elif isinstance(part, Refusal):
                     return reply.refuse(part.status, part.body)
-                else:
+                elif final_as_chunk:
                     reply.send(part.payload, part.content_type)
                     return reply.finish("", part.content_type)
+                else:
+                    return reply.finish(part.payload, part.content_type)
         raise RuntimeError("the request ended without a final part")

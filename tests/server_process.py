@@ -1,0 +1,199 @@
+"""What every real server that tests and benchmarks start has in common: ``ServerProcess``.
+
+A subclass says what its server is (``_command``: the command line; its URLs, key file, log files and
+worker probes); the base class runs it the same way for all of them: its own working directory, free
+loopback ports (``port_names``), an environment with its own TMPDIR, the process started in a new
+session (so that it and every process it forks form one process group), ``wait_ready`` polling
+``worker_status()`` until READY, the log helpers, and ``stop()``: SIGTERM to that process group, SIGKILL
+if it has not ended in time, never a signal to any other process.
+
+Front-end surface the subclasses share (tests parametrized over both kinds use only these): ``kind``,
+``model_name``, ``http``, ``grpc``, ``native_url``, ``openai_base``, ``ready_url``, ``metrics_url``,
+``key()``, ``model_log()``, ``wait_for_log_lines()``, ``worker_status()``, ``worker_pid()``, ``stop()``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from abc import ABC, abstractmethod
+from dataclasses import KW_ONLY, dataclass, field
+from pathlib import Path
+from typing import ClassVar, Self
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess(ABC):
+    workdir: Path
+    _: KW_ONLY
+    model_name: str = "smollm2"
+    env: dict = field(default_factory=dict)  # over os.environ and the server's own variables
+    proc: subprocess.Popen | None = None
+    ports: dict = field(default_factory=dict)
+
+    kind: ClassVar[str]  # "torchserve" or "standalone": what tests parametrized over both branch on
+    program: ClassVar[str]  # the server's name in error messages
+    port_names: ClassVar[tuple[str, ...]]  # the ports start() takes (``ports[name]``)
+    http_port: ClassVar[str]  # the one that serves the inference API, at the paths below
+    openai_path: ClassVar[str]  # the OpenAI-compatible routes' base ("{model}": the model's name)
+    ready_path: ClassVar[str]  # 200 once the model serves requests
+    metrics_port: ClassVar[str]  # the one that serves /metrics
+    out_name: ClassVar[str]  # the file in workdir that takes the process's stdout and stderr
+    model_log_name: ClassVar[str]  # the file in workdir with the model's log lines (``request ... ended``)
+    stop_grace: ClassVar[float]  # how long stop() waits after SIGTERM before SIGKILL
+
+    # -------------------------------------------------------------------------------------------
+    # what a subclass says besides the above
+
+    @abstractmethod
+    def _command(self) -> list[str]:
+        """The command line, built once the ports are taken (it may write the config files it names)."""
+
+    def _env_defaults(self, tmp: Path) -> dict[str, str]:
+        """The server's own variables: over os.environ, under the caller's ``env``."""
+        return {}
+
+    @abstractmethod
+    def key(self, kind: str = "inference") -> str: ...
+
+    @abstractmethod
+    def worker_status(self) -> str | None:
+        """``"READY"`` once the model serves requests; None while it does not (or cannot be asked)."""
+
+    @abstractmethod
+    def worker_pid(self) -> int | None:
+        """The pid of the process that runs the model, or None."""
+
+    # -------------------------------------------------------------------------------------------
+    # the same for every server
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.ports[self.http_port]}"
+
+    @property
+    def grpc(self) -> str:
+        return f"127.0.0.1:{self.ports['grpc']}"
+
+    @property
+    def native_url(self) -> str:
+        return f"{self.http}/predictions/{self.model_name}"
+
+    @property
+    def openai_base(self) -> str:
+        return self.http + self.openai_path.format(model=self.model_name)
+
+    @property
+    def ready_url(self) -> str:
+        return self.http + self.ready_path.format(model=self.model_name)
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports[self.metrics_port]}/metrics"
+
+    @property
+    def out_path(self) -> Path:
+        return self.workdir / self.out_name
+
+    def model_log(self) -> str:
+        return _read_text(self.workdir / self.model_log_name)
+
+    def wait_for_log_lines(self, needle: str, count: int = 1, timeout: float = 10) -> list[str]:
+        """The model-log lines holding ``needle`` once there are ``count`` of them (or at ``timeout``): a
+        log line may reach its file a moment after the response that follows it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = [line for line in self.model_log().splitlines() if needle in line]
+            if len(lines) >= count or time.monotonic() > deadline:
+                return lines
+            time.sleep(0.05)
+
+    def tail(self, n: int = 4000) -> str:
+        """The end of the process's output (for error messages)."""
+        return _read_text(self.out_path)[-n:]
+
+    def _environment(self) -> dict[str, str]:
+        tmp = self.workdir / "tmp"
+        tmp.mkdir(exist_ok=True)
+        return {**os.environ, "TMPDIR": str(tmp), **self._env_defaults(tmp), **self.env}
+
+    def start(self, wait_ready: bool = True, timeout: float = 240) -> Self:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.ports = {name: free_port() for name in self.port_names}
+        command = self._command()
+        with open(self.out_path, "wb") as out:  # (the child holds its own copy of the file)
+            # A new session: the server and everything it forks form one process group, which stop() signals.
+            self.proc = subprocess.Popen(command, cwd=self.workdir, env=self._environment(), stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        if wait_ready:
+            self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 240) -> None:
+        assert self.proc is not None, "start() first"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.program} exited with {self.proc.returncode}:\n{self.tail()}")
+            if self.worker_status() == "READY":
+                return
+            time.sleep(0.3)
+        raise TimeoutError(f"{self.program} not ready after {timeout}s:\n{self.tail()}")
+
+    def stop(self, grace: float | None = None) -> int | None:
+        """Stop the process group (SIGTERM, then SIGKILL after ``grace`` seconds, ``stop_grace`` unless
+        given); the server's exit status (None if it was never started)."""
+        if self.proc is None:
+            return None
+        for sig, wait in ((signal.SIGTERM, self.stop_grace if grace is None else grace), (signal.SIGKILL, 10)):
+            if not self._running():
+                break
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and self._running():
+                time.sleep(0.1)
+        return self.proc.poll()
+
+    def _running(self) -> bool:
+        """The server or anything it forked is still alive (poll() also reaps the server once it ended)."""
+        assert self.proc is not None
+        return self.proc.poll() is None or _group_alive(self.proc.pid)
+
+
+def _read_text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # Zombies of the group count as gone.
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields_ = stat[stat.rindex(")") + 2 :].split()
+        if int(fields_[2]) == pgid and fields_[0] != "Z":
+            return True
+    return False
