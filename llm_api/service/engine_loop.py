@@ -193,7 +193,11 @@ class EngineLoop:
         batch per step and calls back between its token steps)."""
         with self._wakeup:
             aborts = [c for c in self._commands if isinstance(c, _Abort)]
-            self._commands = [c for c in self._commands if not isinstance(c, _Abort)]
+            # A caller that left before its request was added (its deadline passed during a long step)
+            # takes its queued add along: applied now, its abort finds no stream, and the add would then
+            # start a request that nobody reads, running to max_new_tokens and starving the others.
+            left = {id(c.stream) for c in aborts if c.stream is not None}
+            self._commands = [c for c in self._commands if isinstance(c, _Add) and id(c.stream) not in left]
         for command in aborts:
             self._apply(command)
 

@@ -169,3 +169,53 @@ def test_step_error_ends_every_stream_with_the_error(async_engine):
         return [o async for o in engine.generate("after", [1, 2, 3], greedy(2))]
 
     assert asyncio.run(again())[-1].finished  # the engine still serves after a failed step
+
+
+class _SlowCore:
+    """A core whose steps take 0.2 s (a contended CPU) and whose requests never finish by themselves."""
+
+    def __init__(self):
+        self.live: set[str] = set()
+
+    def add_request(self, request_id, prompt_token_ids, params, prompt_embeds=None):
+        self.live.add(request_id)
+
+    def abort_request(self, request_id, index=None):
+        self.live.discard(request_id)
+
+    def has_unfinished_requests(self):
+        return bool(self.live)
+
+    def run_step(self, on_outputs):
+        time.sleep(0.2)
+        on_outputs([])
+
+    def stats(self):
+        return None
+
+
+def test_a_caller_that_leaves_before_its_add_is_applied_leaves_no_request_behind():
+    from llm_api.engine.sampler import SamplingParams
+
+    core = _SlowCore()
+    engine = EngineLoop(core, num_threads=1)
+
+    async def consume(request_id):
+        async for _ in engine.generate(request_id, [1, 2, 3], SamplingParams(max_new_tokens=5)):
+            pass
+
+    async def main():
+        busy = asyncio.create_task(consume("busy"))  # keeps the engine in its 0.2 s steps
+        await asyncio.sleep(0.1)  # mid-step: the next add and its abort both wait behind this step
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(consume("left"), 0.02)
+        await asyncio.sleep(0.6)  # a few steps later
+        busy.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await busy
+        return set(core.live)
+
+    try:
+        assert "left" not in asyncio.run(main())
+    finally:
+        engine.shutdown()
