@@ -189,16 +189,15 @@ class EngineLoop:
         _resolve(command.stream.loop, command.added, None)
 
     def _apply_aborts(self) -> None:
-        """Aborts that arrived during a step; adds wait for the next one (the reference core runs a whole
-        batch per step and calls back between its token steps)."""
+        """Aborts that arrived during a step, of requests already added; adds wait for the next one (the
+        reference core runs a whole batch per step and calls back between its token steps). An abort whose
+        request's add is still queued stays behind that add: applied first, it would find nothing, and the
+        add would then start a request nobody reads (a caller whose deadline passed during a long step),
+        running to max_new_tokens and starving the others."""
         with self._wakeup:
-            aborts = [c for c in self._commands if isinstance(c, _Abort)]
-            # A caller that left before its request was added (its deadline passed during a long step)
-            # takes its queued add along: applied now, its abort finds no stream, and the add would then
-            # start a request that nobody reads, running to max_new_tokens and starving the others.
-            left = {id(c.stream) for c in aborts if c.stream is not None}
-            self._commands = [c for c in self._commands if isinstance(c, _Add) and id(c.stream) not in left]
-        for command in aborts:
+            now = [c for c in self._commands if isinstance(c, _Abort) and c.request_id in self._streams]
+            self._commands = [c for c in self._commands if not any(c is a for a in now)]
+        for command in now:
             self._apply(command)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

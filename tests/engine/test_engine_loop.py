@@ -194,7 +194,8 @@ class _SlowCore:
         return None
 
 
-def test_a_caller_that_leaves_before_its_add_is_applied_leaves_no_request_behind():
+@pytest.mark.parametrize("how", ["caller_leaves", "abort_by_id"])
+def test_an_abort_that_arrives_before_its_add_is_applied_leaves_no_request_behind(how):
     from llm_api.engine.sampler import SamplingParams
 
     core = _SlowCore()
@@ -207,15 +208,23 @@ def test_a_caller_that_leaves_before_its_add_is_applied_leaves_no_request_behind
     async def main():
         busy = asyncio.create_task(consume("busy"))  # keeps the engine in its 0.2 s steps
         await asyncio.sleep(0.1)  # mid-step: the next add and its abort both wait behind this step
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(consume("left"), 0.02)
+        if how == "caller_leaves":  # its deadline passes before the add is applied
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(consume("late"), 0.02)
+            waiting = None
+        else:  # the cancel route: an abort by id, the caller still reading
+            waiting = asyncio.create_task(consume("late"))
+            await asyncio.sleep(0.02)
+            engine.abort("late")
         await asyncio.sleep(0.6)  # a few steps later
-        busy.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await busy
+        for task in (busy, waiting):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         return set(core.live)
 
     try:
-        assert "left" not in asyncio.run(main())
+        assert "late" not in asyncio.run(main())
     finally:
         engine.shutdown()
