@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from llm_api.client import HTTPClient
-from server_process import _group_alive, free_port
+from server_process import free_ports
 from torchserve_server import TorchServe
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,7 +58,8 @@ def test_main_job_stops_on_a_bad_setting_before_torchserve_starts(tmp_path):
 @pytest.mark.parametrize("quantization", [None, "8bit", "4bit"])
 def test_main_job_serves_the_embedded_model(tmp_path, quantization):
     """`make serve` as a user runs it (also with QUANTIZATION), ports moved by TorchServe's TS_* variables."""
-    ports = {name: free_port() for name in ("inference", "management", "metrics", "grpc", "grpc_mgmt")}
+    names = ("inference", "management", "metrics", "grpc", "grpc_mgmt")
+    ports = dict(zip(names, free_ports(len(names))))
     env = {
         **os.environ,
         **({"QUANTIZATION": quantization} if quantization else {}),
@@ -70,11 +71,12 @@ def test_main_job_serves_the_embedded_model(tmp_path, quantization):
         "TS_GRPC_INFERENCE_PORT": str(ports["grpc"]),
         "TS_GRPC_MANAGEMENT_PORT": str(ports["grpc_mgmt"]),
     }
-    out = open(tmp_path / "serve.out", "wb")
-    proc = subprocess.Popen(["make", "serve"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    probe = TorchServe(REPO, ports=ports)  # reads REPO/key_file.json and asks the management API
+    with open(tmp_path / "serve.out", "wb") as out:  # (the child holds its own copy of the file)
+        # A new session, as ServerProcess.start() makes: probe.stop() then ends make and all it started.
+        probe.proc = subprocess.Popen(["make", "serve"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
     try:
-        probe = TorchServe(REPO, ports=ports)  # reads REPO/key_file.json and asks the management API
-        probe.proc = proc
         probe.wait_ready(timeout=300)
         text = (tmp_path / "serve.out").read_text(errors="replace")
         assert "curl -N" in text  # it says how to call it
@@ -84,15 +86,4 @@ def test_main_job_serves_the_embedded_model(tmp_path, quantization):
         )
         assert "Paris" in answer
     finally:
-        for sig in (15, 9):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + 15
-            while _group_alive(proc.pid) and time.monotonic() < deadline:
-                proc.poll()
-                time.sleep(0.2)
-            if not _group_alive(proc.pid):
-                break
-        proc.poll()
+        probe.stop(grace=15)
