@@ -27,10 +27,17 @@ from typing import ClassVar, Self
 REPO = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports: all sockets are held open together while the kernel picks, since
+    one bound and closed at a time may be handed out twice."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 @dataclass
@@ -130,7 +137,7 @@ class ServerProcess(ABC):
 
     def start(self, wait_ready: bool = True, timeout: float = 240) -> Self:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.ports = {name: free_port() for name in self.port_names}
+        self.ports = dict(zip(self.port_names, free_ports(len(self.port_names))))
         command = self._command()
         with open(self.out_path, "wb") as out:  # (the child holds its own copy of the file)
             # A new session: the server and everything it forks form one process group, which stop() signals.
