@@ -55,12 +55,16 @@ class LoadReport:
     clients: int
 
 
-def post(server, payload, timeout=300):
-    """-> (status, body text, seconds)."""
-    req = urllib.request.Request(
+def _prediction_request(server, payload) -> urllib.request.Request:
+    return urllib.request.Request(
         f"{server.http}/predictions/{server.model_name}", data=json.dumps(payload).encode(),
         headers={"Authorization": f"Bearer {server.key()}", "Content-Type": "application/json"},
     )
+
+
+def post(server, payload, timeout=300):
+    """-> (status, body text, seconds)."""
+    req = _prediction_request(server, payload)
     t0 = time.monotonic()
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -70,10 +74,16 @@ def post(server, payload, timeout=300):
 
 
 def usage_after_one_more_request(server) -> tuple[int, int, int]:
-    """(free KV blocks, total, live requests) logged at the end of a request sent once all others ended."""
-    before = len(server.wait_for_log_lines("KV blocks free", timeout=0))
-    post(server, {"text": "done", "max_new_tokens": 1})
-    line = server.wait_for_log_lines("KV blocks free", count=before + 1)[-1]
+    """(free KV blocks, total, live requests) logged at the end of a request sent once all others ended:
+    its own line, found by its x-request-id (TorchServe's model log lags the answers, so a line of the
+    load may still arrive after this request's answer)."""
+    with urllib.request.urlopen(_prediction_request(server, {"text": "done", "max_new_tokens": 1}),
+                                timeout=300) as resp:
+        request_id = resp.headers["x-request-id"]
+        resp.read()
+    lines = server.wait_for_log_lines(f"request {request_id} ended", timeout=30)
+    assert lines, f"no end line for request {request_id}"
+    line = lines[-1]
     free, total, live = map(int, re.search(r"KV blocks free (\d+)/(\d+); live requests (\d+)", line).groups())
     return free, total, live
 

@@ -55,8 +55,10 @@ def test_compiles_off_the_loop_then_answers_from_the_cache(tokenizer):
         return ticks, seconds, time.monotonic() - again
 
     ticks, seconds, cached_seconds = asyncio.run(main())
-    assert seconds > 0.5 and ticks > seconds * 20  # the loop kept running (a tick per ~10 ms) while it compiled
-    assert cached_seconds < 0.05 and grammars.num_pending == 0
+    # The loop kept running while it compiled: a tick per ~10 ms when idle; a compile holding the GIL would
+    # leave next to none (the bound leaves room for a loaded machine).
+    assert seconds > 0.5 and ticks > seconds * 5
+    assert cached_seconds < seconds / 5 and grammars.num_pending == 0
     grammars.shutdown()
 
 

@@ -5,6 +5,7 @@ import json
 import re
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -59,7 +60,7 @@ def test_cancel_ends_stream_and_frees_blocks(async_server):
     body = read_rest(resp)
     elapsed = time.monotonic() - t0
     assert answer == {"cancelled": True}
-    assert elapsed < 1.0, elapsed
+    assert elapsed < 5.0, elapsed  # uncancelled, the 1000-token stream would run for tens of seconds
     assert not body.endswith(MARKER)
     error = json.loads(body.strip().splitlines()[-1])
     assert error["type"] == "cancelled"
@@ -92,8 +93,12 @@ def test_cancel_over_grpc(async_server):
 
 def test_deadline_ends_stream(async_server):
     t0 = time.monotonic()
-    with open_stream(async_server, {**LONG, "timeout": 1.5}) as resp:
-        body = read_rest(resp)
+    try:
+        with open_stream(async_server, {**LONG, "timeout": 1.5}) as resp:
+            body = read_rest(resp)
+    except urllib.error.HTTPError as err:  # a deadline that passes before the first token is the status
+        assert err.code == 408
+        body = err.read().decode()
     assert time.monotonic() - t0 < 10
     assert json.loads(body.strip().splitlines()[-1])["type"] == "timeout" and MARKER not in body
 

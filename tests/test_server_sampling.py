@@ -239,7 +239,7 @@ def test_a_deadline_ends_every_choice(async_server):
     http = HTTPClient(async_server.http, "smollm2", async_server.key())
     lines = []
     with pytest.raises(StreamError, match="deadline"):
-        for line in json_lines(http.stream({**NATIVE, "n": 3, "max_new_tokens": 400, "ignore_eos": True, "timeout": 5})):
+        for line in json_lines(http.stream({**NATIVE, "n": 3, "max_new_tokens": 1000, "ignore_eos": True, "timeout": 10})):
             lines.append(line)
     assert {line["index"] for line in lines} == {0, 1, 2} and not any("finish_reason" in line for line in lines)
     assert async_server.worker_status() == "READY"

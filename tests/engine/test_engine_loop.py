@@ -37,16 +37,20 @@ def test_concurrent_streams_interleave_and_match_generate(async_engine):
     prompts = {"first": random_prompt(generator, 12), "second": random_prompt(generator, 7)}
     events: list[tuple[str, list[int], bool]] = []
 
-    async def consume(request_id, delay):
-        await asyncio.sleep(delay)
+    async def consume(request_id, after: asyncio.Event | None, streaming: asyncio.Event | None):
+        if after is not None:
+            await after.wait()  # not a fixed delay: a slow or fast machine could finish the first by then
         tokens = []
         async for output in engine.generate(request_id, prompts[request_id], greedy(40)):
             tokens += output.new_token_ids
             events.append((request_id, output.new_token_ids, output.finished))
+            if streaming is not None:
+                streaming.set()
         return tokens
 
     async def main():
-        return await asyncio.gather(consume("first", 0.0), consume("second", 0.02))
+        first_streams = asyncio.Event()
+        return await asyncio.gather(consume("first", None, first_streams), consume("second", first_streams, None))
 
     first, second = asyncio.run(main())
     assert first == reference_greedy(reference_model, prompts["first"], 40)
