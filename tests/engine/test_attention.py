@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from llm_api.engine.attention import TorchBackend, paged_attention_forward
-from llm_api.engine.attention.torch_backend import GatherWorkspace, decode_attention, decode_key_mask
+from llm_api.engine.attention.torch_backend import (GatherWorkspace, decode_attention, decode_groups, decode_key_mask,
+                                                    group_by_length)
 from llm_api.kernels.reference import reference_paged_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 64
@@ -92,6 +93,37 @@ def test_batched_decode_matches_reference(sliding_window, softcap):
     out = decode_attention(query[:2], key_cache, value_cache, tables[:2, :2], key_mask[:2, ..., :8], 0.3, softcap,
                            workspace)
     torch.testing.assert_close(out, expected[:2], atol=1e-5, rtol=1e-5)
+
+
+def test_group_by_length_bounds_each_rows_padding():
+    num_blocks = [1, 8, 2, 3, 16, 9, 4, 1]
+    groups = group_by_length(num_blocks, 2.0)
+    assert sorted(i for g in groups for i in g) == list(range(len(num_blocks)))  # every row once
+    for group in groups:
+        longest = num_blocks[group[0]]
+        assert all(num_blocks[i] <= longest and longest < 2.0 * num_blocks[i] for i in group)
+    assert groups == [[4, 5], [1], [6, 3], [2], [0, 7]]
+    assert group_by_length(num_blocks, float("inf")) == [[4, 5, 1, 6, 3, 2, 0, 7]]
+
+
+@pytest.mark.parametrize("sliding_window, softcap", [(None, None), (6, None), (None, 5.0)])
+def test_decode_in_length_groups_matches_reference(sliding_window, softcap):
+    """Rows of very different lengths, out of length order: grouped, they still land in their own rows."""
+    generator = torch.Generator().manual_seed(3)
+    context_lens = [40, 2, 23, 5, 1, 37, 9]
+    key_cache, value_cache, block_tables, _, _, query, starts = _paged_batch(generator, context_lens, [1] * 7)
+    expected = reference_paged_attention(query, key_cache, value_cache, block_tables, starts, context_lens, 0.3,
+                                         sliding_window, softcap)
+    for pad_ratio in (float("inf"), 2.0, 1.01):
+        backend = TorchBackend(pad_ratio=pad_ratio)
+        metadata = backend.metadata(key_caches=[key_cache], value_caches=[value_cache],
+                                    slot_mapping=torch.zeros(0, dtype=torch.long), block_tables=block_tables,
+                                    context_lens=torch.tensor(context_lens), query_start_loc=starts,
+                                    context_lens_list=context_lens, num_decode_seqs=7)
+        num_groups = len(decode_groups(metadata, query.device, sliding_window, pad_ratio))
+        assert num_groups == {float("inf"): 1, 2.0: 3, 1.01: 5}[pad_ratio]
+        out = backend._decode(metadata, query, key_cache, value_cache, 0.3, sliding_window, softcap)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_forward_writes_new_kv_and_mixes_decode_and_prefill():

@@ -1,12 +1,18 @@
 """The torch attention backend: gather + SDPA over the paged cache (CPU, and the reference anywhere).
 
-A pure decode step attends every sequence at once: one gather of the sequences' blocks into a padded
-``[B, L, Hkv, D]`` (into a ``GatherWorkspace`` reused across layers and steps) and one masked SDPA.
+Decode rows are attended in a few batches of similar context length (``decode_groups``): per group, one
+gather of the sequences' blocks into a padded ``[B, L, Hkv, D]`` (into a ``GatherWorkspace`` reused
+across layers and steps) and one masked SDPA. One padded batch for all would copy and attend every
+sequence at the longest one's length: with contexts of 32-512 tokens that is about twice the work.
+A row joins a group while the group's longest context is less than ``PAD_RATIO`` times its own, so no
+row does more than that much padded work; the groups are formed once per step and shared by the layers.
 Prefill chunks are attended one sequence at a time with ``llm_api.kernels.reference.attend_one_sequence``.
 The gather copies each sequence's context once per layer; the Triton backend reads the blocks in place.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +61,51 @@ def decode_key_mask(metadata: PagedAttentionMetadata, device: torch.device, slid
     return metadata.cached((device, sliding_window), build)
 
 
+PAD_RATIO = 2.0  # measured: docs/benchmarks.md, "Decode attention on CPU"
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    rows: torch.Tensor | None  # the group's decode rows (None: all of them, in order)
+    block_tables: torch.Tensor  # [n, m]: m = the group's longest context, in blocks
+    key_mask: torch.Tensor  # [n, 1, 1, m * block_size]
+
+
+def group_by_length(num_blocks: list[int], pad_ratio: float = PAD_RATIO) -> list[list[int]]:
+    """Row indices in groups, longest first: a row joins the current group while the group's longest row
+    has fewer than ``pad_ratio`` times its blocks."""
+    order = sorted(range(len(num_blocks)), key=lambda i: -num_blocks[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and num_blocks[groups[-1][0]] < pad_ratio * num_blocks[i]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def decode_groups(metadata: PagedAttentionMetadata, device: torch.device, sliding_window: int | None,
+                  pad_ratio: float = PAD_RATIO) -> list[DecodeGroup]:
+    """The decode rows' groups (``group_by_length``), built once per step and device."""
+
+    def build():
+        block_tables, key_mask = decode_key_mask(metadata, device, sliding_window)
+        block_size = metadata.key_caches[0].shape[1]
+        num_blocks = [-(-n // block_size) for n in metadata.context_lens_list[: metadata.num_decode_seqs]]
+        groups = group_by_length(num_blocks, pad_ratio)
+        if len(groups) == 1:
+            return [DecodeGroup(None, block_tables, key_mask)]
+        out = []
+        for rows in groups:
+            width = num_blocks[rows[0]]
+            index = torch.tensor(rows, device=device)
+            out.append(DecodeGroup(index, block_tables[index, :width],
+                                   key_mask[index][..., : width * block_size]))
+        return out
+
+    return metadata.cached((device, sliding_window, "groups"), build)
+
+
 def decode_attention(query, key_cache, value_cache, block_tables, key_mask, scaling, softcap=None,
                      workspace: GatherWorkspace | None = None):
     """All single-query sequences at once. query [B, Hq, D], block_tables [B, M] -> out [B, Hq, D]."""
@@ -88,8 +139,9 @@ class TorchBackend(AttentionBackend):
     name = "torch"
     supports_cuda_graphs = False  # padding rows (slot -1) would be stored by index_copy_
 
-    def __init__(self):
+    def __init__(self, pad_ratio: float = PAD_RATIO):
         self.workspace = GatherWorkspace()
+        self.pad_ratio = pad_ratio  # float("inf"): all decode rows in one padded batch
 
     def forward(self, metadata, layer_idx, query, key, value, scaling, sliding_window, softcap):
         key_cache, value_cache = metadata.key_caches[layer_idx], metadata.value_caches[layer_idx]
@@ -100,15 +152,12 @@ class TorchBackend(AttentionBackend):
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(value_cache.dtype))
 
         num_tokens, num_decode = query.shape[0], metadata.num_decode_seqs
-        if num_decode == num_tokens:  # a pure decode step: no output buffer, no loop
-            block_tables, key_mask = decode_key_mask(metadata, query.device, sliding_window)
-            return decode_attention(query, key_cache, value_cache, block_tables, key_mask, scaling, softcap,
-                                    self.workspace)
+        if num_decode == num_tokens:  # a pure decode step: no prefill loop
+            return self._decode(metadata, query, key_cache, value_cache, scaling, sliding_window, softcap)
         out = torch.empty_like(query)
         if num_decode:
-            block_tables, key_mask = decode_key_mask(metadata, query.device, sliding_window)
-            out[:num_decode] = decode_attention(query[:num_decode], key_cache, value_cache, block_tables, key_mask,
-                                                scaling, softcap, self.workspace)
+            out[:num_decode] = self._decode(metadata, query[:num_decode], key_cache, value_cache, scaling,
+                                            sliding_window, softcap)
         block_size = key_cache.shape[1]
         block_tables = metadata.cached((query.device, "tables"), lambda: metadata.block_tables.to(query.device))
         for i in range(num_decode, len(metadata.context_lens_list)):
@@ -117,4 +166,18 @@ class TorchBackend(AttentionBackend):
             block_ids = block_tables[i, : -(-context_len // block_size)]
             out[start:end] = attend_one_sequence(query[start:end], key_cache, value_cache, block_ids, context_len,
                                                  scaling, sliding_window, softcap)
+        return out
+
+    def _decode(self, metadata, query, key_cache, value_cache, scaling, sliding_window, softcap):
+        """The decode rows ``query[:num_decode_seqs]``, a batch per length group (module docstring)."""
+        groups = decode_groups(metadata, query.device, sliding_window, self.pad_ratio)
+        if groups[0].rows is None:  # one group: every row, in order
+            return decode_attention(query, key_cache, value_cache, groups[0].block_tables, groups[0].key_mask,
+                                    scaling, softcap, self.workspace)
+        out = torch.empty_like(query)
+        for group in groups:
+            assert group.rows is not None  # several groups: each names its rows
+            out.index_copy_(0, group.rows, decode_attention(
+                query.index_select(0, group.rows), key_cache, value_cache, group.block_tables, group.key_mask,
+                scaling, softcap, self.workspace))
         return out
