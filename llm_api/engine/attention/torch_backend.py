@@ -3,7 +3,7 @@
 Decode rows are attended in a few batches of similar context length (``decode_groups``): per group, one
 gather of the sequences' blocks into a padded ``[B, L, Hkv, D]`` (into a ``GatherWorkspace`` reused
 across layers and steps) and one masked SDPA. One padded batch for all would copy and attend every
-sequence at the longest one's length: with contexts of 32-512 tokens that is about twice the work.
+sequence at the longest one's length: with contexts drawn from 32-512 tokens, 1.65 times the blocks.
 A row joins a group while the group's longest context is less than ``PAD_RATIO`` times its own, so no
 row does more than that much padded work; the groups are formed once per step and shared by the layers.
 Prefill chunks are attended one sequence at a time with ``llm_api.kernels.reference.attend_one_sequence``.
