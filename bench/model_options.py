@@ -55,7 +55,7 @@ def measure(option: str) -> dict:
     from llm_api.model.settings import Settings, default_model_path
     from llm_api.model.embedded import prepare
     from llm_api.api.native import parse_request
-    from llm_api.service.service import ModelService
+    from llm_api.service.service import Finished, ModelService, TextDelta
 
     model_path = prepare(Path(os.environ.get("MODEL_PATH") or default_model_path(os.environ)))
     env = {"MODEL_PATH": str(model_path), "KV_CACHE_MEMORY_MIB": "64", **OPTIONS[option]}
@@ -69,7 +69,9 @@ def measure(option: str) -> dict:
 
         async def one(i, row):
             events = [e async for e in service.generate(parse_request(row, service.limits), f"r{i}")]
-            return "".join(e.text for e in events[:-1]), events[-1].num_generated_tokens
+            finished = events[-1]
+            assert isinstance(finished, Finished) and finished.error is None, finished
+            return "".join(e.text for e in events if isinstance(e, TextDelta)), finished.num_generated_tokens
 
         async def all_rows():
             return await asyncio.gather(*(one(i, row) for i, row in enumerate(rows)))
