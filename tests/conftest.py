@@ -129,12 +129,14 @@ def batch4_server(tmp_path_factory, embedded_model_path):
 @pytest.fixture(scope="session")
 def async_server(tmp_path_factory, embedded_model_path):
     """The shipped model-config.yaml (async mode, engine) with a small KV pool (64 MiB), and gRPC streaming
-    on (its clients here are trusted; the shipped default, off, is tested with a server of its own)."""
+    on (its clients here are trusted; the shipped default, off, is tested with a server of its own).
+    float32 on every host, like the other shared servers: its tests compare greedy tokens and logprob
+    order (the bfloat16 paths are tested on purpose elsewhere: README, "Testing")."""
     from torchserve_server import REPO
 
     config = (REPO / "model-config.yaml").read_text()
     server = _serve(tmp_path_factory, embedded_model_path, "async", config,
-                    env={"KV_CACHE_MEMORY_MIB": "64", "GRPC_STREAMING": "true"})
+                    env={"KV_CACHE_MEMORY_MIB": "64", "GRPC_STREAMING": "true", "DTYPE": "float32"})
     yield server
     server.stop()
 
