@@ -117,13 +117,14 @@ def refusal_problems(name: str, answer: Answer, *, openai: bool, statuses=range(
 
 
 def error_type(answer: Answer) -> str | None:
-    """The error's ``type`` in either shape (None when the body is not an error object)."""
+    """The error's stable name in either shape: the native ``type``, OpenAI's ``code`` (its ``type`` is only
+    ``invalid_request_error`` or ``server_error``); None when the body is not an error object."""
     try:
         error = json.loads(answer.body)
     except ValueError:
         return None
     if isinstance(error, dict) and isinstance(error.get("error"), dict):
-        return error["error"].get("type")
+        return error["error"].get("code")
     return error.get("type") if isinstance(error, dict) else None
 
 
