@@ -18,6 +18,18 @@ if not torch.cuda.is_available():
 
 MARKER = "<|endoftext|>"
 
+# The host kind the session stands for (README, "Testing"). DTYPE unset resolves to bfloat16 on a CPU with
+# bfloat16 matrix instructions and to float32 on any other (llm_api.model.cpu), so a test that leaves DTYPE
+# unset runs in a precision the host picks. LLM_API_TEST_DTYPE=bfloat16 (or float32) runs the whole suite
+# as on the one kind (or the other) on any host: servers started without a DTYPE of their own get it, and
+# in-process loads read a /proc/cpuinfo of that kind. Every test must give the same verdict both ways.
+TEST_DTYPE = os.environ.get("LLM_API_TEST_DTYPE", "")
+if TEST_DTYPE not in ("", "bfloat16", "float32"):
+    raise pytest.UsageError(f"LLM_API_TEST_DTYPE={TEST_DTYPE!r}: allowed values: bfloat16, float32")
+if TEST_DTYPE:
+    os.environ["DTYPE"] = TEST_DTYPE
+FORCED_CPUINFO = {"bfloat16": "flags\t\t: avx2 avx512f avx512_bf16\n", "float32": "flags\t\t: avx2\n"}
+
 CLASSIC_CONFIG = """\
 minWorkers: 1
 maxWorkers: 1
@@ -36,18 +48,24 @@ responseTimeout: 120
 """
 
 
+@pytest.fixture(scope="session", autouse=True)
+def host_kind(tmp_path_factory):
+    """With LLM_API_TEST_DTYPE set, in-process loads see a CPU of that kind (tests may still patch it)."""
+    if not TEST_DTYPE:
+        yield
+        return
+    from llm_api.model import cpu
+
+    path = tmp_path_factory.mktemp("host-kind") / "cpuinfo"
+    path.write_text(FORCED_CPUINFO[TEST_DTYPE])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu, "CPUINFO", path)
+        yield
+
+
 @pytest.fixture(scope="session")
 def embedded_model_path() -> Path:
     return prepare(Path(os.environ["MODEL_PATH"]) if os.environ.get("MODEL_PATH") else default_model_path(os.environ))
-
-
-@pytest.fixture(scope="session")
-def embedded_lm(embedded_model_path):
-    """The embedded model loaded the way the server loads it by default (bf16, CPU)."""
-    from llm_api.model import loader as model_loader
-    from llm_api.model.settings import Settings
-
-    return model_loader.load(Settings.from_env({"MODEL_PATH": str(embedded_model_path)}))
 
 
 def _serve(tmp_path_factory, embedded_model_path, name: str, model_config: str | None, wait_ready: bool = True,
@@ -99,6 +117,8 @@ def start_server(tmp_path_factory, embedded_model_path):
 
 @pytest.fixture(scope="session")
 def embedded_lm_fp32(embedded_model_path):
+    """The embedded model loaded as the server loads it, in float32 on every host (tests compare its greedy
+    tokens; in bfloat16 two paths may part at a one-ulp tie)."""
     from llm_api.model import loader as model_loader
     from llm_api.model.settings import Settings
 

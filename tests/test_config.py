@@ -86,3 +86,53 @@ def test_the_api_key_is_never_shown():
     with pytest.raises(ConfigError) as err:
         Settings.from_env({"LLM_API_KEY": "bad key " + secret})
     assert secret not in str(err.value)
+
+
+# /proc/cpuinfo texts of the CPU kinds CI and users run on (flags cut to the ones that matter and a few around).
+CPUINFO = {
+    "epyc-avx512-bf16": "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\n"
+                        "flags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw avx512_vnni avx512_bf16 vaes\n\n"
+                        "processor\t: 1\nflags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw avx512_vnni avx512_bf16 vaes\n",
+    "epyc-avx2": "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 fma\n",
+    "xeon-avx512-no-bf16": "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: avx2 avx512f avx512bw avx512_vnni\n",
+    "xeon-amx": "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: avx2 avx512f amx_tile amx_bf16 amx_int8\n",
+    "graviton3": "processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd sve bf16 i8mm svebf16\n",
+    "graviton2": "processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd atomics asimddp\n",
+    "no-cpuinfo": None,
+}
+NATIVE_BF16 = {"epyc-avx512-bf16", "xeon-amx", "graviton3"}
+
+
+@pytest.mark.parametrize("kind", list(CPUINFO))
+def test_unset_dtype_follows_the_cpus_bf16_instructions(kind, tmp_path, monkeypatch, caplog):
+    """README, DTYPE: unset means bfloat16 on a GPU and on a CPU with bfloat16 matrix instructions, float32 on
+    any other CPU (said in one log line); a DTYPE that is set is always used. The flag read is the real one,
+    of a /proc/cpuinfo written for each CPU kind."""
+    import torch
+
+    from llm_api.model import cpu, loader
+
+    path = tmp_path / "cpuinfo"
+    if CPUINFO[kind] is not None:
+        path.write_text(CPUINFO[kind])
+    monkeypatch.setattr(cpu, "CPUINFO", path)
+    unset = torch.bfloat16 if kind in NATIVE_BF16 else torch.float32
+    assert cpu.has_native_bf16() == (kind in NATIVE_BF16)
+    with caplog.at_level("INFO", logger="llm_api.model.loader"):
+        assert loader.resolve_dtype(Settings.from_env({}), None, on_gpu=False) == unset
+    assert any("using float32" in r.getMessage() for r in caplog.records) == (unset == torch.float32)
+    assert loader.resolve_dtype(Settings.from_env({}), None, on_gpu=True) == torch.bfloat16
+    for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32), ("float16", torch.float16)):
+        assert loader.resolve_dtype(Settings.from_env({"DTYPE": name}), None, on_gpu=False) == dtype
+    assert loader.resolve_dtype(Settings.from_env({"DTYPE": "auto"}), torch.bfloat16, on_gpu=False) == torch.bfloat16
+
+
+def test_this_hosts_flags_are_read():
+    """The real /proc/cpuinfo parses (on Linux) and gives the answer its flags say."""
+    from llm_api.model import cpu
+
+    if not cpu.CPUINFO.exists():
+        pytest.skip("no /proc/cpuinfo")
+    features = cpu.cpu_features(cpu.CPUINFO.read_text())
+    assert features, "no flags line found"
+    assert cpu.has_native_bf16() == bool(features & {"avx512_bf16", "amx_bf16", "bf16"})

@@ -10,8 +10,8 @@ from llm_api.engine.request import FinishReason, TokenLogprob
 MARKER = "<|endoftext|>"
 
 
-def test_token_bytes_rebuild_the_text_exactly(embedded_lm):
-    tokenizer = embedded_lm.tokenizer
+def test_token_bytes_rebuild_the_text_exactly(embedded_lm_fp32):
+    tokenizer = embedded_lm_fp32.tokenizer
     texts = TokenTexts(tokenizer)
     text = "Café au lait 😀 — naïve <|im_end|>"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -69,23 +69,6 @@ def test_auto_dtype_is_the_checkpoints_but_float32_for_float16_on_cpu():
     assert model_loader.resolve_dtype(Settings.from_env({"DTYPE": "float16"}), None, on_gpu=False) == torch.float16
 
 
-def test_unset_dtype_on_a_cpu_with_slow_bf16_loads_float32(monkeypatch, caplog):
-    bf16 = Settings.from_env({})  # DTYPE not set: bfloat16 unless this CPU's bf16 products are slower
-    monkeypatch.setattr(model_loader, "cpu_bf16_slowdown", lambda: 2.5)
-    with caplog.at_level("INFO", logger="llm_api.model.loader"):
-        assert model_loader.resolve_dtype(bf16, torch.bfloat16, on_gpu=False) == torch.float32
-    assert any("using float32" in r.getMessage() for r in caplog.records)
-    assert model_loader.resolve_dtype(bf16, torch.bfloat16, on_gpu=True) == torch.bfloat16
-    explicit = Settings.from_env({"DTYPE": "bfloat16"})
-    assert model_loader.resolve_dtype(explicit, torch.bfloat16, on_gpu=False) == torch.bfloat16  # always honoured
-    monkeypatch.setattr(model_loader, "cpu_bf16_slowdown", lambda: 0.9)
-    assert model_loader.resolve_dtype(bf16, torch.bfloat16, on_gpu=False) == torch.bfloat16
-
-
-def test_the_bf16_probe_measures_something():
-    assert 0.05 < model_loader.cpu_bf16_slowdown() < 100
-
-
 @pytest.mark.parametrize(
     "env, needle",
     [
@@ -127,17 +110,17 @@ def test_quantized_embedded_model_answers_paris(embedded_model_path, quantizatio
 
 def test_inputs_embeds_through_the_engine_equal_the_text(embedded_model_path):
     # A model of its own: the engine switches the model's attention to the paged function, which would
-    # break generate() for later tests sharing the session's `embedded_lm`. float32 pinned: DTYPE unset is
-    # decided by a timing probe, and in bfloat16 a row may part from itself in another batch at a one-ulp tie.
+    # break generate() for later tests sharing the session's `embedded_lm_fp32`. float32 pinned on every host:
+    # in bfloat16 a row may part from itself in another batch at a one-ulp tie.
     settings = Settings.from_env({"KV_CACHE_MEMORY_MIB": "16", "MODEL_PATH": str(embedded_model_path),
                                   "DTYPE": "float32"})
-    embedded_lm = model_loader.load(settings)
-    service = ModelService(settings, embedded_lm)
+    lm = model_loader.load(settings)
+    service = ModelService(settings, lm)
     assert service.path_name == "paged engine"
     text = "The three primary colours are"
-    token_ids = embedded_lm.tokenizer(text)["input_ids"]
+    token_ids = lm.tokenizer(text)["input_ids"]
     with torch.inference_mode():
-        embeds = embedded_lm.model.get_input_embeddings()(torch.tensor(token_ids))  # [T, H], the model's dtype
+        embeds = lm.model.get_input_embeddings()(torch.tensor(token_ids))  # [T, H], the model's dtype
     rows = {"r0": {"text": text, "max_new_tokens": 20, "ignore_eos": True},
             "r1": {"inputs_embeds": embeds.float().tolist(), "max_new_tokens": 20, "ignore_eos": True}}
     # In the same batch and each alone: the embeddings request matches the text request token for token.

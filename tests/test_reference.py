@@ -32,8 +32,8 @@ def ids(lm, text):
     return lm.tokenizer(text)["input_ids"]
 
 
-def test_mixed_batch_rows_behave_as_alone(embedded_lm):
-    lm = embedded_lm
+def test_mixed_batch_rows_behave_as_alone(embedded_lm_fp32):
+    lm = embedded_lm_fp32
     greedy = GenerationJob("g", SamplingParams(max_new_tokens=12), ids(lm, "The capital of France is"))
     seeded = GenerationJob("s", SamplingParams(max_new_tokens=10, do_sample=True, temperature=0.9, seed=5), ids(lm, "My cat"))
     short = GenerationJob("short", SamplingParams(max_new_tokens=3), ids(lm, "Hello"))
@@ -46,8 +46,8 @@ def test_mixed_batch_rows_behave_as_alone(embedded_lm):
     assert tokens["g"] == ref[0, len(greedy.prompt_token_ids):].tolist()[: len(tokens["g"])]
 
 
-def test_eos_and_abort_end_rows(embedded_lm):
-    lm = embedded_lm
+def test_eos_and_abort_end_rows(embedded_lm_fp32):
+    lm = embedded_lm_fp32
     chat = lm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=True, return_dict=True
     )["input_ids"]

@@ -14,7 +14,7 @@ from llm_api.client import GRPCClient, HTTPClient, RequestRefused
 
 pytestmark = pytest.mark.server
 MARKER = "<|endoftext|>"
-# Fits the fixture's 64 MiB KV pool in float32 too (about 1.4k tokens; DTYPE is not set, see the startup test).
+# Fits the fixture's 64 MiB KV pool (float32: about 1.4k tokens, see the startup test).
 LONG = {"text": "Write a very long story about a dragon and a knight.", "max_new_tokens": 1000, "ignore_eos": True}
 
 
@@ -146,8 +146,8 @@ def test_request_that_cannot_fit_the_kv_pool_is_refused(async_server):
 def test_startup_log_states_the_kv_pool(async_server):
     """The worker says at startup how many KV blocks it has and how many tokens they hold at once
     (KV_CACHE_MEMORY_MIB=64 here: SmolLM2-135M's K/V take 30 layers x 2 x 3 heads x 64 x dtype bytes per
-    token), and whether the decode step is captured (never on CPU). DTYPE is not set: bfloat16, or
-    float32 on a CPU whose bf16 matrix products are slower (the loader says which)."""
+    token), and whether the decode step is captured (never on CPU). The fixture pins float32; the line
+    is read for the dtype the worker says it loaded."""
     loaded = async_server.wait_for_log_lines("loaded SmolLM2")[0]
     dtype_bytes = {"torch.bfloat16": 2, "torch.float32": 4}[re.search(r"dtype=(\S+)", loaded).group(1)]
     line = async_server.wait_for_log_lines("paged engine:")[0]

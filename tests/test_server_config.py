@@ -29,7 +29,7 @@ QUESTIONS = {"france": "What is the capital of France?", "japan": "What is the c
 def test_the_guides_config_properties_serves_every_stream_its_own_answer(start_server):
     from torchserve_server import REPO
 
-    # float32 pinned: with DTYPE unset a timing probe picks the dtype, and in bfloat16 a batched greedy answer
+    # float32 pinned on every host: with DTYPE unset the host's CPU picks the dtype, and in bfloat16 a batched greedy answer
     # may part from the solo one at a one-ulp tie (what this test compares is the guide's batching).
     server = start_server("guide", (REPO / "model-config.yaml").read_text(), extra_properties=GUIDE_MODELS_BLOCK,
                           env={"DTYPE": "float32"})

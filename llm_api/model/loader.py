@@ -17,6 +17,7 @@ from typing import Any, cast
 
 import torch
 
+from llm_api.model import cpu
 from llm_api.model.settings import ConfigError, Settings, parse_device_map
 from llm_api.model.placement import execution_device
 
@@ -36,15 +37,14 @@ class LoadedModel:
 
 def resolve_dtype(settings: Settings, checkpoint_dtype: torch.dtype | str | None, on_gpu: bool) -> torch.dtype:
     """DTYPE -> torch dtype; ``auto``: the checkpoint's, but float32 on CPU for float16 checkpoints. DTYPE not
-    set on a CPU whose bfloat16 matrix products are slower than float32 ones: float32 (one log line)."""
+    set: bfloat16, except on a CPU without bfloat16 matrix instructions (``llm_api.model.cpu``), where it is
+    float32 (said in one log line). A DTYPE that is set is always used."""
     if settings.dtype != "auto":
         dtype = _DTYPES[settings.dtype]
-        if dtype == torch.bfloat16 and not settings.dtype_from_env and not on_gpu:
-            ratio = cpu_bf16_slowdown()
-            if ratio > BF16_SLOWDOWN_LIMIT:
-                logger.info("DTYPE not set: using float32, since bfloat16 matrix products run %.1fx slower than "
-                            "float32 on this CPU (set DTYPE=bfloat16 to use it anyway)", ratio)
-                return torch.float32
+        if dtype == torch.bfloat16 and not settings.dtype_from_env and not on_gpu and not cpu.has_native_bf16():
+            logger.info("DTYPE not set: using float32, since this CPU has no bfloat16 matrix instructions "
+                        "(avx512_bf16, amx_bf16 or arm bf16); set DTYPE=bfloat16 to use it anyway")
+            return torch.float32
         return dtype
     if isinstance(checkpoint_dtype, str):
         checkpoint_dtype = _DTYPES.get(checkpoint_dtype.removeprefix("torch."))
@@ -52,29 +52,6 @@ def resolve_dtype(settings: Settings, checkpoint_dtype: torch.dtype | str | None
     if not on_gpu and dtype == torch.float16:
         return torch.float32  # CPUs have no float16 arithmetic: every op converts (see docs/model-options.md)
     return dtype
-
-
-BF16_SLOWDOWN_LIMIT = 1.1  # bf16 at least this much slower than fp32: not worth its halved memory on CPU
-
-
-def cpu_bf16_slowdown(rows: int = 32, width: int = 576, iterations: int = 5) -> float:
-    """How many times longer a decode-sized bf16 matrix product takes than the fp32 one on this CPU
-    (best of a few runs each, alternating; about 10 ms). CPUs without native bf16 instructions emulate
-    it, which costs more than the memory it saves (measured on a 2-core x86-64: batch-32 decode of the
-    embedded model 53 tok/s in bf16 against 130 in fp32)."""
-    import time
-
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, width, generator=generator)
-    w = torch.randn(width * 4, width, generator=generator)
-    inputs = {torch.float32: (x, w), torch.bfloat16: (x.bfloat16(), w.bfloat16())}
-    best = {dtype: float("inf") for dtype in inputs}
-    for _ in range(iterations):
-        for dtype, (a, b) in inputs.items():
-            start = time.perf_counter()
-            torch.nn.functional.linear(a, b)
-            best[dtype] = min(best[dtype], time.perf_counter() - start)
-    return best[torch.bfloat16] / max(best[torch.float32], 1e-9)
 
 
 def check_cpu_dtype(dtype: torch.dtype) -> None:
