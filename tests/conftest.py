@@ -139,9 +139,10 @@ def classic_server(tmp_path_factory, embedded_model_path):
 
 @pytest.fixture(scope="session")
 def batch4_server(tmp_path_factory, embedded_model_path):
-    """The generate() reference path with batchSize 4 (one call per four requests)."""
+    """The generate() reference path with batchSize 4 (one call per four requests); float32 on every host, like
+    the other shared servers (its answers are compared with the engine's)."""
     server = _serve(tmp_path_factory, embedded_model_path, "batch4", BATCH4_CONFIG,
-                    env={"ENGINE": "generate", "GRPC_STREAMING": "true"})
+                    env={"ENGINE": "generate", "GRPC_STREAMING": "true", "DTYPE": "float32"})
     yield server
     server.stop()
 
@@ -184,3 +185,60 @@ def frontend(request):
 def async_frontend(request):
     """TorchServe in the shipped async mode, or `llm_api serve`."""
     return request.getfixturevalue("async_server" if request.param == "torchserve" else "standalone_server")
+
+
+# -------------------------------------------------------------------------------------------------------
+# Running in parallel (scripts/test.sh: pytest-xdist, --dist loadgroup)
+#
+# A session fixture is made once per xdist worker, so a shared server would start once on every worker
+# whose tests ask for it, and a module's own server once on every worker its tests land on. Each test is
+# given one group instead, and a group runs on one worker: the tests of a shared server (asked for by name,
+# or by the front-end fixtures' parameter) together, every other test with its module. So no server or
+# model load is made twice, and nothing that uses the repository's own folders (test_packaging's
+# `make serve`) runs beside itself.
+
+SHARED_SERVERS = ("classic_server", "async_server", "batch4_server", "standalone_server")
+FRONT_END_SERVERS = {"frontend": {"torchserve": "classic_server", "standalone": "standalone_server"},
+                     "async_frontend": {"torchserve": "async_server", "standalone": "standalone_server"}}
+
+
+def xdist_group_of(item: pytest.Item) -> str:
+    """The group a test runs in: the shared server it uses, else its module."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    for fixture, servers in FRONT_END_SERVERS.items():
+        if fixture in params:
+            return servers[params[fixture]]
+    for server in SHARED_SERVERS:
+        if server in item.fixturenames:
+            return server
+    return item.nodeid.split("::")[0]
+
+
+# The longest groups, longest first (seconds of a serial run on a 2-core host, 2026-11-25): xdist hands out
+# groups in the order the workers collected them (scripts/test.sh turns off its reordering by test count),
+# and a long group handed out last would run alone at the end. Groups not named follow, in file order.
+LONG_GROUPS_FIRST = ("tests/test_reliability.py",  # 260
+                     "async_server",  # 180
+                     "tests/engine/test_parity.py",  # 150
+                     "tests/test_packaging.py",  # 90
+                     "standalone_server",  # 75
+                     "tests/test_server_structured.py",  # 60
+                     "classic_server",  # 50
+                     "tests/test_standalone.py",  # 40
+                     "tests/test_types.py",  # 35
+                     "batch4_server",  # 35
+                     "tests/test_model_options.py",  # 35
+                     "tests/test_fuzz_boundary.py")  # 30
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
+def pytest_collection_modifyitems(config, items):
+    groups = {}
+    for item in items:
+        marks = [mark.args[0] for mark in item.iter_markers("xdist_group") if mark.args]
+        groups[item.nodeid] = marks[0] if marks else xdist_group_of(item)
+        if not marks:
+            item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+    if hasattr(config, "workerinput"):  # an xdist worker: the order it reports is the order groups go out
+        rank = {group: i for i, group in enumerate(LONG_GROUPS_FIRST)}
+        items.sort(key=lambda item: rank.get(groups[item.nodeid], len(rank)))  # (stable: file order within)

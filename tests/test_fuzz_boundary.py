@@ -43,10 +43,13 @@ NASTY_STRINGS = ["smöllm2", "热", "x\r\nX-Evil: 1", "\r\n\r\nHTTP/1.1 200 OK\r
 
 @pytest.fixture(scope="module")
 def shipped_server(start_server):
-    """Shipped settings: model-config.yaml (async), gRPC streaming off; a small KV pool."""
+    """Shipped settings: model-config.yaml (async), gRPC streaming off; a small KV pool. bfloat16 on purpose on
+    every host (what DTYPE unset gives on a CPU with bfloat16 instructions): nothing here depends on precision,
+    and so the shipped bfloat16 serving path meets hostile input on every host kind."""
     from torchserve_server import REPO
 
-    server = start_server("fuzz", (REPO / "model-config.yaml").read_text(), env={"KV_CACHE_MEMORY_MIB": "64"})
+    server = start_server("fuzz", (REPO / "model-config.yaml").read_text(),
+                          env={"KV_CACHE_MEMORY_MIB": "64", "DTYPE": "bfloat16"})
     yield server
     server.stop()
 
