@@ -242,3 +242,13 @@ def pytest_collection_modifyitems(config, items):
     if hasattr(config, "workerinput"):  # an xdist worker: the order it reports is the order groups go out
         rank = {group: i for i, group in enumerate(LONG_GROUPS_FIRST)}
         items.sort(key=lambda item: rank.get(groups[item.nodeid], len(rank)))  # (stable: file order within)
+
+
+@pytest.hookimpl(trylast=True)  # after xdist has put each test's group into its id
+def pytest_collection_finish(session):
+    config = session.config
+    if hasattr(config, "workerinput") and config.getvalue("loadgroup"):
+        ungrouped = [item.nodeid for item in session.items if "@" not in item.nodeid]
+        if ungrouped:  # (a pytest or xdist upgrade can lose the groups without a word: see pyproject.toml)
+            raise pytest.UsageError(f"xdist groups lost: {ungrouped[0]} has none; tests would share servers and "
+                                    "the repository's folders across workers")
