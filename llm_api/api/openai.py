@@ -10,7 +10,10 @@ header; ``route()`` maps it to one of the calls below. Contract:
   MAX_NUM_SEQS), ``presence_penalty`` / ``frequency_penalty`` (-2 to 2), ``logit_bias`` (token id ->
   -100 to 100, ids below the vocabulary size), ``logprobs`` (chat: true/false with ``top_logprobs`` 0 to
   20; completions: 0 to 5), ``stop``, ``seed``, ``stream``, ``stream_options.include_usage``, ``user``);
-  parameters we cannot honour are refused by name rather than silently ignored.
+  parameters we cannot honour are refused by name rather than silently ignored. ``best_of`` (completions)
+  and ``echo`` are taken only at their neutral values (null or 1, null or false). What ``n``, the
+  token limit, the logprobs and the prompt may cost together is bounded by MAX_REQUEST_WORK
+  (``llm_api.api.request.request_work``): a request over it gets 400 ``work_limit_exceeded`` naming them.
 * ``n`` > 1: every choice and chunk carries its ``index``; a stream interleaves the choices' chunks, each
   choice ends with its own ``finish_reason`` chunk; ``usage`` counts the tokens of all choices. With a
   ``seed``, choice 0 is what n = 1 would give and the others are seeded from it (distinct, reproducible).

@@ -11,10 +11,11 @@ server) parse a body into a ``GenerateRequest`` with the request formats of ``ll
    the edge answers with the error's status): a duplicate live ``request_id`` label (409), work over
    MAX_REQUEST_WORK (``llm_api.api.request.request_work``: checked before the prompt is tokenized, and
    again with its tokens; 400 ``work_limit_exceeded``), a prompt over MAX_INPUT_TOKENS (refused by its
-   length before tokenizing when it cannot fit), one that cannot fit the KV cache, a grammar (structured output, tool calls) the library rejects (400 naming the field), a
-   full server (503). Large prompts are tokenized, and embeddings converted, on a small thread pool, off
-   the event loop; grammars are compiled on a pool of their own (``service.grammars``) and reach the
-   engine compiled, in ``SamplingParams.grammar`` (each of a request's n sequences gets its own matcher);
+   length before tokenizing when it cannot fit), one that cannot fit the KV cache, a grammar (structured
+   output, tool calls) the library rejects (400 naming the field), a full server (503). Large prompts are
+   tokenized, and embeddings converted, on a small thread pool, off the event loop; grammars are compiled
+   on a pool of their own (``service.grammars``) and reach the engine compiled, in
+   ``SamplingParams.grammar`` (each of a request's n sequences gets its own matcher);
 2. then ``TextDelta``s, one ``ChoiceFinished`` per choice as it ends, then exactly one ``Finished`` (a
    finish reason, or an error). This is the only place that decides how a request ends: its EOS or
    length (engine), a stop string (detokenizer), a cancel (``service.cancel``), its deadline, an engine
