@@ -44,6 +44,9 @@ def test_values_are_read():
         ("CUDA_GRAPH_MAX_BATCH_SIZE", "0", "allowed values: integers >= 1"),
         ("DRAIN_GRACE_S", "0", "allowed values: numbers > 0"),
         ("MAX_REQUEST_BYTES", "100", "allowed values: integers >= 1024"),
+        ("MAX_REQUEST_WORK", "0", "allowed values: integers >= 1"),
+        ("MAX_REQUEST_WORK", "2.5e5", "is not an integer"),
+        ("MAX_REQUEST_WORK", "-1", "allowed values: integers >= 1"),
         ("LLM_API_KEY", "abc", "at least 8 visible ASCII characters"),
         ("LLM_API_KEY", "tab\there-key", "without spaces"),
     ],
@@ -65,6 +68,11 @@ def test_dtype_default_and_the_token_budget():
     assert s.dtype == "bfloat16" and not s.dtype_from_env and s.max_num_batched_tokens == 0 and not s.grpc_streaming
     assert Settings.from_env({"DTYPE": "bfloat16"}).dtype_from_env
     assert Settings.from_env({"MAX_NUM_BATCHED_TOKENS": "64"}).max_num_batched_tokens == 64
+
+
+def test_request_work_limit():
+    assert Settings.from_env({}).max_request_work == 262_144
+    assert Settings.from_env({"MAX_REQUEST_WORK": " 50000 "}).max_request_work == 50_000
 
 
 def test_settings_check_command(tmp_path, capsys, monkeypatch):

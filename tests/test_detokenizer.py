@@ -51,6 +51,35 @@ def test_marker_never_appears_in_model_text(tokenizer):
     assert MARKER not in out and out.startswith("a ") and "b" in out
 
 
+def _spelled(tokenizer, text: str) -> list[int]:
+    """Ordinary tokens only: special-token text spelled in pieces, as a model may write it."""
+    return [token.id for token in tokenizer.backend_tokenizer.model.tokenize(text)]
+
+
+def _answer(tokenizer, ids: list[int], stops: list[str]) -> tuple[str, bool]:
+    stream = TextStream(tokenizer, stops, MARKER)
+    out = ""
+    for i in ids:
+        delta = stream.push([i])
+        out += delta.text
+        if delta.stopped:
+            return out, True
+    return out + stream.finish(), False
+
+
+@pytest.mark.parametrize("stops, answer, stopped", [
+    ([], "xaby", False),
+    (["ab"], "x", True),  # matched with the marker taken out: the answer never holds a stop string
+    (["y"], "xab", True),
+    ([MARKER], "xa", True),  # the marker as a stop string ends the answer where the model spelled it
+    ([f"a{MARKER}"], "xaby", False),  # holds the marker among other text: can never match the text
+])
+def test_stop_strings_match_the_text_without_a_spelled_marker(tokenizer, stops, answer, stopped):
+    ids = _spelled(tokenizer, f"xa{MARKER}by")
+    assert len(ids) > 4 and 0 not in ids  # the marker spelled in ordinary pieces, not its special token
+    assert _answer(tokenizer, ids, stops) == (answer, stopped)
+
+
 class _SlowTokenizer:
     """The same tokenizer seen without its Rust backend: the detokenizer's offset fallback."""
 

@@ -167,3 +167,35 @@ def test_sampling_features_and_their_form_fields():
                                                                                                          ((5, 2.0),))
     plain = parse_request(body({"text": "x"}), LIMITS)
     assert plain.output == "text" and plain.params.n == 1 and plain.params.logprobs is None
+
+
+def test_request_work_is_one_bound_on_the_product():
+    """MAX_REQUEST_WORK's measure: prompt + n x max_new_tokens x (1 + logprob entries), the entries of a token
+    being its own and its `logprobs` alternatives; the refusal names the product, the limit and the field
+    that multiplies most."""
+    from llm_api.api.request import request_work, work_refusal
+
+    limits = Limits(max_input_tokens=2048, max_new_tokens=2048, vocab_size=1000, max_n=64)
+    extreme = parse_request(body({"text": "x", "n": 64, "max_new_tokens": 2048, "logprobs": 20, "output": "jsonl"}),
+                            limits)
+    assert request_work(0, extreme.params) == 64 * 2048 * 22 == 2_883_584
+    error = work_refusal(extreme, 0, 262_144)
+    assert error is not None and error.status == 400 and error.code == "work_limit_exceeded"
+    assert "MAX_REQUEST_WORK=262,144" in error.message and "2,883,584" in error.message and error.param == "logprobs"
+    assert "n=64 x max_new_tokens=2048 x (1 + 21 logprob entries per token: logprobs=20" in error.message
+    # An ordinary long request passes: 2,048 tokens with 20 alternatives each and a full prompt.
+    single = parse_request(body({"text": "x", "max_new_tokens": 2048, "logprobs": 20, "output": "jsonl"}), limits)
+    assert request_work(2048, single.params) == 47_104 and work_refusal(single, 2048, 262_144) is None
+    # So do all the choices MAX_NUM_SEQS allows, at full length, without logprobs.
+    wide = parse_request(body({"text": "x", "n": 64, "max_new_tokens": 2048, "output": "jsonl"}), limits)
+    assert request_work(2048, wide.params) == 133_120 and work_refusal(wide, 2048, 262_144) is None
+    # The prompt counts: exactly at the limit passes, one token more is refused, and the message says so.
+    at = parse_request(body({"text": "x", "n": 64, "max_new_tokens": 2047, "logprobs": 0, "output": "jsonl"}), limits)
+    assert request_work(128, at.params) == 262_144 and work_refusal(at, 128, 262_144) is None
+    error = work_refusal(at, 129, 262_144)
+    assert error is not None and "+ 129 prompt tokens = 262,145 units" in error.message
+    # Without logprobs the field named is n, or max_new_tokens for a single choice; no limit: no refusal.
+    many = parse_request(body({"text": "x", "n": 2, "max_new_tokens": 100, "output": "jsonl"}), Limits(8, 100, max_n=8))
+    assert work_refusal(many, 5, 150).param == "n" and work_refusal(many, 5, None) is None
+    one = parse_request(body({"text": "x", "max_new_tokens": 100}), Limits(8, 100, max_n=8))
+    assert work_refusal(one, 0, 99).param == "max_new_tokens"

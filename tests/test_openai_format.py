@@ -193,3 +193,41 @@ def test_n_choices_and_logprobs_in_a_completion_answer():
     assert first["logprobs"] == {"tokens": ["a", "b", "c"], "token_logprobs": [-0.5, -1.0, -0.3],
                                  "top_logprobs": [{"a": -0.5}, {"c": -0.2, "b": -1.0}, {"c": -0.3}],
                                  "text_offset": [0, 1, 2]}
+
+
+@pytest.mark.parametrize("kind, extra, names", [
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 20,
+              "max_completion_tokens": 2048}, ("max_completion_tokens", "top_logprobs")),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 20, "max_tokens": 2048},
+     ("max_tokens", "top_logprobs")),
+    ("completions", {"prompt": "x", "logprobs": 5, "max_tokens": 2048}, ("max_tokens", "logprobs")),
+])
+def test_the_work_limit_names_this_formats_fields(kind, extra, names):
+    """MAX_REQUEST_WORK (llm_api.api.request.request_work) counts the same factors on every route; its
+    refusal names them as this format spells them."""
+    from llm_api.api.request import request_work, work_refusal
+
+    request, _ = parse(kind, {"model": "smollm2", "n": 64, **extra})
+    entries = request.params.logprobs + 1
+    assert request_work(10, request.params) == 10 + 64 * 2048 * (1 + entries)
+    error = work_refusal(request, 10, 262_144)
+    assert error.param == names[1] and error.code == "work_limit_exceeded"
+    assert f"n=64 x {names[0]}=2048 x (1 + {entries} logprob entries per token: {names[1]}=" in error.message
+    shape = error.openai_json()["error"]
+    assert shape["type"] == "invalid_request_error" and shape["code"] == "work_limit_exceeded"
+    single, _ = parse(kind, {"model": "smollm2", **extra})  # one choice of the same: an ordinary request
+    assert work_refusal(single, 2048, 262_144) is None
+
+
+def test_best_of_has_one_clear_answer():
+    """best_of is not served: completions take only its neutral value (1, or null: the default), chat does not
+    know it."""
+    for neutral in (1, None):
+        parse("completions", {"model": "smollm2", "prompt": "x", "best_of": neutral})
+    with pytest.raises(ApiError) as err:
+        parse("completions", {"model": "smollm2", "prompt": "x", "best_of": 4, "n": 2})
+    assert (err.value.param, err.value.code) == ("best_of", "unsupported_parameter")
+    assert "'best_of' is not supported by this server (only 1)" in err.value.message
+    with pytest.raises(ApiError) as err:
+        parse("chat", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "best_of": 1})
+    assert (err.value.param, err.value.code) == ("best_of", "unknown_parameter")

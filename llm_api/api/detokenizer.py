@@ -10,7 +10,10 @@ partial UTF-8 character, so a multi-byte character split over tokens is never cu
 ``TextStream`` adds what the edge needs on top: stop strings (the text is cut before the first match
 and the request reports it should stop) and a guard that removes the end-of-stream marker from model
 output, so the marker appears only once, at the very end of a stream. Both hold back the few characters
-that could still turn into a match.
+that could still turn into a match. Stop strings match the text as the client gets it, the marker taken
+out (so no stop string appears in an answer by straddling a marker the model spelled out, and one that
+holds the marker among other text never matches); a stop string equal to the marker ends the answer
+where the model spelled the marker.
 """
 
 from __future__ import annotations
@@ -91,15 +94,23 @@ class TextStream:
 
     def _release(self, new_text: str, final: bool) -> TextDelta:
         buf = self._pending + new_text
+        # A stop string equal to the marker ends the answer where the model spelled the marker out.
+        spelled_end = buf.find(self._marker) if self._marker in self._stop else -1
+        if spelled_end >= 0:
+            buf = buf[:spelled_end]
+        # Stop strings match the text as the client gets it: with the marker taken out, so none can appear
+        # in the answer by straddling a marker the model wrote ("a<marker>b" against the stop "ab").
+        buf = _strip_marker(buf, self._marker)
         cut = _first_match(buf, self._stop)
+        if cut is None and spelled_end >= 0:
+            cut = len(buf)
         if cut is not None:
             self._stopped = True
-            out = _strip_marker(buf[:cut], self._marker)
+            out = buf[:cut]
             self._pending = ""
             self.text += out
             return TextDelta(out, True)
-        buf = _strip_marker(buf, self._marker)
-        hold = 0 if final else _longest_partial_suffix(buf, self._stop + [self._marker])
+        hold = 0 if final else _held_back(buf, self._stop, self._marker)
         out, self._pending = buf[: len(buf) - hold], buf[len(buf) - hold :]
         self.text += out
         return TextDelta(out, False)
@@ -114,6 +125,17 @@ def _strip_marker(text: str, marker: str) -> str:
     while marker and marker in text:
         text = text.replace(marker, "")
     return text
+
+
+def _held_back(text: str, stops: Sequence[str], marker: str) -> int:
+    """How many characters at the end of ``text`` to hold: what may still become a stop string or the
+    marker, and, before a partial marker (which will vanish if it completes), what may become a stop
+    string across it."""
+    hold = _longest_partial_suffix(text, [*stops, marker])
+    partial_marker = _longest_partial_suffix(text, [marker])
+    if partial_marker and stops:
+        hold = max(hold, partial_marker + _longest_partial_suffix(text[: len(text) - partial_marker], stops))
+    return hold
 
 
 def _longest_partial_suffix(text: str, patterns: Sequence[str]) -> int:

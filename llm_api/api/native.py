@@ -18,7 +18,9 @@ rule ``root``), see ``llm_api.api.constraints``. Anything else raises ``ApiError
 ``"output": "jsonl"`` (``llm_api.api.native_stream``): the plain text stream has no place for them, so
 a request that asks for them without it is refused, naming the field, and existing clients see no
 change. ``presence_penalty`` / ``frequency_penalty`` (-2..2) and ``logit_bias`` (``{"<token id>": bias}``,
--100..100) work with either output.
+-100..100) work with either output. What ``n``, ``max_new_tokens``, ``logprobs`` and the prompt may cost
+together is bounded by MAX_REQUEST_WORK (``llm_api.api.request.request_work``): the service refuses a
+request over it with 400 ``work_limit_exceeded``, naming these fields.
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@ header; ``route()`` maps it to one of the calls below. Contract:
   MAX_NUM_SEQS), ``presence_penalty`` / ``frequency_penalty`` (-2 to 2), ``logit_bias`` (token id ->
   -100 to 100, ids below the vocabulary size), ``logprobs`` (chat: true/false with ``top_logprobs`` 0 to
   20; completions: 0 to 5), ``stop``, ``seed``, ``stream``, ``stream_options.include_usage``, ``user``);
-  parameters we cannot honour are refused by name rather than silently ignored.
+  parameters we cannot honour are refused by name rather than silently ignored. ``best_of`` (completions)
+  and ``echo`` are taken only at their neutral values (null or 1, null or false). What ``n``, the
+  token limit, the logprobs and the prompt may cost together is bounded by MAX_REQUEST_WORK
+  (``llm_api.api.request.request_work``): a request over it gets 400 ``work_limit_exceeded`` naming them.
 * ``n`` > 1: every choice and chunk carries its ``index``; a stream interleaves the choices' chunks, each
   choice ends with its own ``finish_reason`` chunk; ``usage`` counts the tokens of all choices. With a
   ``seed``, choice 0 is what n = 1 would give and the others are seeded from it (distinct, reproducible).
@@ -50,7 +53,7 @@ from llm_api.api.errors import ApiError, echo
 from llm_api.api.fields import (Integer, LogitBias, Number, StopStrings, StrictFlag, StrictWholeNumber, Text,
                                 field_path, first_error, is_type_error, message_of, unknown_fields)
 from llm_api.api.logprobs import LogprobItem, openai_chat_logprobs, openai_completion_logprobs
-from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, MAX_SEED, Constraint, GenerateRequest, Limits
+from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, MAX_SEED, Constraint, GenerateRequest, Limits, WorkFields
 from llm_api.api.tools import ToolCallDelta, ToolCallParser, ToolFormat
 from llm_api.api.validation import decode_json
 from llm_api.engine.request import FinishReason
@@ -72,7 +75,7 @@ ROUTES = {
 # Accepted only at the value that means "off" (what the openai client sends when a caller sets them
 # explicitly to their defaults); anything else is refused, naming the parameter.
 NEUTRAL_VALUES = {
-    "echo": (False,), "best_of": (1,), "suffix": (None, ""),
+    "echo": (False, None), "best_of": (1, None), "suffix": (None, ""),
 }
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
@@ -496,6 +499,7 @@ def parse_call(kind: str, body: Any, model_name: str, limits: Limits) -> tuple[G
         logprobs=logprobs,
         n=call.n,
     )
+    request.work_fields = WorkFields("n", param, "top_logprobs" if kind == "chat" else "logprobs")
     include_usage = call.stream_options is not None and call.stream_options.include_usage
     return request, OpenAICall(kind=kind, model=model_name, stream=call.stream, include_usage=include_usage, n=call.n,
                                with_logprobs=logprobs is not None, tool_format=tool_format)

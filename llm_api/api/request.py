@@ -3,6 +3,25 @@
 Every front end turns its body into one of these (or a ``CancelRequest``) and hands it to the service;
 nothing below the request formats knows which format a request came in. ``Limits`` is what the server
 accepts, from the settings and the loaded model.
+
+``request_work`` is the one measure of what a request may cost (MAX_REQUEST_WORK bounds it; the service
+refuses a request over it before anything runs, ``work_refusal``). In units of one generated token:
+
+    work = prompt tokens + n x max_new_tokens x (1 + logprob entries per token)
+
+* the prompt is prefilled once, whatever ``n`` (the choices share its KV blocks): it adds, it does not
+  multiply;
+* every choice may decode ``max_new_tokens`` tokens, each detokenized, encoded and sent: n x max_new_tokens;
+* with logprobs k, each of those tokens also renders k + 1 entries (the token's own and k alternatives:
+  text, bytes, a number) into the answer; an entry is counted as a whole token although it costs less
+  (``bench/render_cost.py``: 8-20 us and 33-97 bytes per entry against 14-77 us per token without
+  logprobs, on a 2-core EPYC), so the bound is conservative for rendering.
+
+The other limits bound each factor alone (MAX_INPUT_TOKENS, MAX_NUM_SEQS, MAX_NEW_TOKENS, 20 logprobs);
+only this bounds their product: 64 choices x 2,048 tokens x 21 entries (2.9 million units, an answer of
+hundreds of MB rendered on the event loop) is refused, a chat of 2,048 tokens with top_logprobs 20 (47,104
+units with a full prompt) is not. The measure uses what the request may ask for, not what it will use, so
+it is known before anything runs.
 """
 
 from __future__ import annotations
@@ -11,6 +30,7 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from llm_api.api.errors import ApiError
 from llm_api.engine.grammar import GrammarSpec
 from llm_api.engine.sampler import SamplingParams
 
@@ -30,6 +50,16 @@ class Limits:
     vocab_size: int | None = None  # the model's logits width: logit_bias ids must be below it
     max_n: int = 128  # choices per request (MAX_NUM_SEQS: all n sequences run together)
     tool_format: "ToolFormat | None" = None  # how the model writes tool calls; None: no tools served
+    max_request_work: int | None = None  # MAX_REQUEST_WORK (request_work); None: no bound
+
+
+@dataclass(frozen=True)
+class WorkFields:
+    """What the request's format calls the fields ``request_work`` multiplies (its refusal names them)."""
+
+    n: str = "n"
+    max_new_tokens: str = "max_new_tokens"
+    logprobs: str = "logprobs"
 
 
 @dataclass(frozen=True)
@@ -55,6 +85,7 @@ class GenerateRequest:
     output: str = "text"  # native answers: "text" (chunks then the marker) or "jsonl" (llm_api.api.native_stream)
     constraint: Constraint | None = None  # structured output; the service compiles it into params.grammar
     tools: list[dict] | None = None  # tool definitions rendered by the chat template ({"type": "function", ...})
+    work_fields: WorkFields = field(default_factory=WorkFields)  # (the format's names, for work_refusal)
 
     @property
     def input_kind(self) -> str:
@@ -70,6 +101,36 @@ class GenerateRequest:
             extra = [self.tools] if self.tools else []
             return chars + sum(len(json.dumps(x, ensure_ascii=False)) for x in calls + extra)
         return 0
+
+
+def logprob_entries(logprobs: int | None) -> int:
+    """Entries one generated token renders: none without logprobs, else its own and ``logprobs`` more."""
+    return 0 if logprobs is None else logprobs + 1
+
+
+def request_work(num_prompt_tokens: int, params: SamplingParams) -> int:
+    """The module docstring's measure: prompt tokens + n x max_new_tokens x (1 + logprob entries)."""
+    return num_prompt_tokens + params.n * params.max_new_tokens * (1 + logprob_entries(params.logprobs))
+
+
+def work_refusal(request: GenerateRequest, num_prompt_tokens: int, limit: int | None) -> ApiError | None:
+    """The 400 of a request whose work is over ``limit`` (MAX_REQUEST_WORK), else None. Before the prompt
+    is tokenized, ``num_prompt_tokens`` = 0 refuses what is over the limit whatever the prompt."""
+    params, names = request.params, request.work_fields
+    work = request_work(num_prompt_tokens, params)
+    if limit is None or work <= limit:
+        return None
+    entries = logprob_entries(params.logprobs)
+    product = f"{names.n}={params.n} x {names.max_new_tokens}={params.max_new_tokens}"
+    if entries:
+        product += (f" x (1 + {entries} logprob entries per token: {names.logprobs}={params.logprobs} "
+                    f"alternatives and the token's own)")
+    prompt = f" + {num_prompt_tokens} prompt tokens" if num_prompt_tokens else ""
+    # The field to change first: what multiplies the most.
+    param = names.logprobs if entries else names.n if params.n > 1 else names.max_new_tokens
+    return ApiError(400, "work_limit_exceeded", f"this request asks for {product}{prompt} = {work:,} units of work; "
+                    f"the limit is MAX_REQUEST_WORK={limit:,} per request: ask for fewer choices, tokens or logprobs",
+                    param)
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,9 @@ class Settings:
     # Backpressure (async mode): requests beyond these get 503 at once instead of queueing unbounded.
     max_waiting_requests: int = 256  # accepted but not yet running, on top of MAX_NUM_SEQS
     max_tokens_in_flight: int = 1_048_576  # sum over live requests of prompt + max_new_tokens
+    # One request's work (llm_api.api.request.request_work): prompt tokens + n x max_new_tokens x (1 + logprob
+    # entries per token). The other caps bound each factor alone; this bounds their product (400 above it).
+    max_request_work: int = 262_144
     # The standalone server (llm_api serve). Its bearer key: LLM_API_KEY, or one generated per start.
     api_key: str = field(default="", repr=False)
     drain_grace_s: float = 30.0  # after SIGTERM: how long in-flight requests may take to finish
@@ -109,6 +112,7 @@ class Settings:
             "grpc_streaming": _bool(env, "GRPC_STREAMING", cls.grpc_streaming),
             "max_waiting_requests": _int(env, "MAX_WAITING_REQUESTS", cls.max_waiting_requests, minimum=0),
             "max_tokens_in_flight": _int(env, "MAX_TOKENS_IN_FLIGHT", cls.max_tokens_in_flight, minimum=1),
+            "max_request_work": _int(env, "MAX_REQUEST_WORK", cls.max_request_work, minimum=1),
             "api_key": _api_key(env.get("LLM_API_KEY", "")),
             "drain_grace_s": _float(env, "DRAIN_GRACE_S", cls.drain_grace_s, 0.0, None),
             "max_request_bytes": _int(env, "MAX_REQUEST_BYTES", cls.max_request_bytes, minimum=1024),

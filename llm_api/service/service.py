@@ -8,12 +8,14 @@ server) parse a body into a ``GenerateRequest`` with the request formats of ``ll
 ``async for event in service.generate(request, request_id)``:
 
 1. before the first event, the request is admitted or ``ApiError`` is raised (nothing was sent yet, so
-   the edge answers with the error's status): a duplicate live ``request_id`` label (409), a prompt over
-   MAX_INPUT_TOKENS (refused by its length before tokenizing when it cannot fit), one that cannot fit the
-   KV cache, a grammar (structured output, tool calls) the library rejects (400 naming the field), a
-   full server (503). Large prompts are tokenized, and embeddings converted, on a small thread pool, off
-   the event loop; grammars are compiled on a pool of their own (``service.grammars``) and reach the
-   engine compiled, in ``SamplingParams.grammar`` (each of a request's n sequences gets its own matcher);
+   the edge answers with the error's status): a duplicate live ``request_id`` label (409), work over
+   MAX_REQUEST_WORK (``llm_api.api.request.request_work``: checked before the prompt is tokenized, and
+   again with its tokens; 400 ``work_limit_exceeded``), a prompt over MAX_INPUT_TOKENS (refused by its
+   length before tokenizing when it cannot fit), one that cannot fit the KV cache, a grammar (structured
+   output, tool calls) the library rejects (400 naming the field), a full server (503). Large prompts are
+   tokenized, and embeddings converted, on a small thread pool, off the event loop; grammars are compiled
+   on a pool of their own (``service.grammars``) and reach the engine compiled, in
+   ``SamplingParams.grammar`` (each of a request's n sequences gets its own matcher);
 2. then ``TextDelta``s, one ``ChoiceFinished`` per choice as it ends, then exactly one ``Finished`` (a
    finish reason, or an error). This is the only place that decides how a request ends: its EOS or
    length (engine), a stop string (detokenizer), a cancel (``service.cancel``), its deadline, an engine
@@ -23,8 +25,10 @@ server) parse a body into a ``GenerateRequest`` with the request formats of ``ll
 A request with ``params.n`` > 1 is one engine request of n sequences: every ``TextDelta`` and
 ``ChoiceFinished`` names its choice (``index``), each choice has its own detokenizer and stop strings (a
 choice that meets one is ended alone, in the engine too), and ``Finished`` comes once every choice
-ended; an error (cancel, deadline, engine failure) ends them all at once. Admission counts n x
-``max_new_tokens`` against MAX_TOKENS_IN_FLIGHT.
+ended; an error (cancel, deadline, engine failure) ends them all at once. Admission counts prompt + n x
+``max_new_tokens`` against MAX_TOKENS_IN_FLIGHT, the budget all live requests share (503 when it is
+spent: a busy server, retry later); MAX_REQUEST_WORK is one request's own bound (400: the request as asked
+can never be served), and counts logprob entries too, which hold no KV blocks.
 
 With ``params.logprobs`` set, each ``TextDelta`` carries the ``LogprobItem`` of the tokens whose text it
 releases (text the detokenizer held back keeps its tokens' logprobs for the delta that releases it): in
@@ -54,7 +58,7 @@ from llm_api.api.detokenizer import TextStream
 from llm_api.api.errors import ApiError, echo, internal_error
 from llm_api.api.logprobs import LogprobItem, TokenTexts
 from llm_api.api.prompt import PromptBuilder
-from llm_api.api.request import GenerateRequest, Limits
+from llm_api.api.request import GenerateRequest, Limits, work_refusal
 from llm_api.api.tokenize import TokenizeRequest
 from llm_api.api.tools import detect_tool_format
 from llm_api.engine.engine import EngineConfig, LLMEngine
@@ -112,7 +116,8 @@ class ModelService:
         self.model_name = settings.model_name
         self.created = int(time.time())
         self.limits = Limits(settings.max_input_tokens, settings.max_new_tokens, lm.hidden_size,
-                             _vocab_size(lm.model), settings.max_num_seqs, detect_tool_format(lm.tokenizer))
+                             _vocab_size(lm.model), settings.max_num_seqs, detect_tool_format(lm.tokenizer),
+                             settings.max_request_work)
         self.engine: LLMEngine | None = self._build_engine() if settings.engine == "paged" else None
         core = self.engine if self.engine is not None else ReferenceCore(lm.model, lm.eos_token_ids,
                                                                          lm.tokenizer.pad_token_id)
@@ -190,7 +195,8 @@ class ModelService:
         if label is not None and label in self._labels:
             raise ApiError(409, "duplicate_request_id", f"a request with request_id {echo(label)} is still running; "
                            f"request ids must be unique among live requests")
-        refusal = self.prompts.too_long(request)
+        # Work over MAX_REQUEST_WORK whatever the prompt is refused before the prompt is tokenized.
+        refusal = work_refusal(request, 0, self.limits.max_request_work) or self.prompts.too_long(request)
         if refusal is not None:
             raise refusal
         prompt_ids, prompt_embeds = await self._prepare(request)
@@ -199,6 +205,9 @@ class ModelService:
         else:
             assert prompt_embeds is not None  # _prepare gives ids or embeddings
             num_prompt_tokens = int(prompt_embeds.shape[0])
+        refusal = work_refusal(request, num_prompt_tokens, self.limits.max_request_work)
+        if refusal is not None:
+            raise refusal
         self._check_fits(num_prompt_tokens, request.params.max_new_tokens)
         if request.constraint is not None:
             timeout = min(request.timeout_s or self.settings.request_timeout_s, self.settings.request_timeout_s)
