@@ -152,10 +152,10 @@ async def _edge(request: web.Request, handler: Callable[[web.Request], Awaitable
         logger.info("request %s refused: %s", request_id, error.code)
         response = _error_response(path, error, state.marker, request_id)
         return _closing(response) if error.status == 408 else response
-    except web.HTTPRequestEntityTooLarge:
-        return _error_response(path, ApiError(413, "request_too_large", "the body is larger than MAX_REQUEST_BYTES="
-                                                                        f"{state.max_request_bytes}"),
-                               state.marker, request_id)
+    except web.HTTPRequestEntityTooLarge:  # (the rest of the body is not read: the connection closes)
+        return _closing(_error_response(path, ApiError(413, "request_too_large", "the body is larger than "
+                                                       f"MAX_REQUEST_BYTES={state.max_request_bytes}"),
+                                        state.marker, request_id))
     except web.HTTPMethodNotAllowed as exc:
         return _error_response(path, ApiError(405, "method_not_allowed", f"{request.method} is not allowed here; "
                                                                          f"use {', '.join(sorted(exc.allowed_methods))}"),

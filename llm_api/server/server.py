@@ -29,7 +29,7 @@ from llm_api.server.grpc_api import build_grpc_server
 from llm_api.server.http_api import ServerState, build_app
 from llm_api.server.lifecycle import Lifecycle
 from llm_api.server.metrics import ServerMetrics
-from llm_api.server.transport import BACKLOG, TransportLimits
+from llm_api.server.transport import BACKLOG, TransportLimits, quiet_bad_requests
 from llm_api.service.service import ModelService
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ async def serve(settings: Settings, options: ServeOptions) -> int:
     # the transport limits: llm_api.server.transport.
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None,
                            **state.limits.runner_options())
+    quiet_bad_requests()
     await runner.setup()
     server = runner.server
     assert server is not None

@@ -14,11 +14,13 @@ Every limit below is aiohttp's or asyncio's own mechanism where one exists; each
   connection closes. So do malformed framing such as both ``Content-Length`` and
   ``Transfer-Encoding`` (llhttp refuses the pair: request smuggling), or an invalid chunk size. These
   answers come from the parser before any route is chosen, so they are plain text, not a route's error
-  shape.
+  shape. aiohttp logs each with a traceback at ERROR; ``OneLineBadRequests`` makes that one INFO line, so
+  a client cannot flood the log with malformed requests.
 * **Body size**: ``MAX_REQUEST_BYTES`` (aiohttp's ``client_max_size``): 413 ``request_too_large``.
 * **Slow body**: ``BODY_TIMEOUT_S`` (60 s) from the start of the handler to the body's last byte
-  (``read_body``): 408 ``request_timeout``, then the connection closes (the rest of the body is never
-  read).
+  (``read_body``): 408 ``request_timeout``, then the connection closes after at most ``LINGER_S`` (2 s;
+  aiohttp's ``lingering_time``) spent reading and dropping what more of the body comes, so the client can
+  read its answer rather than a reset. A 413 closes the same way.
 * **A client that stops reading a stream**: the kernel buffers at most ``SEND_BUFFER_BYTES`` (256 KiB,
   ``SO_SNDBUF``) of its answer and the transport 64 KiB more (aiohttp's writer waits for the buffer to
   drain past that); each write must finish within ``WRITE_TIMEOUT_S`` (30 s, ``write``). When one does
@@ -38,11 +40,13 @@ Every limit below is aiohttp's or asyncio's own mechanism where one exists; each
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from dataclasses import dataclass
 from typing import Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from llm_api.api.errors import ApiError
 from llm_api.model.settings import Settings
@@ -51,6 +55,7 @@ MAX_LINE_BYTES = 8190
 MAX_FIELD_BYTES = 8190
 MAX_HEADERS = 128
 BACKLOG = 128
+LINGER_S = 2.0
 RETRY_AFTER_S = "1"
 
 
@@ -71,7 +76,7 @@ class TransportLimits:
     def runner_options(self) -> dict:
         """aiohttp's own limits, for ``web.AppRunner``."""
         return {"keepalive_timeout": self.keepalive_timeout_s, "max_line_size": MAX_LINE_BYTES,
-                "max_field_size": MAX_FIELD_BYTES, "max_headers": MAX_HEADERS}
+                "max_field_size": MAX_FIELD_BYTES, "max_headers": MAX_HEADERS, "lingering_time": LINGER_S}
 
 
 def over_connection_cap(open_connections: Callable[[], int], limits: TransportLimits) -> ApiError | None:
@@ -84,7 +89,10 @@ def over_connection_cap(open_connections: Callable[[], int], limits: TransportLi
 
 async def read_body(request: web.Request, limits: TransportLimits, *, form: bool = False):
     """The request's body (``form``: its form fields), or a 408 when it has not all arrived within
-    ``BODY_TIMEOUT_S``."""
+    ``BODY_TIMEOUT_S``. A ``Content-Length`` over ``MAX_REQUEST_BYTES`` gets its 413 at once (aiohttp
+    would read up to the limit first, or wait for bytes that never come)."""
+    if request.content_length is not None and request.content_length > request.client_max_size:
+        raise web.HTTPRequestEntityTooLarge(max_size=request.client_max_size, actual_size=request.content_length)
     try:
         async with asyncio.timeout(limits.body_timeout_s):
             return await (request.post() if form else request.read())
@@ -98,6 +106,26 @@ def bound_send_buffer(request: web.Request, limits: TransportLimits) -> None:
     sock = request.transport.get_extra_info("socket") if request.transport is not None else None
     if limits.send_buffer_bytes and sock is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, limits.send_buffer_bytes)
+
+
+class OneLineBadRequests(logging.Filter):
+    """On aiohttp's server logger: a malformed request (the client's fault) as one INFO line, no traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError):
+            record.msg = "%s: %s"
+            record.args = (record.getMessage(), f"{error.code} {error.message}".replace("\n", " ")[:300])
+            record.exc_info = None
+            record.exc_text = None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def quiet_bad_requests() -> None:
+    logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, OneLineBadRequests) for f in logger.filters):
+        logger.addFilter(OneLineBadRequests())
 
 
 class WriteTimeout(Exception):
