@@ -26,7 +26,6 @@ import http.client
 import io
 import json
 import socket
-import threading
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
