@@ -114,8 +114,8 @@ class OneLineBadRequests(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
         if isinstance(error, HttpProcessingError):
-            record.msg = "%s: %s"
-            record.args = (record.getMessage(), f"{error.code} {error.message}".replace("\n", " ")[:300])
+            said = record.getMessage()  # (before msg and args change)
+            record.msg, record.args = "%s: %s", (said, f"{error.code} {error.message}".replace("\n", " ")[:300])
             record.exc_info = None
             record.exc_text = None
             record.levelno, record.levelname = logging.INFO, "INFO"
