@@ -256,7 +256,7 @@ def framing_cases(server) -> dict[str, tuple[bytes, range | tuple]]:
     route is reached; the parser's 400/413/414/431 (plain text) before."""
     path = native_path(server)
     json_type = {"Content-Type": "application/json"}
-    small = b'{"text": "Hi", "max_new_tokens": 2}'
+    small = b'{"text": "Hi", "max_new_tokens": 1, "stream": false}'
     big = b'{"text": "' + b"a" * (MAX_BODY + 10) + b'"}'
     parser = (400, 413, 414, 431)
     return {
@@ -283,9 +283,9 @@ def framing_cases(server) -> dict[str, tuple[bytes, range | tuple]]:
                                         parser),
         "chunk size not hex": (head(server, "POST", path, {**json_type, "Transfer-Encoding": "chunked"})
                                + b"zz\r\n" + small + b"\r\n0\r\n\r\n", parser),
-        "Transfer-Encoding gzip, chunked": (
+        "Transfer-Encoding gzip, chunked": (  # (legal framing: aiohttp passes the body on as sent)
             head(server, "POST", path, {**json_type, "Transfer-Encoding": "gzip, chunked"})
-            + b"%x\r\n%s\r\n0\r\n\r\n" % (len(small), small), parser + (415, 501)),
+            + b"%x\r\n%s\r\n0\r\n\r\n" % (len(small), small), parser + (200, 415, 501)),
         "Transfer-Encoding: chunked twice": (
             head(server, "POST", path, json_type)[:-2] + b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n"
             b"\r\n" + b"%x\r\n%s\r\n0\r\n\r\n" % (len(small), small), parser),
@@ -308,15 +308,15 @@ def test_oversize_and_malformed_framing_get_4xx_and_a_closed_connection(server):
                     sock.sendall(raw)
                 except OSError:
                     pass  # (the server may close before a large request is all sent; its answer is read below)
-                data, closed_after = read_until_closed(sock, 10)
+                data, closed_after = read_until_closed(sock, 30)
             if not data:
                 problems.append(f"{name}: no answer")
                 answers["no answer"] += 1
                 continue
             answer = parse_answer(data)
             answers[outcome(answer)] += 1
-            if answer.status == 200 and name == "bare LF line ends":
-                continue  # (tolerated by llhttp: a well-formed request otherwise, with a key)
+            if answer.status == 200 and answer.status in statuses:
+                continue  # (tolerated framing, a well-formed request otherwise, with a key)
             if answer.status not in statuses:
                 problems.append(f"{name}: HTTP {answer.status} {answer.body[:200]!r}")
             if answer.status == 413:  # reached the route: its own error shape
@@ -336,7 +336,7 @@ def test_oversize_and_malformed_framing_get_4xx_and_a_closed_connection(server):
 
 def test_a_stream_nobody_reads_is_aborted_and_its_blocks_freed(server):
     # 4 choices and 20 alternatives per token: kilobytes per engine step, so the 4 KiB send
-    # buffer and the transport's 64 KiB fill within seconds of the client's last read.
+    # buffers (the kernel's and the transport's) fill within a few steps of the client's last read.
     payload = json.dumps({"text": "Once upon a time", "n": 4, "logprobs": 20, "output": "jsonl",
                           "max_new_tokens": 2000, "ignore_eos": True}).encode()
     with Witness(server) as witness:

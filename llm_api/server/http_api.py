@@ -311,11 +311,11 @@ async def _answer(request: web.Request, parts, error_tail: Callable[[ApiError], 
                     if isinstance(part, Chunk):
                         if response is None:
                             response = await _open_stream(request, part.content_type, request_id)
-                        await write(response, part.payload.encode("utf-8"), state.limits)
+                        await write(request, response, part.payload.encode("utf-8"), state.limits)
                         continue
                     if response is None:  # nothing streamed: the whole answer in one body
                         return _response(200, part.payload, part.content_type, request_id)
-                    await write(response, part.payload.encode("utf-8"), state.limits, eof=True)
+                    await write(request, response, part.payload.encode("utf-8"), state.limits, eof=True)
                     return response
             raise RuntimeError("the request ended without a final part")
         except WriteTimeout:

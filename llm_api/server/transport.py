@@ -22,8 +22,9 @@ Every limit below is aiohttp's or asyncio's own mechanism where one exists; each
   aiohttp's ``lingering_time``) spent reading and dropping what more of the body comes, so the client can
   read its answer rather than a reset. A 413 closes the same way.
 * **A client that stops reading a stream**: the kernel buffers at most ``SEND_BUFFER_BYTES`` (256 KiB,
-  ``SO_SNDBUF``) of its answer and the transport 64 KiB more (aiohttp's writer waits for the buffer to
-  drain past that); each write must finish within ``WRITE_TIMEOUT_S`` (30 s, ``write``). When one does
+  ``SO_SNDBUF``) of its answer and the transport as much again (its high-water mark; after each write
+  the request waits on ``drain`` while the transport holds more, as aiohttp's own writer does only every
+  64 KiB); each write must finish within ``WRITE_TIMEOUT_S`` (30 s, ``write``). When one does
   not, the connection is aborted and the request with it: the generator is closed, which aborts the
   request in the engine and frees its KV blocks at the next step.
 * **Many connections**: ``MAX_CONNECTIONS`` (512) counted by aiohttp's server (its ``connections``, kept
@@ -102,9 +103,14 @@ async def read_body(request: web.Request, limits: TransportLimits, *, form: bool
 
 
 def bound_send_buffer(request: web.Request, limits: TransportLimits) -> None:
-    """Cap the kernel's send buffer of this connection: a client that stops reading holds at most that."""
-    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
-    if limits.send_buffer_bytes and sock is not None:
+    """Cap the kernel's and the transport's send buffers of this connection: a client that stops reading
+    holds at most that much of the server's memory."""
+    transport = request.transport
+    if not limits.send_buffer_bytes or transport is None:
+        return
+    transport.set_write_buffer_limits(high=limits.send_buffer_bytes)
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, limits.send_buffer_bytes)
 
 
@@ -132,10 +138,14 @@ class WriteTimeout(Exception):
     """A write of an answer did not finish within ``WRITE_TIMEOUT_S``: the client stopped reading."""
 
 
-async def write(response: web.StreamResponse, data: bytes, limits: TransportLimits, *, eof: bool = False) -> None:
+async def write(request: web.Request, response: web.StreamResponse, data: bytes, limits: TransportLimits, *,
+                eof: bool = False) -> None:
+    """Write ``data`` and wait until the transport's buffer is below its high-water mark (``WriteTimeout``
+    when that takes over ``WRITE_TIMEOUT_S``); ``eof``: then end the answer."""
     try:
         async with asyncio.timeout(limits.write_timeout_s):
             await response.write(data)
+            await request.writer.drain()
             if eof:
                 await response.write_eof()
     except TimeoutError:
