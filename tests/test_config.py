@@ -47,6 +47,11 @@ def test_values_are_read():
         ("MAX_REQUEST_WORK", "0", "allowed values: integers >= 1"),
         ("MAX_REQUEST_WORK", "2.5e5", "is not an integer"),
         ("MAX_REQUEST_WORK", "-1", "allowed values: integers >= 1"),
+        ("KEEPALIVE_TIMEOUT_S", "0", "allowed values: numbers > 0"),
+        ("BODY_TIMEOUT_S", "-1", "allowed values: numbers > 0"),
+        ("WRITE_TIMEOUT_S", "soon", "is not a number"),
+        ("SEND_BUFFER_BYTES", "-1", "allowed values: integers >= 0"),
+        ("MAX_CONNECTIONS", "0", "allowed values: integers >= 1"),
         ("LLM_API_KEY", "abc", "at least 8 visible ASCII characters"),
         ("LLM_API_KEY", "tab\there-key", "without spaces"),
     ],
@@ -144,3 +149,13 @@ def test_this_hosts_flags_are_read():
     features = cpu.cpu_features(cpu.CPUINFO.read_text())
     assert features, "no flags line found"
     assert cpu.has_native_bf16() == bool(features & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def test_transport_limits_have_safe_defaults_and_are_read():
+    s = Settings.from_env({})
+    assert (s.keepalive_timeout_s, s.body_timeout_s, s.write_timeout_s, s.send_buffer_bytes, s.max_connections) == \
+        (15.0, 60.0, 30.0, 262_144, 512)
+    s = Settings.from_env({"KEEPALIVE_TIMEOUT_S": "2", "BODY_TIMEOUT_S": "3", "WRITE_TIMEOUT_S": "4",
+                           "SEND_BUFFER_BYTES": "0", "MAX_CONNECTIONS": "8"})
+    assert (s.keepalive_timeout_s, s.body_timeout_s, s.write_timeout_s, s.send_buffer_bytes, s.max_connections) == \
+        (2.0, 3.0, 4.0, 0, 8)

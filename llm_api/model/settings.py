@@ -77,6 +77,12 @@ class Settings:
     api_key: str = field(default="", repr=False)
     drain_grace_s: float = 30.0  # after SIGTERM: how long in-flight requests may take to finish
     max_request_bytes: int = 6_553_500  # largest request body (TorchServe's max_request_size default)
+    # The standalone server's transport limits (llm_api.server.transport says how each is enforced).
+    keepalive_timeout_s: float = 15.0  # a connection's deadline for a complete request head, when idle too
+    body_timeout_s: float = 60.0  # a request's deadline for its whole body, from its head
+    write_timeout_s: float = 30.0  # a deadline for each write of an answer (a client that stopped reading)
+    send_buffer_bytes: int = 262_144  # the kernel's send buffer per connection (SO_SNDBUF); 0: the kernel's own
+    max_connections: int = 512  # open connections served at once; those beyond get 503 and are closed
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -116,6 +122,11 @@ class Settings:
             "api_key": _api_key(env.get("LLM_API_KEY", "")),
             "drain_grace_s": _float(env, "DRAIN_GRACE_S", cls.drain_grace_s, 0.0, None),
             "max_request_bytes": _int(env, "MAX_REQUEST_BYTES", cls.max_request_bytes, minimum=1024),
+            "keepalive_timeout_s": _float(env, "KEEPALIVE_TIMEOUT_S", cls.keepalive_timeout_s, 0.0, None),
+            "body_timeout_s": _float(env, "BODY_TIMEOUT_S", cls.body_timeout_s, 0.0, None),
+            "write_timeout_s": _float(env, "WRITE_TIMEOUT_S", cls.write_timeout_s, 0.0, None),
+            "send_buffer_bytes": _int(env, "SEND_BUFFER_BYTES", cls.send_buffer_bytes, minimum=0),
+            "max_connections": _int(env, "MAX_CONNECTIONS", cls.max_connections, minimum=1),
         }
         if 0 < values["max_num_batched_tokens"] < values["max_num_seqs"]:
             # The scheduler serves running requests first: a smaller budget would starve the newest.

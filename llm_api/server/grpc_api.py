@@ -31,10 +31,10 @@ from typing import AsyncGenerator
 import grpc
 
 from llm_api.api.errors import ApiError, internal_error
+from llm_api.api.native_stream import GRPC_MAX_MESSAGE_BYTES
 from llm_api.api.request import CancelRequest
 from llm_api.proto import inference_pb2, inference_pb2_grpc
 from llm_api.server.http_api import ServerState, new_request_id
-from llm_api.api.native_stream import GRPC_MAX_MESSAGE_BYTES
 from llm_api.service.answer import Chunk, Refusal, native_parts, parse_native
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,9 @@ A client that goes away: the server runs with ``handler_cancellation`` on, so ai
 handler's task as soon as the connection is lost, wherever it is waiting (admission, the first token,
 between chunks); the cancellation closes ``service.generate``, which aborts the request in the engine
 and frees its KV blocks at the engine's next step. A write to a connection already closed ends the same
-way. Errors a request causes are its own: its status before the first chunk, an error line (native) or
+way, and so does a client that stops reading (a write that does not finish within ``WRITE_TIMEOUT_S``);
+the other transport limits (slow heads and bodies, sizes, the connection cap) are
+``llm_api.server.transport``'s. Errors a request causes are its own: its status before the first chunk, an error line (native) or
 event (SSE) after.
 """
 
@@ -31,7 +33,7 @@ import json
 import logging
 import secrets
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from aiohttp import web
@@ -40,12 +42,21 @@ from llm_api.api import openai
 from llm_api.api.errors import ApiError, echo, internal_error
 from llm_api.api.request import CancelRequest
 from llm_api.api.tokenize import detokenize_answer, parse_detokenize, parse_tokenize, tokenize_answer
+from llm_api.model.settings import Settings
 from llm_api.server.auth import BearerAuth
 from llm_api.server.lifecycle import Lifecycle
 from llm_api.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from llm_api.server.metrics import ServerMetrics
-from llm_api.service.answer import (Chunk, Refusal, native_error_tail, native_parts, openai_parts, parse_native,
-                                    parse_openai)
+from llm_api.server.transport import (
+    RETRY_AFTER_S,
+    TransportLimits,
+    WriteTimeout,
+    bound_send_buffer,
+    over_connection_cap,
+    read_body,
+    write,
+)
+from llm_api.service.answer import Chunk, Refusal, native_error_tail, native_parts, openai_parts, parse_native, parse_openai
 from llm_api.service.service import ModelService
 
 logger = logging.getLogger(__name__)
@@ -66,6 +77,8 @@ class ServerState:
     lifecycle: Lifecycle
     metrics: ServerMetrics
     max_request_bytes: int
+    limits: TransportLimits = field(default_factory=lambda: TransportLimits.from_settings(Settings()))
+    open_connections: Callable[[], int] = lambda: 0  # the server's count, set once it listens
     service: ModelService | None = None
 
 
@@ -112,12 +125,23 @@ def _response(status: int, body: str | bytes, content_type: str, request_id: str
                                                            **headers})
 
 
+def _closing(response: web.Response, retry: bool = False) -> web.Response:
+    """The answer, and then the connection closes (its rest is not read: a slow body, a connection over the
+    cap); ``retry``: with ``Retry-After``."""
+    response.force_close()
+    if retry:
+        response.headers["Retry-After"] = RETRY_AFTER_S
+    return response
+
+
 @web.middleware
 async def _edge(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
     state = request.app[STATE]
     request_id = new_request_id()
     request["request_id"] = request_id
     path = request.path
+    if path not in PUBLIC_PATHS and (refusal := over_connection_cap(state.open_connections, state.limits)):
+        return _closing(_error_response(path, refusal, state.marker, request_id), retry=True)
     if path not in PUBLIC_PATHS and not state.auth.allows(request.headers.get("Authorization")):
         return _error_response(path, ApiError(401, "unauthorized", "missing or wrong bearer key (header "
                                                                    "'Authorization: Bearer <key>')"),
@@ -126,11 +150,12 @@ async def _edge(request: web.Request, handler: Callable[[web.Request], Awaitable
         return await handler(request)
     except ApiError as error:  # a refusal before anything was sent
         logger.info("request %s refused: %s", request_id, error.code)
-        return _error_response(path, error, state.marker, request_id)
-    except web.HTTPRequestEntityTooLarge:
-        return _error_response(path, ApiError(413, "request_too_large", "the body is larger than MAX_REQUEST_BYTES="
-                                                                        f"{state.max_request_bytes}"),
-                               state.marker, request_id)
+        response = _error_response(path, error, state.marker, request_id)
+        return _closing(response) if error.status == 408 else response
+    except web.HTTPRequestEntityTooLarge:  # (the rest of the body is not read: the connection closes)
+        return _closing(_error_response(path, ApiError(413, "request_too_large", "the body is larger than "
+                                                       f"MAX_REQUEST_BYTES={state.max_request_bytes}"),
+                                        state.marker, request_id))
     except web.HTTPMethodNotAllowed as exc:
         return _error_response(path, ApiError(405, "method_not_allowed", f"{request.method} is not allowed here; "
                                                                          f"use {', '.join(sorted(exc.allowed_methods))}"),
@@ -184,8 +209,9 @@ async def metrics(request: web.Request) -> web.Response:
 async def _native_row(request: web.Request) -> dict:
     """The request as TorchServe hands it to the handler: a JSON body as ``{"body": bytes}``, form fields
     as ``{name: bytes}`` (so the one parser in ``llm_api.api.native`` sees the same rows)."""
+    limits = request.app[STATE].limits
     if request.content_type in FORM_TYPES:
-        form = await request.post()
+        form = await read_body(request, limits, form=True)
         names = list(form.keys())
         if len(names) != len(set(names)):
             raise ApiError(400, "invalid_request", "a form field is given more than once")
@@ -195,7 +221,7 @@ async def _native_row(request: web.Request) -> dict:
                 value = value.file.read()
             row[name] = value.encode("utf-8") if isinstance(value, str) else value
         return row
-    return {"body": await request.read()}
+    return {"body": await read_body(request, limits)}
 
 
 async def predictions(request: web.Request) -> web.StreamResponse:
@@ -242,7 +268,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _openai(request: web.Request, api: str) -> web.StreamResponse:
     service = _serving(request.app[STATE])
-    generate_request, call = await parse_openai(service, api, await request.read())
+    generate_request, call = await parse_openai(service, api, await read_body(request, request.app[STATE].limits))
     parts = openai_parts(service, generate_request, call, request["request_id"], service.settings.end_of_stream_token)
     return await _answer(request, parts, call.error_event)
 
@@ -253,14 +279,14 @@ async def _openai(request: web.Request, api: str) -> web.StreamResponse:
 
 async def tokenize(request: web.Request) -> web.Response:
     service = _serving(request.app[STATE])
-    parsed = parse_tokenize(await request.read(), service.model_name)
+    parsed = parse_tokenize(await read_body(request, request.app[STATE].limits), service.model_name)
     token_ids = await service.tokenize(parsed)
     return _response(200, tokenize_answer(token_ids, service.max_model_len), JSON_CONTENT_TYPE, request["request_id"])
 
 
 async def detokenize(request: web.Request) -> web.Response:
     service = _serving(request.app[STATE])
-    token_ids = parse_detokenize(await request.read(), service.model_name, service.vocab_size,
+    token_ids = parse_detokenize(await read_body(request, request.app[STATE].limits), service.model_name, service.vocab_size,
                                  service.max_model_len)
     text = await service.detokenize(token_ids)
     return _response(200, detokenize_answer(text), JSON_CONTENT_TYPE, request["request_id"])
@@ -285,14 +311,21 @@ async def _answer(request: web.Request, parts, error_tail: Callable[[ApiError], 
                     if isinstance(part, Chunk):
                         if response is None:
                             response = await _open_stream(request, part.content_type, request_id)
-                        await response.write(part.payload.encode("utf-8"))
+                        await write(request, response, part.payload.encode("utf-8"), state.limits)
                         continue
                     if response is None:  # nothing streamed: the whole answer in one body
                         return _response(200, part.payload, part.content_type, request_id)
-                    await response.write(part.payload.encode("utf-8"))
-                    await response.write_eof()
+                    await write(request, response, part.payload.encode("utf-8"), state.limits, eof=True)
                     return response
             raise RuntimeError("the request ended without a final part")
+        except WriteTimeout:
+            # (the generator is closed by now: the request is aborted in the engine, its blocks freed)
+            logger.info("request %s: the client read nothing for WRITE_TIMEOUT_S=%g s; aborted", request_id,
+                        state.limits.write_timeout_s)
+            if request.transport is not None:
+                request.transport.abort()  # what it buffered is for nobody now
+            assert response is not None
+            return response
         except asyncio.CancelledError:
             logger.info("request %s: the client went away; aborted", request_id)
             raise
@@ -319,5 +352,6 @@ async def _open_stream(request: web.Request, content_type: str, request_id: str)
     response = web.StreamResponse(status=200, headers={"Content-Type": content_type, "x-request-id": request_id,
                                                        "Cache-Control": "no-cache"})
     response.enable_chunked_encoding()
+    bound_send_buffer(request, request.app[STATE].limits)
     await response.prepare(request)
     return response

@@ -29,6 +29,7 @@ from llm_api.server.grpc_api import build_grpc_server
 from llm_api.server.http_api import ServerState, build_app
 from llm_api.server.lifecycle import Lifecycle
 from llm_api.server.metrics import ServerMetrics
+from llm_api.server.transport import BACKLOG, TransportLimits, quiet_bad_requests
 from llm_api.service.service import ModelService
 
 logger = logging.getLogger(__name__)
@@ -51,11 +52,18 @@ async def serve(settings: Settings, options: ServeOptions) -> int:
         logger.warning("bearer-key auth is OFF (--no-auth): anyone who reaches %s:%d can use the model",
                        options.host, options.port)
     state = ServerState(marker=settings.end_of_stream_token, auth=BearerAuth(key), lifecycle=lifecycle,
-                        metrics=ServerMetrics(settings.model_name), max_request_bytes=settings.max_request_bytes)
-    # handler_cancellation: aiohttp cancels a handler whose client disconnected (http_api's docstring).
-    runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
+                        metrics=ServerMetrics(settings.model_name), max_request_bytes=settings.max_request_bytes,
+                        limits=TransportLimits.from_settings(settings))
+    # handler_cancellation: aiohttp cancels a handler whose client disconnected (http_api's docstring);
+    # the transport limits: llm_api.server.transport.
+    runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None,
+                           **state.limits.runner_options())
+    quiet_bad_requests()
     await runner.setup()
-    await web.TCPSite(runner, options.host, options.port).start()
+    server = runner.server
+    assert server is not None
+    state.open_connections = lambda: len(server.connections)
+    await web.TCPSite(runner, options.host, options.port, backlog=BACKLOG).start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _on_signal, lifecycle)
     logger.info("llm_api serve: HTTP on http://%s:%d (loading model %s)", options.host, options.port,

@@ -1,0 +1,152 @@
+"""The standalone server's transport limits: what a client can hold of the server by how it sends and reads.
+
+Every limit below is aiohttp's or asyncio's own mechanism where one exists; each has its answer:
+
+* **Request head (slow headers) and idle keep-alive**: ``KEEPALIVE_TIMEOUT_S`` (15 s), aiohttp's
+  ``keepalive_timeout``. aiohttp starts that timer when a connection opens and again after each answer,
+  and closes the connection if no complete request head has arrived when it fires; bytes of a partial
+  head do not restart it. So one deadline covers a connection that sends nothing, one that trickles its
+  head (slowloris), and an idle keep-alive connection: each is closed without an answer (there is no
+  request to answer).
+* **Request line and header sizes**: aiohttp's parser limits, passed explicitly so they are written
+  down here: a request line or one header field over ``MAX_LINE_BYTES``/``MAX_FIELD_BYTES`` (8190), or
+  more than ``MAX_HEADERS`` (128) fields, gets aiohttp's own 400 (or 431 where aiohttp says so) and the
+  connection closes. So do malformed framing such as both ``Content-Length`` and
+  ``Transfer-Encoding`` (llhttp refuses the pair: request smuggling), or an invalid chunk size. These
+  answers come from the parser before any route is chosen, so they are plain text, not a route's error
+  shape. aiohttp logs each with a traceback at ERROR; ``OneLineBadRequests`` makes that one INFO line, so
+  a client cannot flood the log with malformed requests.
+* **Body size**: ``MAX_REQUEST_BYTES`` (aiohttp's ``client_max_size``): 413 ``request_too_large``.
+* **Slow body**: ``BODY_TIMEOUT_S`` (60 s) from the start of the handler to the body's last byte
+  (``read_body``): 408 ``request_timeout``, then the connection closes after at most ``LINGER_S`` (2 s;
+  aiohttp's ``lingering_time``) spent reading and dropping what more of the body comes, so the client can
+  read its answer rather than a reset. A 413 closes the same way.
+* **A client that stops reading a stream**: the kernel buffers at most ``SEND_BUFFER_BYTES`` (256 KiB,
+  ``SO_SNDBUF``) of its answer and the transport as much again (its high-water mark; after each write
+  the request waits on ``drain`` while the transport holds more, as aiohttp's own writer does only every
+  64 KiB); each write must finish within ``WRITE_TIMEOUT_S`` (30 s, ``write``). When one does
+  not, the connection is aborted and the request with it: the generator is closed, which aborts the
+  request in the engine and frees its KV blocks at the next step.
+* **Many connections**: ``MAX_CONNECTIONS`` (512) counted by aiohttp's server (its ``connections``, kept
+  by its ``connection_made``/``connection_lost`` hooks). A request that arrives while more connections
+  are open gets 503 ``too_many_connections`` with ``Retry-After`` and its connection is closed; the
+  probes (``/health``, ``/ready``, ``/metrics``) still answer. Why a count at the request rather than a
+  gated ``accept``: a gated accept leaves clients hanging in the kernel backlog (no answer, a client
+  timeout), and closing at ``connection_made`` races the client's request (a reset can discard the
+  answer before it is read). Counting at the request gives every client a clear answer, and a
+  connection over the cap that never sends a request is closed by the head deadline; the kernel's
+  listen backlog (``BACKLOG``, 128) bounds the connections not yet accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from dataclasses import dataclass
+from typing import Callable
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from llm_api.api.errors import ApiError
+from llm_api.model.settings import Settings
+
+MAX_LINE_BYTES = 8190
+MAX_FIELD_BYTES = 8190
+MAX_HEADERS = 128
+BACKLOG = 128
+LINGER_S = 2.0
+RETRY_AFTER_S = "1"
+
+
+@dataclass(frozen=True)
+class TransportLimits:
+    keepalive_timeout_s: float
+    body_timeout_s: float
+    write_timeout_s: float
+    send_buffer_bytes: int
+    max_connections: int
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "TransportLimits":
+        return cls(keepalive_timeout_s=settings.keepalive_timeout_s, body_timeout_s=settings.body_timeout_s,
+                   write_timeout_s=settings.write_timeout_s, send_buffer_bytes=settings.send_buffer_bytes,
+                   max_connections=settings.max_connections)
+
+    def runner_options(self) -> dict:
+        """aiohttp's own limits, for ``web.AppRunner``."""
+        return {"keepalive_timeout": self.keepalive_timeout_s, "max_line_size": MAX_LINE_BYTES,
+                "max_field_size": MAX_FIELD_BYTES, "max_headers": MAX_HEADERS, "lingering_time": LINGER_S}
+
+
+def over_connection_cap(open_connections: Callable[[], int], limits: TransportLimits) -> ApiError | None:
+    """The 503 for a request that arrives while more than ``MAX_CONNECTIONS`` connections are open."""
+    if open_connections() <= limits.max_connections:
+        return None
+    return ApiError(503, "too_many_connections", f"more than MAX_CONNECTIONS={limits.max_connections} connections "
+                    "are open; retry shortly")
+
+
+async def read_body(request: web.Request, limits: TransportLimits, *, form: bool = False):
+    """The request's body (``form``: its form fields), or a 408 when it has not all arrived within
+    ``BODY_TIMEOUT_S``. A ``Content-Length`` over ``MAX_REQUEST_BYTES`` gets its 413 at once (aiohttp
+    would read up to the limit first, or wait for bytes that never come)."""
+    if request.content_length is not None and request.content_length > request.client_max_size:
+        raise web.HTTPRequestEntityTooLarge(max_size=request.client_max_size, actual_size=request.content_length)
+    try:
+        async with asyncio.timeout(limits.body_timeout_s):
+            return await (request.post() if form else request.read())
+    except TimeoutError:
+        raise ApiError(408, "request_timeout", f"the body did not arrive within BODY_TIMEOUT_S="
+                       f"{limits.body_timeout_s:g} s") from None
+
+
+def bound_send_buffer(request: web.Request, limits: TransportLimits) -> None:
+    """Cap the kernel's and the transport's send buffers of this connection: a client that stops reading
+    holds at most that much of the server's memory."""
+    transport = request.transport
+    if not limits.send_buffer_bytes or transport is None:
+        return
+    transport.set_write_buffer_limits(high=limits.send_buffer_bytes)
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, limits.send_buffer_bytes)
+
+
+class OneLineBadRequests(logging.Filter):
+    """On aiohttp's server logger: a malformed request (the client's fault) as one INFO line, no traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError):
+            said = record.getMessage()  # (before msg and args change)
+            record.msg, record.args = "%s: %s", (said, f"{error.code} {error.message}".replace("\n", " ")[:300])
+            record.exc_info = None
+            record.exc_text = None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def quiet_bad_requests() -> None:
+    logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, OneLineBadRequests) for f in logger.filters):
+        logger.addFilter(OneLineBadRequests())
+
+
+class WriteTimeout(Exception):
+    """A write of an answer did not finish within ``WRITE_TIMEOUT_S``: the client stopped reading."""
+
+
+async def write(request: web.Request, response: web.StreamResponse, data: bytes, limits: TransportLimits, *,
+                eof: bool = False) -> None:
+    """Write ``data`` and wait until the transport's buffer is below its high-water mark (``WriteTimeout``
+    when that takes over ``WRITE_TIMEOUT_S``); ``eof``: then end the answer."""
+    try:
+        async with asyncio.timeout(limits.write_timeout_s):
+            await response.write(data)
+            await request.writer.drain()
+            if eof:
+                await response.write_eof()
+    except TimeoutError:
+        raise WriteTimeout() from None
