@@ -1,6 +1,7 @@
 """Reliability under load and faults, against a real TorchServe in the shipped async mode.
 
-* load: 32 client threads keep streams in flight for a minute with mixed prompts and parameters;
+* load: 32 client threads keep streams in flight for 30 s (LLM_API_LOAD_SECONDS) with mixed prompts and
+  parameters;
   every request ends with exactly one marker or a clear error, none outlives its deadline, greedy
   answers equal each prompt's solo answer (no mixing between requests), and afterwards every KV
   block is free and no request is left in the service's tables;
@@ -26,7 +27,10 @@ from bench.soak import MARKER, PROMPTS, post, run_load, usage_after_one_more_req
 from torchserve_server import REPO
 
 pytestmark = pytest.mark.server
-LOAD_SECONDS = float(os.environ.get("LLM_API_LOAD_SECONDS", "60"))
+# 30 s: every kind of request in the mix runs many times over (272 requests against TorchServe on a 2-core
+# host) and the invariants are checked on each; a minute doubled the suite's most CPU-bound test for no case
+# it did not already cover. Longer soaks: bench/soak.py (docs/reliability.md has a 3-minute one).
+LOAD_SECONDS = float(os.environ.get("LLM_API_LOAD_SECONDS", "30"))
 
 
 def start(start_server, name, env):
@@ -49,6 +53,7 @@ def server(request):
 
 def test_load_without_loss(server):
     report = run_load(server, LOAD_SECONDS, clients=32)
+    print(f"load: {report.requests} requests in {LOAD_SECONDS:.0f} s, {report.completed} completed")
     assert not report.problems, "\n".join(report.problems[:10])
     assert report.requests >= 64 and report.completed >= 32
     free, total, live = usage_after_one_more_request(server)
