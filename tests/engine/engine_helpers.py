@@ -128,3 +128,34 @@ def assert_engine_idle(engine: LLMEngine) -> None:
 
 def greedy(max_new_tokens: int, **kwargs) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+
+
+# The embedded model (tests/engine/test_embedded_model.py in float32, test_bf16.py in bfloat16)
+
+EMBEDDED_CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain in two sentences what a hash table is.",
+    "List three prime numbers.",
+]
+
+
+def embedded_models(path, dtype: torch.dtype):
+    """The embedded model's tokenizer and two copies of the model in ``dtype``: the engine's and generate()'s."""
+    from transformers import AutoTokenizer
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+    return AutoTokenizer.from_pretrained(path), load(), load()
+
+
+def run_embedded_chats(tokenizer, model, max_new_tokens: int):
+    """EMBEDDED_CHATS through the engine greedily, two at first and the others joining at step 3 while those
+    decode. Returns the prompts' token ids and each one's generated ids (by index)."""
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"] for text in EMBEDDED_CHATS]
+    engine = make_engine(model, eos_token_ids={tokenizer.eos_token_id}, block_size=16, num_blocks=64)
+    requests = [(str(i), prompt, greedy(max_new_tokens)) for i, prompt in enumerate(prompts)]
+    results = run_engine(engine, {0: requests[:2], 3: requests[2:]})
+    return prompts, [results[str(i)][0] for i in range(len(prompts))]

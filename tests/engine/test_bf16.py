@@ -25,14 +25,8 @@ import jsonschema
 import pytest
 import torch
 
-from engine_helpers import assert_engine_idle, greedy, make_engine
+from engine_helpers import EMBEDDED_CHATS, embedded_models, reference_greedy, run_embedded_chats
 
-CHATS = [
-    "What is the capital of France?",
-    "Write a haiku about autumn leaves.",
-    "Explain in two sentences what a hash table is.",
-    "List three prime numbers.",
-]
 MAX_NEW_TOKENS = 32
 NEAR_TIE_ULPS = 4
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -47,14 +41,7 @@ def bf16_ulp(value: float) -> float:
 
 @pytest.fixture(scope="module")
 def bf16_models(embedded_model_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(embedded_model_path)
-
-    def load():
-        return AutoModelForCausalLM.from_pretrained(embedded_model_path, dtype=torch.bfloat16).eval()
-
-    return tokenizer, load(), load()  # (tokenizer, the engine's model, generate()'s model)
+    return embedded_models(embedded_model_path, torch.bfloat16)
 
 
 def first_difference(got: list[int], expected: list[int]) -> int | None:
@@ -63,41 +50,21 @@ def first_difference(got: list[int], expected: list[int]) -> int | None:
 
 def test_engine_greedy_matches_generate_up_to_a_near_tie(bf16_models):
     tokenizer, model, reference_model = bf16_models
-    eos_token_ids = {tokenizer.eos_token_id}
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=True)["input_ids"] for text in CHATS]
-    engine = make_engine(model, eos_token_ids=eos_token_ids, block_size=16, num_blocks=64)
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    for i, prompt in enumerate(prompts[:2]):
-        engine.add_request(str(i), prompt, greedy(MAX_NEW_TOKENS))
-    step = 0
-    while engine.has_unfinished_requests():
-        if step == 3:  # the others join while the first two decode
-            for i, prompt in enumerate(prompts[2:], start=2):
-                engine.add_request(str(i), prompt, greedy(MAX_NEW_TOKENS))
-        for output in engine.step():
-            tokens[output.request_id] += output.new_token_ids
-        step += 1
-    assert_engine_idle(engine)
-
+    prompts, answers = run_embedded_chats(tokenizer, model, MAX_NEW_TOKENS)
     parted = 0
-    for i, prompt in enumerate(prompts):
-        got = tokens[str(i)]
+    for text, prompt, got in zip(EMBEDDED_CHATS, prompts, answers):
         with torch.inference_mode():
-            input_ids = torch.tensor([prompt])
-            expected = reference_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                                max_new_tokens=MAX_NEW_TOKENS, eos_token_id=list(eos_token_ids),
-                                                pad_token_id=tokenizer.eos_token_id)[0, len(prompt):].tolist()
+            expected = reference_greedy(reference_model, prompt, MAX_NEW_TOKENS, tokenizer.eos_token_id)
             at = first_difference(got, expected)
             if at is None:
-                assert got == expected, (CHATS[i], tokenizer.decode(got), tokenizer.decode(expected))
+                assert got == expected, (text, tokenizer.decode(got), tokenizer.decode(expected))
                 continue
             parted += 1
             logits = reference_model(torch.tensor([prompt + expected[:at]])).logits[0, -1].float()
         mine, theirs = logits[got[at]].item(), logits[expected[at]].item()
         tolerance = NEAR_TIE_ULPS * bf16_ulp(logits.max().item())
         assert abs(mine - theirs) <= tolerance, (
-            f"{CHATS[i]!r}: the engine took token {got[at]} (logit {mine:.3f}) where generate() took {expected[at]} "
+            f"{text!r}: the engine took token {got[at]} (logit {mine:.3f}) where generate() took {expected[at]} "
             f"(logit {theirs:.3f}) after {at} equal tokens: not a near-tie (tolerance {tolerance:.3f})")
     assert parted < len(prompts), "every answer parted from generate(): not a tie, a difference"
 
