@@ -39,13 +39,13 @@ from aiohttp import web
 from llm_api.api import openai
 from llm_api.api.errors import ApiError, echo, internal_error
 from llm_api.api.request import CancelRequest
-from llm_api.api.tokenize import detokenize_answer, parse_detokenize, parse_tokenize, tokenize_answer
+from llm_api.api.tokenize import detokenize_answer, tokenize_answer
 from llm_api.server.auth import BearerAuth
 from llm_api.server.lifecycle import Lifecycle
 from llm_api.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from llm_api.server.metrics import ServerMetrics
-from llm_api.service.answer import (Chunk, Refusal, native_error_tail, native_parts, openai_parts, parse_native,
-                                    parse_openai)
+from llm_api.service.answer import (Chunk, Refusal, native_error_tail, native_parts, openai_parts,
+                                    parse_detokenize_call, parse_native, parse_openai, parse_tokenize_call)
 from llm_api.service.service import ModelService
 
 logger = logging.getLogger(__name__)
@@ -253,15 +253,14 @@ async def _openai(request: web.Request, api: str) -> web.StreamResponse:
 
 async def tokenize(request: web.Request) -> web.Response:
     service = _serving(request.app[STATE])
-    parsed = parse_tokenize(await request.read(), service.model_name)
+    parsed = await parse_tokenize_call(service, await request.read())
     token_ids = await service.tokenize(parsed)
     return _response(200, tokenize_answer(token_ids, service.max_model_len), JSON_CONTENT_TYPE, request["request_id"])
 
 
 async def detokenize(request: web.Request) -> web.Response:
     service = _serving(request.app[STATE])
-    token_ids = parse_detokenize(await request.read(), service.model_name, service.vocab_size,
-                                 service.max_model_len)
+    token_ids = await parse_detokenize_call(service, await request.read())
     text = await service.detokenize(token_ids)
     return _response(200, detokenize_answer(text), JSON_CONTENT_TYPE, request["request_id"])
 
