@@ -171,6 +171,36 @@ def standalone_server(tmp_path_factory, embedded_model_path):
     server.stop()
 
 
+HERMES_TEMPLATE = Path(__file__).parent / "assets" / "hermes_tools.jinja"
+
+
+def hermes_model(tmp_path_factory, embedded_model_path) -> Path:
+    """The embedded model with a Hermes-style chat template of the tests (its own template renders no tools):
+    a folder of links to the embedded checkpoint plus ``tests/assets/hermes_tools.jinja``."""
+    folder = tmp_path_factory.mktemp("hermes-model")
+    for item in Path(embedded_model_path).iterdir():
+        if item.name != "chat_template.jinja":
+            (folder / item.name).symlink_to(item)
+    (folder / "chat_template.jinja").write_text(HERMES_TEMPLATE.read_text())
+    return folder
+
+
+@pytest.fixture(scope="session")
+def hermes_server(tmp_path_factory, embedded_model_path):
+    """TorchServe in the shipped async mode serving the embedded model with a tool format (the Hermes
+    template above), a 64 MiB KV pool, gRPC streaming on. float32 on every host: the tool-call tests rely
+    on what the model writes greedily, and a bfloat16 tie could turn a call into prose on one host kind
+    only."""
+    from torchserve_server import REPO
+
+    model = hermes_model(tmp_path_factory, embedded_model_path)
+    server = _serve(tmp_path_factory, embedded_model_path, "hermes", (REPO / "model-config.yaml").read_text(),
+                    env={"MODEL_PATH": str(model), "KV_CACHE_MEMORY_MIB": "64", "GRPC_STREAMING": "true",
+                         "DTYPE": "float32"})
+    yield server
+    server.stop()
+
+
 FRONT_ENDS = ["torchserve", "standalone"]
 
 
@@ -197,7 +227,7 @@ def async_frontend(request):
 # model load is made twice, and nothing that uses the repository's own folders (test_packaging's
 # `make serve`) runs beside itself.
 
-SHARED_SERVERS = ("classic_server", "async_server", "batch4_server", "standalone_server")
+SHARED_SERVERS = ("classic_server", "async_server", "batch4_server", "standalone_server", "hermes_server")
 FRONT_END_SERVERS = {"frontend": {"torchserve": "classic_server", "standalone": "standalone_server"},
                      "async_frontend": {"torchserve": "async_server", "standalone": "standalone_server"}}
 
@@ -222,7 +252,7 @@ LONG_GROUPS_FIRST = ("tests/test_reliability.py",  # 260
                      "tests/engine/test_parity.py",  # 150
                      "tests/test_packaging.py",  # 90
                      "standalone_server",  # 75
-                     "tests/test_server_structured.py",  # 60
+                     "hermes_server",  # 60 (tests/test_server_structured.py, tests/test_hostile_tools.py)
                      "classic_server",  # 50
                      "tests/test_standalone.py",  # 40
                      "tests/test_types.py",  # 35

@@ -3,8 +3,9 @@ tools with every tool_choice, streamed tool-call deltas, a tool conversation), t
 and gRPC (json_schema, regex, grammar), a 400 naming the field for bad values, hostile grammars (a quick
 400, or served while other streams keep flowing), and the generate() reference core.
 
-The server runs the embedded model with a Hermes-style chat template of the tests (its own template
-renders no tools): a model folder of links to the embedded checkpoint plus ``tests/assets/hermes_tools.jinja``.
+The server (``hermes_server`` of tests/conftest.py) runs the embedded model with a Hermes-style chat template
+of the tests (its own template renders no tools): a model folder of links to the embedded checkpoint plus
+``tests/assets/hermes_tools.jinja``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import json
 import re
 import threading
 import time
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -21,7 +21,6 @@ import pytest
 from llm_api.client import GRPCClient, HTTPClient, RequestRefused
 
 pytestmark = pytest.mark.server
-ASSETS = Path(__file__).parent / "assets"
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 20},
     "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -37,27 +36,9 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
 DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
 
 
-def hermes_model(tmp_path_factory, embedded_model_path) -> Path:
-    folder = tmp_path_factory.mktemp("hermes-model")
-    for item in Path(embedded_model_path).iterdir():
-        if item.name != "chat_template.jinja":
-            (folder / item.name).symlink_to(item)
-    (folder / "chat_template.jinja").write_text((ASSETS / "hermes_tools.jinja").read_text())
-    return folder
-
-
 @pytest.fixture(scope="module")
-def server(start_server, tmp_path_factory, embedded_model_path):
-    from torchserve_server import REPO
-
-    # float32 on every host: the tool-call tests rely on what the model writes greedily, and a bfloat16 tie
-    # could turn a call into prose on one host kind only.
-    model = hermes_model(tmp_path_factory, embedded_model_path)
-    server = start_server("structured", (REPO / "model-config.yaml").read_text(),
-                          env={"MODEL_PATH": str(model), "KV_CACHE_MEMORY_MIB": "64", "GRPC_STREAMING": "true",
-                               "DTYPE": "float32"})
-    yield server
-    server.stop()
+def server(hermes_server):
+    return hermes_server  # (tests/conftest.py: shared with tests/test_hostile_tools.py)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,10 @@ import pytest
 import torch
 
 from llm_api.api.openai import OpenAICall
-from llm_api.api.tools import HERMES, LLAMA3_JSON, ToolCallDelta, ToolCallParser, detect_tool_format, tool_grammar
+from llm_api.api.constraints import tool_constraint
+from llm_api.api.errors import ApiError
+from llm_api.api.tools import (HERMES, LLAMA3_JSON, ToolCallDelta, ToolCallParser, arguments_schema, detect_tool_format,
+                               tool_grammar)
 from llm_api.engine.request import FinishReason
 
 ASSETS = Path(__file__).parent / "assets"
@@ -190,6 +193,29 @@ def test_every_call_the_grammar_allows_parses_and_validates(compiler, fmt, choic
             jsonschema.validate(json.loads(arguments), SCHEMAS[name])
         num_calls += len(calls)
     assert num_calls > 0
+
+
+@pytest.mark.parametrize("parameters", [{"type": "string"}, {"type": "array", "items": {"type": "integer"}},
+                                        {"type": ["object", "null"]}, {"type": "integer"}, {"type": 5}])
+def test_parameters_that_allow_no_object_are_refused_naming_the_tool(parameters):
+    """A call's arguments must be an object: the parser ends a call at the object's closing brace, so a
+    schema allowing a string would let a call run on into the text after it (mis-parsed, never complete)."""
+    tools = TOOLS + [{"type": "function", "function": {"name": "say", "parameters": parameters}}]
+    with pytest.raises(ApiError) as err:
+        tool_constraint(HERMES, tools, "auto", True)
+    assert err.value.status == 400 and err.value.param == "tools[3].function.parameters", err.value
+    assert "object" in err.value.message
+
+
+def test_parameters_without_a_type_describe_an_object(compiler):
+    untyped = {"properties": {"word": {"enum": ["yes", "no"]}}, "required": ["word"]}
+    assert arguments_schema(untyped) == {**untyped, "type": "object"}
+    assert arguments_schema({"type": "object"}) == {"type": "object"} and arguments_schema(None)["type"] == "object"
+    tools = [{"type": "function", "function": {"name": "answer", "parameters": untyped}}]
+    for seed in range(3):
+        _, calls = summarize(feed(ToolCallParser(HERMES), walk(compiler, tool_grammar(HERMES, tools, "answer"), seed,
+                                                               stop_bias=6.0)))
+        assert len(calls) == 1 and json.loads(calls[0][1])["word"] in ("yes", "no")
 
 
 def test_parallel_false_allows_one_call(compiler):

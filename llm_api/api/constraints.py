@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from llm_api.api.errors import ApiError
 from llm_api.api.request import Constraint
-from llm_api.api.tools import ToolFormat, tool_grammar
+from llm_api.api.tools import ToolFormat, arguments_schema, tool_grammar
 from llm_api.engine.grammar import GrammarError, GrammarSpec, check_limits
 
 
@@ -49,12 +49,17 @@ def ebnf_constraint(grammar: str, param: str) -> Constraint:
 
 def tool_constraint(fmt: ToolFormat, tools: list[dict], choice: str, parallel: bool) -> Constraint:
     """tools: [{"type": "function", "function": {"name", "parameters"?...}}]; choice: auto | required | a
-    function's name. Each tool's parameters schema is a part, so a schema the library rejects is named."""
+    function's name. Each tool's parameters schema is a part, so a schema the library rejects is named (and
+    one that allows arguments that are not an object is refused here, naming it)."""
     parts = []
     for i, tool in enumerate(tools):
         parameters = tool["function"].get("parameters")
         if parameters is not None:
             param = f"tools[{i}].function.parameters"
-            parts.append((param, _checked(GrammarSpec.json_schema, parameters, param)))
+            try:
+                schema = arguments_schema(parameters)
+            except ValueError as error:
+                raise ApiError(400, "invalid_value", f"{param!r} {error}", param) from None
+            parts.append((param, _checked(GrammarSpec.json_schema, schema, param)))
     spec = _checked(lambda _: tool_grammar(fmt, tools, choice, parallel), None, "tools")
     return Constraint(spec, "tools", tuple(parts))

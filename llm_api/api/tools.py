@@ -19,6 +19,11 @@ valid for that tool's ``parameters`` schema; with ``required`` the answer is one
 nothing else; a named function: exactly that one call. ``parallel=False`` allows one call at most. So every call the parser sees
 is well formed, and the arguments of a complete call always validate.
 
+A call's arguments are a JSON object (OpenAI's ``parameters`` is an object schema, and the parser finds
+the end of a call by the object's closing brace): ``arguments_schema(parameters)`` is the schema they
+follow, the tool's ``parameters`` with ``"type": "object"`` when it names no type, and raises
+``ValueError`` for a schema whose ``type`` allows no object (``"string"``, ``["array", "null"]``).
+
 ``ToolCallParser`` turns the answer's text, as it streams, into events in order: content text (``str``)
 and ``ToolCallDelta`` (a call's id and name first, then pieces of its arguments JSON text, exactly as the
 model wrote them). The same events, collected, give the non-streamed message. Whitespace between or
@@ -79,14 +84,25 @@ def detect_tool_format(tokenizer) -> ToolFormat | None:
     return None
 
 
+def arguments_schema(parameters: dict | None) -> dict:
+    """The schema a call's arguments follow (see the module docstring); ValueError when ``parameters``
+    cannot describe an object."""
+    if parameters is None:  # OpenAI's "a function with an empty parameter list": the arguments are {}
+        return {"type": "object", "properties": {}, "additionalProperties": False}
+    kind = parameters.get("type")
+    if kind is None:
+        return {**parameters, "type": "object"}
+    if kind != "object" and kind != ["object"]:
+        raise ValueError("must describe a JSON object (a call's arguments are an object): its 'type' must be "
+                         "\"object\"")
+    return parameters
+
+
 def tool_grammar(fmt: ToolFormat, tools: list[dict], choice: str | None, parallel: bool = True) -> GrammarSpec:
     """The structural tag for a request's ``tools`` ([{"type": "function", "function": {...}}]).
     choice: "auto", "required", or the name of the one function to call."""
     def tag(function: dict) -> dict:
-        # No parameters: OpenAI's "a function with an empty parameter list", so its arguments are {}.
-        schema = function.get("parameters")
-        if schema is None:
-            schema = {"type": "object", "properties": {}, "additionalProperties": False}
+        schema = arguments_schema(function.get("parameters"))
         return {"type": "tag", "begin": fmt.call_begin(function["name"]),
                 "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": JSON_MAX_WHITESPACE},
                 "end": fmt.end}

@@ -41,7 +41,7 @@ from aiohttp import web
 from llm_api.api import openai
 from llm_api.api.errors import ApiError, echo, internal_error
 from llm_api.api.request import CancelRequest
-from llm_api.api.tokenize import detokenize_answer, parse_detokenize, parse_tokenize, tokenize_answer
+from llm_api.api.tokenize import detokenize_answer, tokenize_answer
 from llm_api.model.settings import Settings
 from llm_api.server.auth import BearerAuth
 from llm_api.server.lifecycle import Lifecycle
@@ -56,7 +56,8 @@ from llm_api.server.transport import (
     read_body,
     write,
 )
-from llm_api.service.answer import Chunk, Refusal, native_error_tail, native_parts, openai_parts, parse_native, parse_openai
+from llm_api.service.answer import (Chunk, Refusal, native_error_tail, native_parts, openai_parts,
+                                    parse_detokenize_call, parse_native, parse_openai, parse_tokenize_call)
 from llm_api.service.service import ModelService
 
 logger = logging.getLogger(__name__)
@@ -279,15 +280,14 @@ async def _openai(request: web.Request, api: str) -> web.StreamResponse:
 
 async def tokenize(request: web.Request) -> web.Response:
     service = _serving(request.app[STATE])
-    parsed = parse_tokenize(await read_body(request, request.app[STATE].limits), service.model_name)
+    parsed = await parse_tokenize_call(service, await read_body(request, request.app[STATE].limits))
     token_ids = await service.tokenize(parsed)
     return _response(200, tokenize_answer(token_ids, service.max_model_len), JSON_CONTENT_TYPE, request["request_id"])
 
 
 async def detokenize(request: web.Request) -> web.Response:
     service = _serving(request.app[STATE])
-    token_ids = parse_detokenize(await read_body(request, request.app[STATE].limits), service.model_name, service.vocab_size,
-                                 service.max_model_len)
+    token_ids = await parse_detokenize_call(service, await read_body(request, request.app[STATE].limits))
     text = await service.detokenize(token_ids)
     return _response(200, detokenize_answer(text), JSON_CONTENT_TYPE, request["request_id"])
 

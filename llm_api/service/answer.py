@@ -6,7 +6,9 @@ between are the same and live here, so the two edges cannot drift apart:
 * ``parse_native(service, row, default_stream)`` / ``parse_openai(service, api, body)``: the request
   formats of ``llm_api.api`` (``native.parse_request``, ``openai.parse_call``), run on the service's
   worker threads when the body is large (embeddings: up to ~6 MB of JSON), so the event loop keeps
-  serving the other streams meanwhile. They raise ``ApiError``.
+  serving the other streams meanwhile. They raise ``ApiError``. ``parse_tokenize_call(service, body)`` /
+  ``parse_detokenize_call(service, body)``: the tokenizer routes' bodies (``llm_api.api.tokenize``), the
+  same way (a /detokenize body may hold a million ids).
 * ``native_parts(service, request, request_id, marker, max_unary_bytes)`` / ``openai_parts(service,
   request, call, request_id, marker)``: ``service.generate``'s events (text deltas and choice ends of
   every choice, then one ``Finished``) turned into what the client receives, as ``Part``s: ``Chunk``
@@ -34,6 +36,7 @@ from llm_api.api.native import parse_request
 from llm_api.api.errors import ApiError
 from llm_api.api.native_stream import NativeStream
 from llm_api.api.request import CancelRequest, GenerateRequest
+from llm_api.api.tokenize import TokenizeRequest, parse_detokenize, parse_tokenize
 from llm_api.service.service import ChoiceFinished, ModelService, TextDelta
 
 LARGE_BODY_BYTES = 64 * 1024  # bodies above this are parsed off the event loop
@@ -76,6 +79,21 @@ async def parse_openai(service: ModelService, api: str, body: bytes) -> tuple[Ge
     if len(body) > LARGE_BODY_BYTES:
         return await service.offload(openai.parse_call, api, body, service.model_name, service.limits)
     return openai.parse_call(api, body, service.model_name, service.limits)
+
+
+async def parse_tokenize_call(service: ModelService, body: bytes) -> TokenizeRequest:
+    if len(body) > LARGE_BODY_BYTES:
+        return await service.offload(parse_tokenize, body, service.model_name)
+    return parse_tokenize(body, service.model_name)
+
+
+async def parse_detokenize_call(service: ModelService, body: bytes) -> list[int]:
+    """The ids of a /detokenize body, at most MAX_MODEL_LEN of them (a body of a million ids is parsed off
+    the event loop)."""
+    args = (body, service.model_name, service.vocab_size, service.max_model_len)
+    if len(body) > LARGE_BODY_BYTES:
+        return await service.offload(parse_detokenize, *args)
+    return parse_detokenize(*args)
 
 
 def _native_stream(request: GenerateRequest, marker: str, max_unary_bytes: int | None = None) -> NativeStream:

@@ -33,9 +33,10 @@ from llm_api.api import openai
 from llm_api.api.errors import ApiError, internal_error
 from llm_api.api.native_stream import GRPC_MAX_MESSAGE_BYTES
 from llm_api.api.request import CancelRequest
-from llm_api.api.tokenize import detokenize_answer, parse_detokenize, parse_tokenize, tokenize_answer
+from llm_api.api.tokenize import detokenize_answer, tokenize_answer
 from llm_api.model.settings import ConfigError, Settings
-from llm_api.service.answer import Chunk, Part, Refusal, native_parts, openai_parts, parse_native, parse_openai
+from llm_api.service.answer import (Chunk, Part, Refusal, native_parts, openai_parts, parse_detokenize_call,
+                                    parse_native, parse_openai, parse_tokenize_call)
 from llm_api.service.service import ModelService
 from llm_api.torchserve.metrics_sink import TorchServeMetricSink
 from llm_api.torchserve.reply import JSON_CONTENT_TYPE, Reply
@@ -148,10 +149,10 @@ class LLMHandler(BaseHandler):
         if body is None:
             raise ApiError(400, "invalid_json", "send a JSON body (Content-Type: application/json)")
         if api == "tokenize":
-            token_ids = await service.tokenize(parse_tokenize(body, service.model_name))
+            token_ids = await service.tokenize(await parse_tokenize_call(service, body))
             return reply.finish(tokenize_answer(token_ids, service.max_model_len), JSON_CONTENT_TYPE)
         if api == "detokenize":
-            token_ids = parse_detokenize(body, service.model_name, service.vocab_size, service.max_model_len)
+            token_ids = await parse_detokenize_call(service, body)
             return reply.finish(detokenize_answer(await service.detokenize(token_ids)), JSON_CONTENT_TYPE)
         request, call = await parse_openai(service, api, body)
         return await self._write_parts(reply, openai_parts(service, request, call, reply.request_id, self.marker),
