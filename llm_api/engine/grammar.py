@@ -410,10 +410,22 @@ class GrammarCompiler:
             raise
         except (RuntimeError, ValueError, TypeError) as e:
             raise GrammarError(f"invalid {_kind_name(spec.kind)}: {_library_message(e)}") from None
+        result = CompiledGrammar(spec, time.perf_counter() - start,
+                                 int(compiled.memory_size_bytes), compiled)
+        self._check_can_start(result)
         seconds = time.perf_counter() - start
         with self._lock:
             self._compile_seconds_total += seconds
-        return CompiledGrammar(spec, seconds, int(compiled.memory_size_bytes), compiled)
+        return result
+
+    def _check_can_start(self, compiled: CompiledGrammar) -> None:
+        """Refuse a grammar whose language is empty (a ``$ref`` to itself, a cycle of references with no
+        way out): it allows no first token, not even a stop token, so a sequence under it could never
+        move (a sampled row would have no probability mass at all). One bitmask fill, ~1 ms."""
+        bitmask = allocate_bitmask(1, self.vocab_size)
+        if GrammarMatcher(compiled).fill_bitmask(bitmask, 0) and not bool(bitmask.any()):
+            raise GrammarError(f"the {_kind_name(compiled.spec.kind)} accepts no output at all (an empty language, "
+                               "such as a $ref to itself)")
 
 
 class GrammarMatcher:

@@ -379,3 +379,11 @@ def test_nesting_inside_strings_and_escapes_does_not_count():
     check_limits(GrammarSpec.regex('"' + "(a)" * 100))  # a quote is no string in a regex: still counted, shallow
     with pytest.raises(GrammarError, match="nests 65 levels"):
         check_limits(GrammarSpec.regex('"' + "(" * 65 + "a" + ")" * 65))
+
+
+@pytest.mark.parametrize("schema", [{"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"},
+                                    {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{(i + 1) % 5}"} for i in range(5)},
+                                     "$ref": "#/$defs/d0"}])
+def test_a_grammar_that_accepts_nothing_is_refused(compiler, schema):
+    with pytest.raises(GrammarError, match="accepts no output"):
+        compiler.compile(GrammarSpec.json_schema(schema))
