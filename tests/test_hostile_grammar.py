@@ -29,7 +29,7 @@ pytestmark = pytest.mark.server
 
 # Where an answer names the limit it hit: each refusal's message must hold one of these.
 LIMIT_WORDS = ("limit is", "nested deeper than", "nested too deeply", "invalid JSON schema", "invalid regex",
-               "invalid EBNF")
+               "invalid EBNF", "accepts no output")
 # A grammar is refused as a grammar (invalid_grammar), or earlier, as request JSON nested deeper than a
 # request may be (32 levels: invalid_json for a body, invalid_parameter for a JSON-valued native field).
 REFUSAL_TYPES = ("invalid_grammar", "invalid_json", "invalid_parameter")
@@ -115,6 +115,8 @@ def test_hostile_grammar_corpus(async_frontend):
             answers[hostile.outcome(answer)] += 1
             slowest = max(slowest, seconds)
             label = f"{name} ({route})"
+            if seconds > 1:
+                print(f"slow: {label}: {hostile.outcome(answer)} after {seconds:.2f} s")
             if answer.status == 200:
                 if seconds > SERVED_WITHIN_S:
                     problems.append(f"{label}: served after {seconds:.1f} s")
@@ -161,14 +163,15 @@ def test_a_burst_of_slow_compiles_gets_200_or_503_with_retry_after(async_fronten
             if hostile.error_type(answer) != "overloaded":
                 problems.append(f"burst {index}: {hostile.outcome(answer)}")
     # Afterwards: a normal structured request is served and follows its schema.
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}  # a bounded answer
     after = hostile.post_json(server, hostile.native_path(server),
-                              {"text": "A number as JSON:", "json_schema": schema, "max_new_tokens": 60, "stream": False})
+                              {"text": "Is the sky blue? As JSON:", "json_schema": schema, "max_new_tokens": 60, "stream": False})
     hostile.report("grammar: burst of slow compiles", server, inputs=BURST, answers=dict(answers), witness=witness,
                    burst_s=round(burst_seconds, 2), after=hostile.outcome(after))
     assert not problems, "\n".join(problems)
     assert answers["503 overloaded"] > 0, f"the burst never filled the compile queue: {answers}"
     assert answers["200"] > 0, answers
     assert after.status == 200, after.body[:300]
-    value = json.loads(after.body.decode().split(hostile.MARKER)[0].strip())
-    assert isinstance(value, dict) and isinstance(value.get("n"), int), value
+    text = after.body.decode()
+    value = json.loads(text.replace(hostile.MARKER, "").strip()) if text.strip() else None
+    assert isinstance(value, dict) and isinstance(value.get("ok"), bool), value
