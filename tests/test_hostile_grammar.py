@@ -162,6 +162,8 @@ def test_a_burst_of_slow_compiles_gets_200_or_503_with_retry_after(async_fronten
             problems += hostile.refusal_problems(f"burst {index}", answer, openai=False, statuses=(503,))
             if hostile.error_type(answer) != "overloaded":
                 problems.append(f"burst {index}: {hostile.outcome(answer)}")
+            if not answer.headers.get("retry-after", "").isdigit():
+                problems.append(f"burst {index}: Retry-After {answer.headers.get('retry-after')!r} is not whole seconds")
     # Afterwards: a normal structured request is served and follows its schema.
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}  # a bounded answer
     after = hostile.post_json(server, hostile.native_path(server),
