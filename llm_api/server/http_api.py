@@ -178,7 +178,7 @@ async def ready(request: web.Request) -> web.Response:
         if state.lifecycle.draining:
             answer.update(ready=False, status="draining")
     return _response(200 if answer["ready"] else 503, json.dumps(answer), JSON_CONTENT_TYPE, request["request_id"],
-                     _probe_headers(answer["ready"]))
+                     _probe_headers(bool(answer["ready"])))
 
 
 async def metrics(request: web.Request) -> web.Response:
