@@ -117,7 +117,7 @@ def test_the_standalone_edge_sends_retry_after_with_every_503():
             return seen
 
     seen = asyncio.run(answers())
-    for path, status, retry_after, error in seen:
+    for path, status, retry_after, _error in seen:
         assert status == 503 and retry_after is not None and retry_after.isdigit(), (path, status, retry_after)
     assert [s[2] for s in seen] == ["5", "5", "1", "1"]
     assert seen[0][3]["error"]["code"] == "loading" and seen[1][3]["type"] == "loading"
