@@ -138,7 +138,7 @@ class Witness:
     greedy stream and waits for its first chunk; on leaving, the stream is cancelled by its
     ``x-request-id`` and must then end with its ``cancelled`` error line (so it streamed the whole time,
     and the engine still served its cancel). ``max_gap`` is the largest gap between two of its chunks
-    while the block ran; the worker (TorchServe) or the server process (standalone) must be the same
+    while the block ran, the one from its last chunk to the cancel included; the worker (TorchServe) or the server process (standalone) must be the same
     one afterwards."""
 
     server: object
@@ -152,6 +152,7 @@ class Witness:
     _tail: bytes = b""
     _pid: int | None = None
     _error: BaseException | None = None
+    _last_chunk_at: float = 0.0  # monotonic time of the latest chunk (a stall right before the cancel counts)
 
     def __enter__(self) -> "Witness":
         self._pid = self.server.worker_pid()
@@ -164,13 +165,14 @@ class Witness:
         self._resp = self._conn.getresponse()
         assert self._resp.status == 200, (self._resp.status, self._resp.read()[:300])
         self._tail = self._resp.read1(65536)  # the first chunk: the witness is generating
+        self._last_chunk_at = time.monotonic()
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
         return self
 
     def _read(self) -> None:
         assert self._resp is not None
-        last = time.monotonic()
+        last = self._last_chunk_at
         try:
             while not self._stop.is_set():
                 data = self._resp.read1(65536)
@@ -178,7 +180,7 @@ class Witness:
                 if not data:
                     return
                 self.max_gap = max(self.max_gap, now - last)
-                last = now
+                last = self._last_chunk_at = now
                 self.chunks += 1
                 self._tail = (self._tail + data)[-4096:]
             # after the cancel: the rest of the stream, not timed
@@ -190,7 +192,8 @@ class Witness:
     def __exit__(self, *exc_info) -> None:
         assert self._resp is not None and self._thread is not None and self._conn is not None
         request_id = self._resp.headers["x-request-id"]
-        gap_before_cancel = self.max_gap
+        # The gap still open when the block ends counts too (a stall just before the cancel).
+        gap_before_cancel = max(self.max_gap, time.monotonic() - self._last_chunk_at)
         self._stop.set()
         cancelled = post_json(self.server, native_path(self.server), {"cancel": request_id})
         self._thread.join(60)

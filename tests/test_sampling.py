@@ -176,3 +176,12 @@ def test_sequence_seeds():
     draws = [[int(sample(logits, [p], [state]).token_ids[0]) for _ in range(8)]
              for state in (SamplingState.for_params(p, index=i) for i in (0, 1, 0))]
     assert draws[0] == draws[2] != draws[1]
+
+
+def test_a_sampled_row_with_no_allowed_token_costs_only_itself():
+    """All logits -inf (a grammar at a dead end): the row takes an argmax instead of failing the batch."""
+    logits = torch.randn(3, 50)
+    logits[1] = float("-inf")
+    tokens = run(logits, [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.7, seed=2),
+                          SamplingParams(temperature=1.0, seed=3)])
+    assert len(tokens) == 3 and all(0 <= t < 50 for t in tokens)

@@ -87,3 +87,38 @@ def test_bearer_auth_and_generated_key(tmp_path):
     assert resolve_key("my-own-key-123", tmp_path / "unused") == ("my-own-key-123", None)
     assert not (tmp_path / "unused").exists()
     assert BearerAuth(None).allows(None)
+
+
+def test_the_standalone_edge_sends_retry_after_with_every_503():
+    """Loading (the generation routes and /ready) and draining: each 503 carries Retry-After, in whole
+    seconds, in the route's error shape."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from llm_api.server.http_api import ServerState, build_app
+    from llm_api.server.lifecycle import Lifecycle
+
+    class Service:  # just enough for a drain refusal: _serving only asks whether there is one
+        pass
+
+    async def answers():
+        state = ServerState("<|endoftext|>", BearerAuth(None), Lifecycle(), ServerMetrics("m"), 1 << 20)
+        async with TestClient(TestServer(build_app(state))) as client:
+            seen = []
+            for path in ("/v1/completions", "/predictions/m", "/ready"):
+                method = client.get if path == "/ready" else client.post
+                response = await method(path, json={"prompt": "x"})
+                seen.append((path, response.status, response.headers.get("Retry-After"), await response.json()))
+            state.service = Service()  # type: ignore[assignment]
+            state.lifecycle.draining = True
+            response = await client.post("/v1/completions", json={"prompt": "x"})
+            seen.append(("draining", response.status, response.headers.get("Retry-After"), await response.json()))
+            return seen
+
+    seen = asyncio.run(answers())
+    for path, status, retry_after, _error in seen:
+        assert status == 503 and retry_after is not None and retry_after.isdigit(), (path, status, retry_after)
+    assert [s[2] for s in seen] == ["5", "5", "1", "1"]
+    assert seen[0][3]["error"]["code"] == "loading" and seen[1][3]["type"] == "loading"
+    assert seen[3][3]["error"]["code"] == "shutting_down"

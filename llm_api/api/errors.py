@@ -13,6 +13,11 @@ Whatever a request sent may end up in a message, so every echoed value goes thro
 an ASCII-only Python literal (control characters, CR/LF and non-ASCII escaped) and cut to a short length,
 so no request can make an error message carry raw bytes, line breaks or megabytes. The status phrase and
 headers an edge sends never carry a message (``status_phrase`` is a fixed ASCII text per status).
+
+A 503 (a shared resource is full: the queue, the tokens in flight, the grammar compile pool; or the
+server loads or drains) always carries ``retry_after``, whole seconds a client should wait before trying
+again (``DEFAULT_RETRY_AFTER_S`` unless the raiser knows better); both edges send it as a ``Retry-After``
+header (``headers()``), made from that number alone, never from request data.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from http import HTTPStatus
 
 MAX_ECHO_CHARS = 60
 SAFE_PARAM = re.compile(r"[A-Za-z0-9_.\[\]]{1,100}")  # a field path such as messages[0].content
+# A full queue or pool frees within about an engine step or a compile: one second is long enough for a
+# retry to find room and short enough that a client does not sit idle on a server with capacity.
+DEFAULT_RETRY_AFTER_S = 1
 
 
 def echo(value: object, limit: int = MAX_ECHO_CHARS) -> str:
@@ -47,13 +55,23 @@ def status_phrase(status: int) -> str:
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str, param: str | None = None):
+    def __init__(self, status: int, code: str, message: str, param: str | None = None,
+                 retry_after: int | None = None):
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
+        # Every 503 says when to come back (RFC 9110 section 10.2.3: whole seconds); other statuses only
+        # when the raiser says so.
+        if retry_after is None and status == 503:
+            retry_after = DEFAULT_RETRY_AFTER_S
+        self.retry_after = None if retry_after is None else max(0, int(retry_after))
         # The param names a field; one from the request (an unknown field's name) is echoed safely.
         self.param = param if param is None or SAFE_PARAM.fullmatch(param) else echo(param)
+
+    def headers(self) -> dict[str, str]:
+        """The response headers this error adds (``Retry-After``), for either edge."""
+        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
     def native_json(self) -> dict:
         return {"code": self.status, "type": self.code, "message": self.message}

@@ -173,8 +173,16 @@ class Sampler:
         if sampling_rows:
             _temper_and_cut(logits, params, sampling_rows)
             probs = logits[sampling_rows].softmax(dim=-1) if len(sampling_rows) < len(params) else logits.softmax(-1)
+            # A row with no allowed token at all (a grammar at a dead end, a bias of -inf on every token) has
+            # NaN probabilities, on which multinomial raises and would fail the whole step, every other
+            # sequence in it included: such a row takes the argmax, as a greedy row does (its matcher
+            # refuses the token and logs it), and costs only itself.
+            dead_rows = set(torch.isnan(probs[:, 0]).nonzero().flatten().tolist())
             for i, row in enumerate(sampling_rows):
-                token_ids[row] = torch.multinomial(probs[i], 1, generator=batch.states[row].generator)[0]
+                if i in dead_rows:
+                    token_ids[row] = logits[row].argmax()
+                else:
+                    token_ids[row] = torch.multinomial(probs[i], 1, generator=batch.states[row].generator)[0]
         if constrained:
             _accept_tokens(token_ids, matchers, constrained)
         _count_output_tokens(token_ids, batch)

@@ -39,7 +39,7 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from llm_api.api import openai
-from llm_api.api.errors import ApiError, echo, internal_error
+from llm_api.api.errors import DEFAULT_RETRY_AFTER_S, ApiError, echo, internal_error
 from llm_api.api.request import CancelRequest
 from llm_api.api.tokenize import detokenize_answer, tokenize_answer
 from llm_api.model.settings import Settings
@@ -67,6 +67,7 @@ JSON_CONTENT_TYPE = "application/json"
 PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics"})
 FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
 REQUEST_ID_BYTES = 18
+LOADING_RETRY_AFTER_S = 5  # the embedded model loads in seconds; a client polling faster only adds load
 
 
 @dataclass
@@ -117,13 +118,15 @@ def _is_native(path: str) -> bool:
 
 def _error_response(path: str, error: ApiError, marker: str, request_id: str) -> web.Response:
     body = error.native_text(marker) if _is_native(path) else error.openai_text(marker)
-    return _response(error.status, body, JSON_CONTENT_TYPE, request_id)
+    return _response(error.status, body, JSON_CONTENT_TYPE, request_id, error.headers())
 
 
-def _response(status: int, body: str | bytes, content_type: str, request_id: str, **headers) -> web.Response:
+def _response(status: int, body: str | bytes, content_type: str, request_id: str,
+              headers: dict[str, str] | None = None) -> web.Response:
+    """``headers``: an error's own (``Retry-After``); never request data."""
     data = body.encode("utf-8") if isinstance(body, str) else body
     return web.Response(status=status, body=data, headers={"Content-Type": content_type, "x-request-id": request_id,
-                                                           **headers})
+                                                           **(headers or {})})
 
 
 def _closing(response: web.Response, retry: bool = False) -> web.Response:
@@ -167,10 +170,15 @@ async def _edge(request: web.Request, handler: Callable[[web.Request], Awaitable
         return _error_response(path, ApiError(exc.status, "http_error", exc.reason), state.marker, request_id)
 
 
+def _probe_headers(ok: bool) -> dict[str, str]:
+    """A probe's 503 says when to look again, like every other 503."""
+    return {} if ok else {"Retry-After": str(DEFAULT_RETRY_AFTER_S)}
+
+
 def _serving(state: ServerState) -> ModelService:
     """The service, if it takes new requests now (else the 503 the edge sends)."""
     if state.service is None:
-        raise ApiError(503, "loading", "the model is still loading; retry shortly")
+        raise ApiError(503, "loading", "the model is still loading; retry shortly", retry_after=LOADING_RETRY_AFTER_S)
     if state.lifecycle.draining:
         raise ApiError(503, "shutting_down", "the server is shutting down; retry on another replica")
     return state.service
@@ -184,7 +192,7 @@ async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     alive = state.service is None or state.service.loop.alive
     body = json.dumps({"status": "alive" if alive else "engine_stopped"})
-    return _response(200 if alive else 503, body, JSON_CONTENT_TYPE, request["request_id"])
+    return _response(200 if alive else 503, body, JSON_CONTENT_TYPE, request["request_id"], _probe_headers(alive))
 
 
 async def ready(request: web.Request) -> web.Response:
@@ -195,7 +203,8 @@ async def ready(request: web.Request) -> web.Response:
         answer = state.service.metrics.health().to_json()
         if state.lifecycle.draining:
             answer.update(ready=False, status="draining")
-    return _response(200 if answer["ready"] else 503, json.dumps(answer), JSON_CONTENT_TYPE, request["request_id"])
+    return _response(200 if answer["ready"] else 503, json.dumps(answer), JSON_CONTENT_TYPE, request["request_id"],
+                     _probe_headers(bool(answer["ready"])))
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -245,7 +254,7 @@ async def predictions(request: web.Request) -> web.StreamResponse:
 def _serving_or_cancel(state: ServerState) -> ModelService:
     """Like ``_serving``, but a drain still takes cancels (they help it finish)."""
     if state.service is None:
-        raise ApiError(503, "loading", "the model is still loading; retry shortly")
+        raise ApiError(503, "loading", "the model is still loading; retry shortly", retry_after=LOADING_RETRY_AFTER_S)
     return state.service
 
 
@@ -307,7 +316,7 @@ async def _answer(request: web.Request, parts, error_tail: Callable[[ApiError], 
             async with aclosing(parts):
                 async for part in parts:
                     if isinstance(part, Refusal):
-                        return _response(part.status, part.body, JSON_CONTENT_TYPE, request_id)
+                        return _response(part.status, part.body, JSON_CONTENT_TYPE, request_id, part.headers)
                     if isinstance(part, Chunk):
                         if response is None:
                             response = await _open_stream(request, part.content_type, request_id)

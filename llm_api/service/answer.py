@@ -28,7 +28,7 @@ request and frees its KV blocks.
 from __future__ import annotations
 
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, Mapping
 
 from llm_api.api import openai
@@ -58,6 +58,7 @@ class Final:
 class Refusal:
     status: int
     body: str
+    headers: dict[str, str] = field(default_factory=dict)  # the error's own (ApiError.headers: Retry-After)
 
 
 Part = Chunk | Final | Refusal
@@ -122,7 +123,7 @@ async def native_parts(service: ModelService, request: GenerateRequest, request_
                 yield Final(stream.finish(event.num_prompt_tokens, event.num_generated_tokens), kind)
                 return
             elif not stream.started:
-                yield Refusal(event.error.status, event.error.native_text(marker))
+                yield Refusal(event.error.status, event.error.native_text(marker), event.error.headers())
                 return
             else:
                 yield Final(stream.fail(event.error), kind)
@@ -148,7 +149,7 @@ async def openai_parts(service: ModelService, request: GenerateRequest, call: op
                 yield Final(call.finish(event.reason, event.num_prompt_tokens, event.num_generated_tokens), kind)
                 return
             elif not started:
-                yield Refusal(event.error.status, event.error.openai_text(marker))
+                yield Refusal(event.error.status, event.error.openai_text(marker), event.error.headers())
                 return
             else:
                 yield Final(call.error_event(event.error), kind)

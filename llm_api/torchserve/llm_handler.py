@@ -30,7 +30,7 @@ from typing import AsyncGenerator
 from ts.torch_handler.base_handler import BaseHandler
 
 from llm_api.api import openai
-from llm_api.api.errors import ApiError, internal_error
+from llm_api.api.errors import DEFAULT_RETRY_AFTER_S, ApiError, internal_error
 from llm_api.api.native_stream import GRPC_MAX_MESSAGE_BYTES
 from llm_api.api.request import CancelRequest
 from llm_api.api.tokenize import detokenize_answer, tokenize_answer
@@ -106,7 +106,7 @@ class LLMHandler(BaseHandler):
         except ApiError as err:  # a refusal before anything was sent
             logger.info("request %s refused: %s", reply.request_id, err.code)
             body = err.openai_text(self.marker) if api is not None or reply.url_path else err.native_text(self.marker)
-            return reply.refuse(err.status, body)
+            return reply.refuse(err.status, body, headers=err.headers())
         except Exception:  # a bug must cost this request only, never the worker or the other streams
             logger.exception("request %s failed", reply.request_id)
             error = internal_error("the server failed to handle this request")
@@ -143,7 +143,8 @@ class LLMHandler(BaseHandler):
         if api == "health":
             health = service.metrics.health()
             if not health.ready:
-                return reply.refuse(503, json.dumps(health.to_json()))
+                return reply.refuse(503, json.dumps(health.to_json()),
+                                    headers={"Retry-After": str(DEFAULT_RETRY_AFTER_S)})
             return reply.finish(json.dumps(health.to_json()), JSON_CONTENT_TYPE)
         body = row.get("body") if hasattr(row, "get") else None
         if body is None:
@@ -174,7 +175,7 @@ class LLMHandler(BaseHandler):
                 if isinstance(part, Chunk):
                     reply.send(part.payload, part.content_type)
                 elif isinstance(part, Refusal):
-                    return reply.refuse(part.status, part.body)
+                    return reply.refuse(part.status, part.body, headers=part.headers)
                 elif final_as_chunk:
                     reply.send(part.payload, part.content_type)
                     return reply.finish("", part.content_type)

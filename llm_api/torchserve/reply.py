@@ -75,10 +75,15 @@ class Reply:
         self.send(payload, content_type)
         return ""
 
-    def refuse(self, status: int, body: str | bytes, content_type: str = JSON_CONTENT_TYPE):
-        """A refusal before anything was sent: the error's status (a fixed phrase) and its body."""
+    def refuse(self, status: int, body: str | bytes, content_type: str = JSON_CONTENT_TYPE,
+               headers: dict[str, str] | None = None):
+        """A refusal before anything was sent: the error's status (a fixed phrase), its headers (an
+        error's own: ``Retry-After``, never request data; the frontend copies a row's headers into its
+        HTTP response, the error responses included) and its body."""
         self.context.set_response_status(status, status_phrase(status), self.idx)
         self.context.set_response_content_type(self.idx, content_type)
+        for name, value in (headers or {}).items():
+            self.context.set_response_header(self.idx, name, value)
         if self.is_grpc:
             self.context.set_response_header(self.idx, "ts_stream_next", "false")
         return body

@@ -26,6 +26,7 @@ from llm_api.engine.grammar import (  # noqa: E402
     allocate_bitmask,
     apply_bitmask,
     apply_bitmask_reference,
+    check_limits,
     fill_bitmasks,
 )
 
@@ -360,3 +361,29 @@ def test_importing_the_module_does_not_import_xgrammar():
     code = "import sys, llm_api.engine.grammar; print('xgrammar' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("depth", [65, 400, 2000])
+@pytest.mark.parametrize("kind", ["json_schema", "regex", "ebnf"])
+def test_nesting_over_the_depth_limit_is_refused_before_compiling(kind, depth):
+    source = {"json_schema": '{"type":"array","items":' * depth + '{"type":"integer"}' + "}" * depth,
+              "regex": "(" * depth + "a" + ")" * depth,
+              "ebnf": 'root ::= ' + "(" * depth + '"a"' + ")" * depth}[kind]
+    with pytest.raises(GrammarError, match=f"nests {depth + (kind == 'json_schema')} levels deep; the limit is 64"):
+        check_limits(GrammarSpec(kind, source))
+
+
+def test_nesting_inside_strings_and_escapes_does_not_count():
+    check_limits(GrammarSpec.json_schema({"type": "string", "pattern": "[" * 30, "description": "{(" * 500}))
+    check_limits(GrammarSpec.regex("\\(" * 500 + "a"))
+    check_limits(GrammarSpec.regex('"' + "(a)" * 100))  # a quote is no string in a regex: still counted, shallow
+    with pytest.raises(GrammarError, match="nests 65 levels"):
+        check_limits(GrammarSpec.regex('"' + "(" * 65 + "a" + ")" * 65))
+
+
+@pytest.mark.parametrize("schema", [{"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"},
+                                    {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{(i + 1) % 5}"} for i in range(5)},
+                                     "$ref": "#/$defs/d0"}])
+def test_a_grammar_that_accepts_nothing_is_refused(compiler, schema):
+    with pytest.raises(GrammarError, match="accepts no output"):
+        compiler.compile(GrammarSpec.json_schema(schema))
