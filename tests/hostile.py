@@ -9,9 +9,12 @@ the witness. The suites say what they sent and what came back with ``report()``;
 (docs/reliability.md's table of classes is written from such a run).
 
 ``STALL_LIMIT_S`` is the largest gap between two chunks of the witness that a test accepts. The target is
-1 s (a CPU engine step is about 0.4 s on two cores); the bound leaves room for a loaded 2-core CI machine
-running other tests beside, and still fails on what it is there to catch: a request that holds the event
-loop or the engine thread for seconds. The measured gaps are in the report.
+1 s, and a serial run of these modules on a quiet 2-core host meets it (docs/reliability.md, "Hostile input,
+by class", has the gaps of such a run; ``LLM_API_STALL_LIMIT_S=1`` makes it the bound). In the suite the
+bound is looser, since other tests share the two cores: 2.5 s when the suite runs serially, 8 s beside other
+pytest-xdist workers (three workers on two cores stretched an engine step to seconds: the witness saw 4.1 s
+beside the suite where the same test alone saw 0.5 s). Either still fails on what the witness is there to
+catch, a request that holds the event loop or the engine thread for many seconds, or a dead engine.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import urllib.parse
 from dataclasses import dataclass, field
 
 MARKER = "<|endoftext|>"
-STALL_LIMIT_S = 2.5
+STALL_LIMIT_S = float(os.environ.get("LLM_API_STALL_LIMIT_S")
+                      or (8.0 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else 2.5))
 NATIVE_SHAPE = frozenset({"code", "type", "message"})
 
 

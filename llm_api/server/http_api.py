@@ -48,7 +48,6 @@ from llm_api.server.lifecycle import Lifecycle
 from llm_api.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from llm_api.server.metrics import ServerMetrics
 from llm_api.server.transport import (
-    RETRY_AFTER_S,
     TransportLimits,
     WriteTimeout,
     bound_send_buffer,
@@ -134,7 +133,7 @@ def _closing(response: web.Response, retry: bool = False) -> web.Response:
     cap); ``retry``: with ``Retry-After``."""
     response.force_close()
     if retry:
-        response.headers["Retry-After"] = RETRY_AFTER_S
+        response.headers["Retry-After"] = str(DEFAULT_RETRY_AFTER_S)
     return response
 
 

@@ -57,7 +57,6 @@ MAX_FIELD_BYTES = 8190
 MAX_HEADERS = 128
 BACKLOG = 128
 LINGER_S = 2.0
-RETRY_AFTER_S = "1"
 
 
 @dataclass(frozen=True)
