@@ -247,7 +247,7 @@ def xdist_group_of(item: pytest.Item) -> str:
 # The longest groups, longest first (seconds of a serial run on a 2-core host, 2026-11-25): xdist hands out
 # groups in the order the workers collected them (scripts/test.sh turns off its reordering by test count),
 # and a long group handed out last would run alone at the end. Groups not named follow, in file order.
-LONG_GROUPS_FIRST = ("tests/test_reliability.py",  # 260
+LONG_GROUPS_FIRST = ("tests/test_reliability.py",  # 200 (its load test runs 30 s per front end)
                      "async_server",  # 180
                      "tests/engine/test_parity.py",  # 150
                      "tests/test_packaging.py",  # 90
