@@ -166,6 +166,16 @@ def timed(server, fields: dict) -> tuple[hostile.Answer, float]:
     return answer, time.monotonic() - start
 
 
+def send_malformed(server, answers: Counter) -> list[str]:
+    """MALFORMED to ``server``, each answer counted in ``answers``; the problems of their refusals."""
+    problems: list[str] = []
+    for label, fields, param in MALFORMED:
+        answer, elapsed = timed(server, fields)
+        answers[hostile.outcome(answer)] += 1
+        problems += check_refusal(label, answer, param, elapsed)
+    return problems
+
+
 def test_tools_without_a_tool_format(async_frontend):
     """The embedded model's template renders no tools: malformed definitions are refused by field,
     well-formed ones by 'tools' (unsupported), never served as if the tools were not there."""
@@ -173,10 +183,7 @@ def test_tools_without_a_tool_format(async_frontend):
     answers: Counter = Counter()
     problems: list[str] = []
     with hostile.Witness(server) as witness:
-        for label, fields, param in MALFORMED:
-            answer, elapsed = timed(server, fields)
-            answers[hostile.outcome(answer)] += 1
-            problems += check_refusal(label, answer, param, elapsed)
+        problems += send_malformed(server, answers)
         for label, fields in WELL_FORMED:
             answer, elapsed = timed(server, fields)
             answers[hostile.outcome(answer)] += 1
@@ -196,10 +203,7 @@ def test_tools_with_a_tool_format(hermes_server):
     problems: list[str] = []
     seconds: dict = {}
     with hostile.Witness(server) as witness:
-        for label, fields, param in MALFORMED:
-            answer, elapsed = timed(server, fields)
-            answers[hostile.outcome(answer)] += 1
-            problems += check_refusal(label, answer, param, elapsed)
+        problems += send_malformed(server, answers)
         for label, fields in WELL_FORMED:
             answer, elapsed = timed(server, {**fields, "max_tokens": 12})
             seconds[label] = round(elapsed, 2)
