@@ -128,12 +128,10 @@ def _response(status: int, body: str | bytes, content_type: str, request_id: str
                                                            **(headers or {})})
 
 
-def _closing(response: web.Response, retry: bool = False) -> web.Response:
+def _closing(response: web.Response) -> web.Response:
     """The answer, and then the connection closes (its rest is not read: a slow body, a connection over the
-    cap); ``retry``: with ``Retry-After``."""
+    cap)."""
     response.force_close()
-    if retry:
-        response.headers["Retry-After"] = str(DEFAULT_RETRY_AFTER_S)
     return response
 
 
@@ -144,7 +142,7 @@ async def _edge(request: web.Request, handler: Callable[[web.Request], Awaitable
     request["request_id"] = request_id
     path = request.path
     if path not in PUBLIC_PATHS and (refusal := over_connection_cap(state.open_connections, state.limits)):
-        return _closing(_error_response(path, refusal, state.marker, request_id), retry=True)
+        return _closing(_error_response(path, refusal, state.marker, request_id))  # (a 503: Retry-After)
     if path not in PUBLIC_PATHS and not state.auth.allows(request.headers.get("Authorization")):
         return _error_response(path, ApiError(401, "unauthorized", "missing or wrong bearer key (header "
                                                                    "'Authorization: Bearer <key>')"),
