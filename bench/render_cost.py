@@ -46,7 +46,7 @@ def encoders(kind: str):
     if kind.startswith("native"):
         stream = NativeStream("<|endoftext|>", streaming=kind.endswith("stream"), json_lines=True, with_logprobs=True)
         return (lambda text, items: stream.delta(text, 0, items),
-                lambda: stream.choice_finish(0, FinishReason.LENGTH, 1), lambda: stream.finish(1, 1))
+                lambda: stream.choice_finish(0, FinishReason.LENGTH, 1), lambda: stream.finish(FinishReason.LENGTH, 1, 1))
     api, mode = kind.split("-")
     call = OpenAICall(kind=api, model="m", stream=mode == "stream", include_usage=False, with_logprobs=True)
     return (lambda text, items: call.delta(text, 0, items), lambda: call.choice_finish(0, FinishReason.LENGTH),

@@ -26,7 +26,7 @@ def test_native_json_lines():
     tok = TokenText(3, MARKER, MARKER.encode())  # a token whose text is the marker itself
     stream = NativeStream(MARKER, streaming=True, json_lines=True, with_logprobs=True)
     out = stream.delta("Hi", 1, (LogprobItem(tok, -0.25, ((tok, -0.25),)),))
-    out += stream.choice_finish(1, FinishReason.STOP, 4) + stream.finish(5, 7)
+    out += stream.choice_finish(1, FinishReason.STOP, 4) + stream.finish(FinishReason.STOP, 5, 7)
     assert out.endswith("\n" + MARKER) and out.count(MARKER) == 1
     lines = [json.loads(line) for line in out[: -len(MARKER)].splitlines()]
     assert lines[0]["index"] == 1 and lines[0]["text"] == "Hi"
@@ -35,7 +35,7 @@ def test_native_json_lines():
     assert lines[2] == {"usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}}
     unary = NativeStream(MARKER, streaming=False, json_lines=True)
     assert unary.delta("a") == "" and unary.choice_finish(0, FinishReason.LENGTH, 1) == ""
-    whole = unary.finish(1, 1)
+    whole = unary.finish(FinishReason.STOP, 1, 1)
     assert [json.loads(line) for line in whole[: -len(MARKER)].splitlines()][0] == {"index": 0, "text": "a"}
     failing = NativeStream(MARKER, streaming=True, json_lines=True)
     failing.delta("a")

@@ -113,7 +113,7 @@ def test_completion_json_encoding():
 
 def test_error_event_and_models():
     call = OpenAICall("chat", "smollm2", stream=True, include_usage=False)
-    data = events(call.error_event(ApiError(408, "timeout", "late")))
+    data = events(call.fail(ApiError(408, "timeout", "late")))
     assert json.loads(data[0])["error"]["code"] == "timeout" and data[-1] == "[DONE]"
     assert json.loads(models_list("smollm2", 1))["data"][0]["id"] == "smollm2"
 

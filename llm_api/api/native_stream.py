@@ -66,13 +66,14 @@ class NativeStream:
             return self._out(self._line(line))
         return self._out(text)
 
-    def choice_finish(self, index: int, reason: FinishReason, num_tokens: int) -> str:
+    def choice_finish(self, index: int, reason: FinishReason, num_tokens: int = 0) -> str:
         if not self.json_lines:
             return ""
         return self._out(self._line({"index": index, "finish_reason": reason.value, "completion_tokens": num_tokens}))
 
-    def finish(self, num_prompt_tokens: int = 0, num_generated_tokens: int = 0) -> str:
-        """The final payload of a complete answer: the marker (after the held text when unary)."""
+    def finish(self, reason: FinishReason | None = None, num_prompt_tokens: int = 0, num_generated_tokens: int = 0) -> str:
+        """The final payload of a complete answer: the marker (after the held text when unary); ``reason``
+        is in the choices' lines already."""
         tail = ""
         if self.json_lines:
             tail = self._line({"usage": {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_generated_tokens,
@@ -87,6 +88,9 @@ class NativeStream:
         if self.json_lines:
             text += "\n"  # its own line, like every other
         return "\n" + text if self.started and not self.json_lines else text
+
+    def refusal(self, error: ApiError) -> str:
+        return error.native_text(self.marker)
 
     def _out(self, chunk: str) -> str:
         if not chunk:

@@ -117,6 +117,7 @@ class OpenAICall:
     n: int = 1
     with_logprobs: bool = False
     tool_format: ToolFormat | None = None  # set when the call has tools: the answer's calls are parsed
+    marker: str = ""  # the native end-of-stream marker, kept out of refusals here too (no error ever holds it)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     _text: dict[int, list[str]] = field(default_factory=dict)  # choice -> its content so far (not streaming)
@@ -146,7 +147,7 @@ class OpenAICall:
             return self._content(index, text)
         return self._events(index, self._tool_parser(index).push(text))
 
-    def choice_finish(self, index: int, finish_reason: FinishReason) -> str:
+    def choice_finish(self, index: int, finish_reason: FinishReason, num_generated_tokens: int = 0) -> str:
         """Choice ``index`` ended: what its parser still held, then its finish-reason chunk when streaming."""
         reason = finish_reason.value
         out = ""
@@ -174,9 +175,12 @@ class OpenAICall:
             out += _sse({**self._envelope(), "choices": [], "usage": usage})
         return out + "data: [DONE]\n\n"
 
-    def error_event(self, err: ApiError) -> str:
+    def fail(self, err: ApiError) -> str:
         """An error after the stream began: one SSE event in OpenAI's error shape, then [DONE]."""
         return _sse(err.openai_json()) + "data: [DONE]\n\n"
+
+    def refusal(self, err: ApiError) -> str:
+        return err.openai_text(self.marker)
 
     @property
     def _object(self) -> str:

@@ -35,7 +35,7 @@ from llm_api.api.native_stream import GRPC_MAX_MESSAGE_BYTES
 from llm_api.api.request import CancelRequest
 from llm_api.proto import inference_pb2, inference_pb2_grpc
 from llm_api.server.http_api import ServerState, new_request_id
-from llm_api.service.answer import Chunk, Refusal, native_parts, parse_native
+from llm_api.service.answer import Chunk, Refusal, encoded_parts, native_encoder, parse_native
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +89,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
                     parsed.stream = False
                 # A unary answer is one message, which gRPC clients refuse above 4 MiB by default.
                 max_unary_bytes = None if parsed.stream else GRPC_MAX_MESSAGE_BYTES
-                async with aclosing(native_parts(service, parsed, request_id, state.marker,
-                                                 max_unary_bytes)) as parts:
+                encoder = native_encoder(parsed, state.marker, max_unary_bytes)
+                async with aclosing(encoded_parts(service, parsed, encoder, request_id, state.marker)) as parts:
                     async for part in parts:
                         if isinstance(part, Refusal):
                             yield part.body

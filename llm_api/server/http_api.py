@@ -55,8 +55,8 @@ from llm_api.server.transport import (
     read_body,
     write,
 )
-from llm_api.service.answer import (Chunk, Refusal, native_error_tail, native_parts, openai_parts,
-                                    parse_detokenize_call, parse_native, parse_openai, parse_tokenize_call)
+from llm_api.service.answer import (Chunk, Refusal, encoded_parts, native_encoder, parse_detokenize_call, parse_native,
+                                    parse_openai, parse_tokenize_call)
 from llm_api.service.service import ModelService
 
 logger = logging.getLogger(__name__)
@@ -244,8 +244,8 @@ async def predictions(request: web.Request) -> web.StreamResponse:
         logger.info("cancel of request %s: %s", parsed.target_id[:64], "done" if found else "not running")
         return _response(200, json.dumps({"cancelled": found}), JSON_CONTENT_TYPE, request_id)
     _serving(state)
-    parts = native_parts(service, parsed, request_id, state.marker)
-    return await _answer(request, parts, lambda error: native_error_tail(parsed, state.marker, error))
+    encoder = native_encoder(parsed, state.marker)
+    return await _answer(request, encoded_parts(service, parsed, encoder, request_id, state.marker), encoder.fail)
 
 
 def _serving_or_cancel(state: ServerState) -> ModelService:
@@ -276,8 +276,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _openai(request: web.Request, api: str) -> web.StreamResponse:
     service = _serving(request.app[STATE])
     generate_request, call = await parse_openai(service, api, await read_body(request, request.app[STATE].limits))
-    parts = openai_parts(service, generate_request, call, request["request_id"], service.settings.end_of_stream_token)
-    return await _answer(request, parts, call.error_event)
+    call.marker = service.settings.end_of_stream_token
+    return await _answer(request, encoded_parts(service, generate_request, call, request["request_id"]), call.fail)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -9,17 +9,15 @@ between are the same and live here, so the two edges cannot drift apart:
   serving the other streams meanwhile. They raise ``ApiError``. ``parse_tokenize_call(service, body)`` /
   ``parse_detokenize_call(service, body)``: the tokenizer routes' bodies (``llm_api.api.tokenize``), the
   same way (a /detokenize body may hold a million ids).
-* ``native_parts(service, request, request_id, marker, max_unary_bytes)`` / ``openai_parts(service,
-  request, call, request_id, marker)``: ``service.generate``'s events (text deltas and choice ends of
-  every choice, then one ``Finished``) turned into what the client receives, as ``Part``s: ``Chunk``
-  (send it now, the answer is a 200 from here on), then exactly one of ``Final`` (the last payload of a
-  200 answer, possibly the whole answer when nothing was streamed) or ``Refusal`` (the request failed
-  before anything was sent: its status and error body). Chunks and finals carry their content type
-  (the native ``output`` or the OpenAI ``stream`` choice decides it). ``ApiError`` from admission, or a
-  unary answer outgrowing ``max_unary_bytes`` (``response_too_large``), propagates before the first
-  part, as from ``service.generate``.
-* ``native_error_tail(request, marker)``: how a native answer that broke mid-stream for an unexpected
-  reason ends (the edge writes it after the chunks already sent).
+* ``encoded_parts(service, request, encoder, request_id, marker)``: ``service.generate``'s events (text
+  deltas and choice ends of every choice, then one ``Finished``) through any ``AnswerEncoder``
+  (``llm_api.api.encoding``: native, OpenAI chat/completions, responses) into what the client receives,
+  as ``Part``s: ``Chunk`` (send it now, the answer is a 200 from here on), then exactly one of ``Final``
+  (the last payload of a 200 answer, possibly the whole answer when nothing was streamed) or ``Refusal``
+  (the request failed before anything was sent: its status and error body). Chunks and finals carry the
+  encoder's content type. ``ApiError`` from admission, or a unary answer outgrowing the native
+  encoder's ``max_unary_bytes`` (``response_too_large``), propagates before the first part, as from
+  ``service.generate``. ``native_encoder(request, marker, max_unary_bytes)`` builds the native one.
 
 Leaving the iteration early (a client that went away) closes ``service.generate``, which aborts the
 request and frees its KV blocks.
@@ -33,7 +31,7 @@ from typing import Any, AsyncGenerator, Mapping
 
 from llm_api.api import openai
 from llm_api.api.native import parse_request
-from llm_api.api.errors import ApiError
+from llm_api.api.encoding import AnswerEncoder
 from llm_api.api.native_stream import NativeStream
 from llm_api.api.request import CancelRequest, GenerateRequest
 from llm_api.api.tokenize import TokenizeRequest, parse_detokenize, parse_tokenize
@@ -97,62 +95,34 @@ async def parse_detokenize_call(service: ModelService, body: bytes) -> list[int]
     return parse_detokenize(*args)
 
 
-def _native_stream(request: GenerateRequest, marker: str, max_unary_bytes: int | None = None) -> NativeStream:
+def native_encoder(request: GenerateRequest, marker: str, max_unary_bytes: int | None = None) -> NativeStream:
+    """The native format's encoder for ``request`` (its ``output`` and ``stream`` decide the shape)."""
     json_lines = request.output == "jsonl"
     return NativeStream(marker, streaming=request.stream, json_lines=json_lines,
                         with_logprobs=request.params.logprobs is not None, max_unary_bytes=max_unary_bytes)
 
 
-def native_error_tail(request: GenerateRequest, marker: str, error: ApiError) -> str:
-    stream = _native_stream(request, marker)
-    stream.started = True
-    return stream.fail(error)
-
-
-async def native_parts(service: ModelService, request: GenerateRequest, request_id: str, marker: str,
-                       max_unary_bytes: int | None = None) -> AsyncGenerator[Part, None]:
-    stream = _native_stream(request, marker, max_unary_bytes)
-    kind = stream.content_type
+async def encoded_parts(service: ModelService, request: GenerateRequest, encoder: AnswerEncoder, request_id: str,
+                        marker: str = "") -> AsyncGenerator[Part, None]:
+    """``service.generate``'s events through ``encoder``: chunks, then the final part or the refusal.
+    ``marker``: text the detokenizer keeps out of the answer (the native end-of-stream marker)."""
+    started = False
+    kind = encoder.content_type
     async with aclosing(service.generate(request, request_id, marker)) as events:
         async for event in events:
             if isinstance(event, TextDelta):
-                chunk = stream.delta(event.text, event.index, event.logprobs)
+                chunk = encoder.delta(event.text, event.index, event.logprobs)
             elif isinstance(event, ChoiceFinished):
-                chunk = stream.choice_finish(event.index, event.reason, event.num_generated_tokens)
-            elif event.error is None:
-                yield Final(stream.finish(event.num_prompt_tokens, event.num_generated_tokens), kind)
-                return
-            elif not stream.started:
-                yield Refusal(event.error.status, event.error.native_text(marker), event.error.headers())
-                return
-            else:
-                yield Final(stream.fail(event.error), kind)
-                return
-            if chunk:
-                yield Chunk(chunk, kind)
-    raise RuntimeError("the request ended without a final event")
-
-
-async def openai_parts(service: ModelService, request: GenerateRequest, call: openai.OpenAICall, request_id: str,
-                       marker: str = "") -> AsyncGenerator[Part, None]:
-    """``marker``: the native end-of-stream marker, kept out of refusals here too (no error ever holds it)."""
-    started = False
-    kind = call.content_type
-    async with aclosing(service.generate(request, request_id)) as events:
-        async for event in events:
-            if isinstance(event, TextDelta):
-                chunk = call.delta(event.text, event.index, event.logprobs)
-            elif isinstance(event, ChoiceFinished):
-                chunk = call.choice_finish(event.index, event.reason)
+                chunk = encoder.choice_finish(event.index, event.reason, event.num_generated_tokens)
             elif event.error is None:
                 assert event.reason is not None  # a Finished without an error has its reason (Generation._finished)
-                yield Final(call.finish(event.reason, event.num_prompt_tokens, event.num_generated_tokens), kind)
+                yield Final(encoder.finish(event.reason, event.num_prompt_tokens, event.num_generated_tokens), kind)
                 return
             elif not started:
-                yield Refusal(event.error.status, event.error.openai_text(marker), event.error.headers())
+                yield Refusal(event.error.status, encoder.refusal(event.error), event.error.headers())
                 return
             else:
-                yield Final(call.error_event(event.error), kind)
+                yield Final(encoder.fail(event.error), kind)
                 return
             if chunk:
                 started = True

@@ -35,7 +35,7 @@ from llm_api.api.native_stream import GRPC_MAX_MESSAGE_BYTES
 from llm_api.api.request import CancelRequest
 from llm_api.api.tokenize import detokenize_answer, tokenize_answer
 from llm_api.model.settings import ConfigError, Settings
-from llm_api.service.answer import (Chunk, Part, Refusal, native_parts, openai_parts, parse_detokenize_call,
+from llm_api.service.answer import (Chunk, Part, Refusal, encoded_parts, native_encoder, parse_detokenize_call,
                                     parse_native, parse_openai, parse_tokenize_call)
 from llm_api.service.service import ModelService
 from llm_api.torchserve.metrics_sink import TorchServeMetricSink
@@ -130,8 +130,8 @@ class LLMHandler(BaseHandler):
             request.stream = False
         # A unary gRPC answer is one message, which gRPC clients refuse above 4 MiB by default.
         max_unary_bytes = GRPC_MAX_MESSAGE_BYTES if reply.is_grpc else None
-        return await self._write_parts(reply, native_parts(service, request, reply.request_id, self.marker,
-                                                           max_unary_bytes))
+        encoder = native_encoder(request, self.marker, max_unary_bytes)
+        return await self._write_parts(reply, encoded_parts(service, request, encoder, reply.request_id, self.marker))
 
     # -------------------------------------------------------------------------------------------
     # OpenAI-compatible: /predictions/<model>/<version>/v1/...
@@ -156,7 +156,8 @@ class LLMHandler(BaseHandler):
             token_ids = await parse_detokenize_call(service, body)
             return reply.finish(detokenize_answer(await service.detokenize(token_ids)), JSON_CONTENT_TYPE)
         request, call = await parse_openai(service, api, body)
-        return await self._write_parts(reply, openai_parts(service, request, call, reply.request_id, self.marker),
+        call.marker = self.marker
+        return await self._write_parts(reply, encoded_parts(service, request, call, reply.request_id),
                                        final_as_chunk=True)
 
     # -------------------------------------------------------------------------------------------
