@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 def free_ports(count: int) -> list[int]:
     """``count`` distinct free ports: all sockets are held open together while the kernel picks, since
     one bound and closed at a time may be handed out twice. Under pytest-xdist each worker takes only the
-    ports whose number modulo the worker count is its own index: a port is free from the moment it is
+    ports whose half (port // 2) modulo the worker count is its own index: a port is free from the moment it is
     picked until the server binds it seconds later, and in that window another worker's pick could land
     on it; with the ports split by residue no two workers can ever pick the same one."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -43,7 +43,9 @@ def free_ports(count: int) -> list[int]:
             sockets.append(s)
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-            if port % workers == index % workers:
+            # By port // 2: Linux hands odd ports to bind(0) first (even ones are kept for connect()), so
+            # the port's own residue would starve every even-numbered worker when two run.
+            if (port // 2) % workers == index % workers:
                 ports.append(port)
             if len(sockets) > 1000 * count:
                 raise RuntimeError(f"no {count} free ports for xdist worker {index} of {workers}")

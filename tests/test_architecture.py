@@ -10,6 +10,7 @@ nothing from the engine.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "llm_api"
@@ -83,3 +84,59 @@ def test_the_rule_catches_an_upward_import(tmp_path):
     bad.write_text("from llm_api.service.service import ModelService\n")
     imported = _imports(bad)
     assert any(RANK[_layer(i)] < RANK["engine"] for i in imported if _layer(i) in RANK)
+
+
+# ---------------------------------------------------------------------------------------------------
+# One route table: the edges move bytes; every route is one line of llm_api/service/routes/table.py
+
+EDGES = ("llm_api.torchserve.llm_handler", "llm_api.server.http_api", "llm_api.server.grpc_api")
+# What parses a request or encodes an answer: only route modules (and the service) may use these.
+ROUTE_LOGIC = ("llm_api.api.native", "llm_api.api.openai", "llm_api.api.tokenize", "llm_api.api.native_stream",
+               "llm_api.api.responses", "llm_api.service.answer.encoded_parts", "llm_api.service.answer.parse_")
+ROUTE_PATH = re.compile(r"""["'](/?v1/|/?tokenize|/?detokenize|/?health|/?ready|/?metrics|/?predictions)""")
+
+
+def _edge_problems(path: Path) -> list[str]:
+    problems = [f"imports {i}" for i in _imports(path) if i.startswith(ROUTE_LOGIC)]
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+                and ROUTE_PATH.match(repr(node.value))):
+            problems.append(f"names the route path {node.value!r}")
+    return problems
+
+
+def test_the_edges_hold_no_route_logic():
+    """The TorchServe handler, the HTTP server and the gRPC servicer import no request format or encoder and
+    name no route path: they find routes in the table and write what the routes answer."""
+    modules = _modules()
+    problems = {edge: _edge_problems(modules[edge]) for edge in EDGES}
+    assert not any(problems.values()), problems
+
+
+def test_the_edge_rule_can_fail(tmp_path):
+    bad = tmp_path / "edge.py"
+    bad.write_text('from llm_api.api.openai import parse_call\nif path == "v1/chat/completions":\n    pass\n')
+    problems = _edge_problems(bad)
+    assert "imports llm_api.api.openai" in problems and "names the route path 'v1/chat/completions'" in problems
+
+
+def test_every_route_is_one_table_line_served_by_the_edges():
+    """Each route module is named by the table, each route has a path on at least one edge, and no two
+    routes claim one method and path."""
+    from llm_api.service.routes import table
+    from llm_api.service.routes.route import Route
+
+    assert all(isinstance(r, Route) for r in table.ROUTES)
+    claimed = [(r.method, edge, p) for r in table.ROUTES for edge, paths in (("server", r.paths),
+                                                                               ("torchserve", r.model_paths))
+               for p in paths]
+    assert len(claimed) == len(set(claimed))
+    assert all(r.paths or r.model_paths for r in table.ROUTES)
+    route_modules = {m for m in _modules() if m.startswith("llm_api.service.routes.")} - {
+        "llm_api.service.routes.route", "llm_api.service.routes.table"}
+    used = {r.answer.__module__ for r in table.ROUTES}
+    assert route_modules == used, route_modules ^ used

@@ -31,13 +31,17 @@ from typing import AsyncGenerator
 import grpc
 
 from llm_api.api.errors import ApiError, internal_error
-from llm_api.api.native_stream import GRPC_MAX_MESSAGE_BYTES
-from llm_api.api.request import CancelRequest
 from llm_api.proto import inference_pb2, inference_pb2_grpc
 from llm_api.server.http_api import ServerState, new_request_id
-from llm_api.service.answer import Chunk, Refusal, encoded_parts, native_encoder, parse_native
+from llm_api.service.answer import Chunk, Refusal
+from llm_api.service.routes.route import Call, RouteContext, Whole
+from llm_api.service.routes.table import BY_NAME, answer
 
 logger = logging.getLogger(__name__)
+# The route's refusals that are a call's status rather than an answer (every other refusal is one message
+# holding the native error object, as TorchServe sends it).
+STATUS_OF_CODE = {"model_not_found": grpc.StatusCode.NOT_FOUND, "loading": grpc.StatusCode.UNAVAILABLE,
+                  "shutting_down": grpc.StatusCode.UNAVAILABLE}
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
@@ -68,29 +72,31 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
         if not state.auth.allows(metadata.get("authorization")):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer key (metadata "
                                                                  "'authorization: Bearer <key>')")
-        service = state.service
-        if service is None or state.lifecycle.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is loading" if service is None else
-                                "the server is shutting down; retry on another replica")
-        assert service is not None  # (context.abort raised above)
-        if request.model_name != service.model_name:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no model {request.model_name[:64]!r}; this server serves "
-                                                           f"{service.model_name!r}")
         request_id = new_request_id()
+        route = BY_NAME["generate"]  # every call is the native route (the input map is its form fields)
+        call = Call(request_id, "POST", dict(request.input), grpc=True, grpc_stream=streaming_call)
+        ctx = RouteContext(state.marker, state.service, state.lifecycle.draining)
         await context.send_initial_metadata((("x-request-id", request_id),))
+        try:
+            result = await answer(route, {"model": request.model_name}, ctx, call)
+        except ApiError as error:
+            status = STATUS_OF_CODE.get(error.code)
+            if status is None:  # a refusal: one message with the error object, as from TorchServe
+                logger.info("request %s refused: %s", request_id, error.code)
+                yield error.native_text(state.marker)
+                return
+            await context.abort(status, error.message)
+        except Exception:  # a bug while parsing costs this call only
+            logger.exception("request %s failed", request_id)
+            yield internal_error("the server failed to handle this request").native_text(state.marker)
+            return
         started = False  # a chunk went out: a later error follows on its own line
         with state.lifecycle.track(request_id):
             try:
-                parsed = await parse_native(service, dict(request.input), default_stream=False)
-                if isinstance(parsed, CancelRequest):
-                    yield json.dumps({"cancelled": service.cancel(parsed.target_id)})
+                if isinstance(result, Whole):
+                    yield result.body if isinstance(result.body, str) else result.body.decode("utf-8")
                     return
-                if not streaming_call:
-                    parsed.stream = False
-                # A unary answer is one message, which gRPC clients refuse above 4 MiB by default.
-                max_unary_bytes = None if parsed.stream else GRPC_MAX_MESSAGE_BYTES
-                encoder = native_encoder(parsed, state.marker, max_unary_bytes)
-                async with aclosing(encoded_parts(service, parsed, encoder, request_id, state.marker)) as parts:
+                async with aclosing(result.parts) as parts:
                     async for part in parts:
                         if isinstance(part, Refusal):
                             yield part.body

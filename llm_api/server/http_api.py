@@ -1,20 +1,16 @@
-"""The standalone server's HTTP routes on aiohttp's own server.
+"""The standalone server's HTTP edge on aiohttp's own server: bytes in, the route table's answers out.
 
-Routes (the bodies and answers are the TorchServe path's: ``llm_api.service.answer``):
-
-* ``POST /predictions/<model>``: the native format, a JSON body or form fields; the answer streams as
-  chunked text ending with the end-of-stream marker (``stream: false``: one body); ``{"cancel": id}``
-  ends the request whose ``x-request-id`` is ``id``;
-* ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when ``stream``), ``GET /v1/models``;
-* ``POST /tokenize``, ``POST /detokenize`` (vLLM's shapes, ``llm_api.api.tokenize``);
-* ``GET /health`` (liveness: the process serves and its engine thread lives), ``GET /ready`` (readiness:
-  model loaded, engine stepping, not draining), ``GET /metrics`` (Prometheus text) -- these three need
-  no key and never wait behind generation (they read snapshots).
+Every path goes to one handler, which finds the route in ``llm_api.service.routes.table`` (the same
+table the TorchServe handler and the gRPC servicer use: native ``POST /predictions/<model>``, the OpenAI
+routes below ``/v1/``, ``/tokenize``, ``/detokenize``, the probes ``/health`` and ``/ready`` and
+``/metrics``), hands it a ``Call`` and writes the ``Whole`` or ``Streamed`` answer: chunks as a chunked
+200, or one response when nothing streamed. A form body (native route) is read into the same fields
+TorchServe hands its handler.
 
 Every answer carries ``x-request-id``, a random id issued here (``secrets.token_urlsafe``). Every route
-but the three probes needs ``Authorization: Bearer <key>`` (401 otherwise, in the route's error shape,
-and also for paths that do not exist, so a client without the key learns nothing). While the model
-loads or the server drains, the generation routes answer 503.
+but the public ones (the probes and metrics) needs ``Authorization: Bearer <key>`` (401 otherwise, in
+the route's error shape, and also for paths that do not exist, so a client without the key learns
+nothing). While the model loads or the server drains, the generation routes answer 503.
 
 A client that goes away: the server runs with ``handler_cancellation`` on, so aiohttp cancels the
 handler's task as soon as the connection is lost, wherever it is waiting (admission, the first token,
@@ -22,14 +18,13 @@ between chunks); the cancellation closes ``service.generate``, which aborts the 
 and frees its KV blocks at the engine's next step. A write to a connection already closed ends the same
 way, and so does a client that stops reading (a write that does not finish within ``WRITE_TIMEOUT_S``);
 the other transport limits (slow heads and bodies, sizes, the connection cap) are
-``llm_api.server.transport``'s. Errors a request causes are its own: its status before the first chunk, an error line (native) or
-event (SSE) after.
+``llm_api.server.transport``'s. Errors a request causes are its own: its status before the first chunk,
+the format's in-band error (native line, SSE event) after.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 from contextlib import aclosing
@@ -38,10 +33,7 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
-from llm_api.api import openai
-from llm_api.api.errors import DEFAULT_RETRY_AFTER_S, ApiError, echo, internal_error
-from llm_api.api.request import CancelRequest
-from llm_api.api.tokenize import detokenize_answer, tokenize_answer
+from llm_api.api.errors import ApiError, internal_error
 from llm_api.model.settings import Settings
 from llm_api.server.auth import BearerAuth
 from llm_api.server.lifecycle import Lifecycle
@@ -55,18 +47,17 @@ from llm_api.server.transport import (
     read_body,
     write,
 )
-from llm_api.service.answer import (Chunk, Refusal, encoded_parts, native_encoder, parse_detokenize_call, parse_native,
-                                    parse_openai, parse_tokenize_call)
+from llm_api.service.answer import Chunk, Refusal
+from llm_api.service.routes.route import Call, RouteContext, Whole, error_body
+from llm_api.service.routes.table import answer, error_shape, find, is_public
 from llm_api.service.service import ModelService
 
 logger = logging.getLogger(__name__)
 
 
 JSON_CONTENT_TYPE = "application/json"
-PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics"})
 FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
 REQUEST_ID_BYTES = 18
-LOADING_RETRY_AFTER_S = 5  # the embedded model loads in seconds; a client polling faster only adds load
 
 
 @dataclass
@@ -93,17 +84,7 @@ def new_request_id() -> str:
 def build_app(state: ServerState) -> web.Application:
     app = web.Application(client_max_size=state.max_request_bytes, middlewares=[_edge])
     app[STATE] = state
-    app.add_routes([
-        web.get("/health", health),
-        web.get("/ready", ready),
-        web.get("/metrics", metrics),
-        web.post("/predictions/{model}", predictions),
-        web.get("/v1/models", models),
-        web.post("/v1/completions", completions),
-        web.post("/v1/chat/completions", chat_completions),
-        web.post("/tokenize", tokenize),
-        web.post("/detokenize", detokenize),
-    ])
+    app.router.add_route("*", "/{path:.*}", dispatch)
     return app
 
 
@@ -111,18 +92,14 @@ def build_app(state: ServerState) -> web.Application:
 # the middleware: request id, auth, error shapes
 
 
-def _is_native(path: str) -> bool:
-    return path.startswith("/predictions/")
-
-
-def _error_response(path: str, error: ApiError, marker: str, request_id: str) -> web.Response:
-    body = error.native_text(marker) if _is_native(path) else error.openai_text(marker)
+def _error_response(path: str, error: ApiError, marker: str, request_id: str, shape: str | None = None) -> web.Response:
+    body = error_body(shape or error_shape(path, "server"), error, marker)
     return _response(error.status, body, JSON_CONTENT_TYPE, request_id, error.headers())
 
 
 def _response(status: int, body: str | bytes, content_type: str, request_id: str,
               headers: dict[str, str] | None = None) -> web.Response:
-    """``headers``: an error's own (``Retry-After``); never request data."""
+    """``headers``: an answer's own (``Retry-After``); never request data."""
     data = body.encode("utf-8") if isinstance(body, str) else body
     return web.Response(status=status, body=data, headers={"Content-Type": content_type, "x-request-id": request_id,
                                                            **(headers or {})})
@@ -141,81 +118,43 @@ async def _edge(request: web.Request, handler: Callable[[web.Request], Awaitable
     request_id = new_request_id()
     request["request_id"] = request_id
     path = request.path
-    if path not in PUBLIC_PATHS and (refusal := over_connection_cap(state.open_connections, state.limits)):
+    public = is_public(path)
+    if not public and (refusal := over_connection_cap(state.open_connections, state.limits)):
         return _closing(_error_response(path, refusal, state.marker, request_id))  # (a 503: Retry-After)
-    if path not in PUBLIC_PATHS and not state.auth.allows(request.headers.get("Authorization")):
+    if not public and not state.auth.allows(request.headers.get("Authorization")):
         return _error_response(path, ApiError(401, "unauthorized", "missing or wrong bearer key (header "
                                                                    "'Authorization: Bearer <key>')"),
                                state.marker, request_id)
     try:
         return await handler(request)
-    except ApiError as error:  # a refusal before anything was sent
-        logger.info("request %s refused: %s", request_id, error.code)
-        response = _error_response(path, error, state.marker, request_id)
-        return _closing(response) if error.status == 408 else response
+    except RouteError as error:  # a refusal before anything was sent, in its route's shape
+        logger.info("request %s refused: %s", request_id, error.error.code)
+        response = _error_response(path, error.error, state.marker, request_id, error.shape)
+        return _closing(response) if error.error.status == 408 else response
     except web.HTTPRequestEntityTooLarge:  # (the rest of the body is not read: the connection closes)
         return _closing(_error_response(path, ApiError(413, "request_too_large", "the body is larger than "
                                                        f"MAX_REQUEST_BYTES={state.max_request_bytes}"),
                                         state.marker, request_id))
-    except web.HTTPMethodNotAllowed as exc:
-        return _error_response(path, ApiError(405, "method_not_allowed", f"{request.method} is not allowed here; "
-                                                                         f"use {', '.join(sorted(exc.allowed_methods))}"),
-                               state.marker, request_id)
-    except web.HTTPNotFound:
-        return _error_response(path, ApiError(404, "not_found", f"no route {echo(path)}"), state.marker, request_id)
     except web.HTTPException as exc:
         return _error_response(path, ApiError(exc.status, "http_error", exc.reason), state.marker, request_id)
 
 
-def _probe_headers(ok: bool) -> dict[str, str]:
-    """A probe's 503 says when to look again, like every other 503."""
-    return {} if ok else {"Retry-After": str(DEFAULT_RETRY_AFTER_S)}
+class RouteError(Exception):
+    """An ``ApiError`` raised while serving a route, with the shape to render it in."""
 
-
-def _serving(state: ServerState) -> ModelService:
-    """The service, if it takes new requests now (else the 503 the edge sends)."""
-    if state.service is None:
-        raise ApiError(503, "loading", "the model is still loading; retry shortly", retry_after=LOADING_RETRY_AFTER_S)
-    if state.lifecycle.draining:
-        raise ApiError(503, "shutting_down", "the server is shutting down; retry on another replica")
-    return state.service
+    def __init__(self, error: ApiError, shape: str):
+        super().__init__(error.message)
+        self.error = error
+        self.shape = shape
 
 
 # ---------------------------------------------------------------------------------------------------
-# probes and metrics
+# the one handler
 
 
-async def health(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    alive = state.service is None or state.service.loop.alive
-    body = json.dumps({"status": "alive" if alive else "engine_stopped"})
-    return _response(200 if alive else 503, body, JSON_CONTENT_TYPE, request["request_id"], _probe_headers(alive))
-
-
-async def ready(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    if state.service is None:
-        answer = {"ready": False, "status": "loading"}
-    else:
-        answer = state.service.metrics.health().to_json()
-        if state.lifecycle.draining:
-            answer.update(ready=False, status="draining")
-    return _response(200 if answer["ready"] else 503, json.dumps(answer), JSON_CONTENT_TYPE, request["request_id"],
-                     _probe_headers(bool(answer["ready"])))
-
-
-async def metrics(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    return _response(200, state.metrics.render(), METRICS_CONTENT_TYPE, request["request_id"])
-
-
-# ---------------------------------------------------------------------------------------------------
-# the native format
-
-
-async def _native_row(request: web.Request) -> dict:
+async def _row(request: web.Request) -> dict:
     """The request as TorchServe hands it to the handler: a JSON body as ``{"body": bytes}``, form fields
-    as ``{name: bytes}`` (so the one parser in ``llm_api.api.native`` sees the same rows)."""
+    as ``{name: bytes}`` (so the native parser sees the same rows), nothing for a body-less request."""
     limits = request.app[STATE].limits
     if request.content_type in FORM_TYPES:
         form = await read_body(request, limits, form=True)
@@ -228,74 +167,31 @@ async def _native_row(request: web.Request) -> dict:
                 value = value.file.read()
             row[name] = value.encode("utf-8") if isinstance(value, str) else value
         return row
+    if request.method in ("GET", "HEAD", "DELETE") and not request.body_exists:
+        return {}
     return {"body": await read_body(request, limits)}
 
 
-async def predictions(request: web.Request) -> web.StreamResponse:
+async def dispatch(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     request_id = request["request_id"]
-    service = _serving_or_cancel(state)
-    if request.match_info["model"] != service.model_name:
-        raise ApiError(404, "model_not_found", f"no model {echo(request.match_info['model'])}; this server serves "
-                       f"{service.model_name!r}")
-    parsed = await parse_native(service, await _native_row(request), default_stream=True)
-    if isinstance(parsed, CancelRequest):
-        found = service.cancel(parsed.target_id)
-        logger.info("cancel of request %s: %s", parsed.target_id[:64], "done" if found else "not running")
-        return _response(200, json.dumps({"cancelled": found}), JSON_CONTENT_TYPE, request_id)
-    _serving(state)
-    encoder = native_encoder(parsed, state.marker)
-    return await _answer(request, encoded_parts(service, parsed, encoder, request_id, state.marker), encoder.fail)
-
-
-def _serving_or_cancel(state: ServerState) -> ModelService:
-    """Like ``_serving``, but a drain still takes cancels (they help it finish)."""
-    if state.service is None:
-        raise ApiError(503, "loading", "the model is still loading; retry shortly", retry_after=LOADING_RETRY_AFTER_S)
-    return state.service
-
-
-# ---------------------------------------------------------------------------------------------------
-# OpenAI-compatible routes
-
-
-async def models(request: web.Request) -> web.Response:
-    service = _serving_or_cancel(request.app[STATE])
-    return _response(200, openai.models_list(service.model_name, service.created), JSON_CONTENT_TYPE,
-                     request["request_id"])
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await _openai(request, "completions")
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _openai(request, "chat")
-
-
-async def _openai(request: web.Request, api: str) -> web.StreamResponse:
-    service = _serving(request.app[STATE])
-    generate_request, call = await parse_openai(service, api, await read_body(request, request.app[STATE].limits))
-    call.marker = service.settings.end_of_stream_token
-    return await _answer(request, encoded_parts(service, generate_request, call, request["request_id"]), call.fail)
-
-
-# ---------------------------------------------------------------------------------------------------
-# tokenizer routes
-
-
-async def tokenize(request: web.Request) -> web.Response:
-    service = _serving(request.app[STATE])
-    parsed = await parse_tokenize_call(service, await read_body(request, request.app[STATE].limits))
-    token_ids = await service.tokenize(parsed)
-    return _response(200, tokenize_answer(token_ids, service.max_model_len), JSON_CONTENT_TYPE, request["request_id"])
-
-
-async def detokenize(request: web.Request) -> web.Response:
-    service = _serving(request.app[STATE])
-    token_ids = await parse_detokenize_call(service, await read_body(request, request.app[STATE].limits))
-    text = await service.detokenize(token_ids)
-    return _response(200, detokenize_answer(text), JSON_CONTENT_TYPE, request["request_id"])
+    shape = error_shape(request.path, "server")
+    try:
+        route, params = find(request.method, request.path, "server")
+        shape = route.errors
+        headers = {name.lower(): value for name, value in request.headers.items()}
+        call = Call(request_id, request.method, await _row(request), headers)
+        ctx = RouteContext(state.marker, state.service, state.lifecycle.draining,
+                           lambda: (state.metrics.render(), METRICS_CONTENT_TYPE))
+        result = await answer(route, params, ctx, call)
+    except ApiError as error:
+        raise RouteError(error, shape) from None
+    if isinstance(result, Whole):
+        return _response(result.status, result.body, result.content_type, request_id, result.headers)
+    try:
+        return await _answer(request, result.parts, result.encoder.fail)
+    except ApiError as error:
+        raise RouteError(error, shape) from None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -11,17 +11,17 @@ runs through the same coroutine, ``_serve_row``, whatever the worker mode:
   (every stream of the batch stays open until then, TorchServe's rule), while the engine batches them
   with whatever else is running.
 
-A row is routed on what follows ``/predictions/<model>/<version>/`` (the ``url_path`` header): nothing
--> the native format (``llm_api.api.native``), ``v1/...`` -> the OpenAI-compatible routes
-(``llm_api.api.openai``). Each becomes a ``GenerateRequest`` for ``ModelService.generate``, whose events
-are encoded per format and written with ``llm_api.torchserve.reply.Reply``. Nothing a row does can
-escape it: every exception while handling one request becomes that request's own error.
+The handler moves bytes only: a row becomes a ``Call`` (``llm_api.service.routes``), its route is found
+in the one route table by what follows ``/predictions/<model>/<version>/`` (the ``url_path`` header;
+nothing: the native route; gRPC: always the native route), and the route's answer is written with
+``llm_api.torchserve.reply.Reply``: a whole answer as the final message, a streamed one chunk by chunk.
+Nothing a row does can escape it: every exception while handling one request becomes that request's own
+error, in its route's shape.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from contextlib import aclosing
@@ -29,17 +29,14 @@ from typing import AsyncGenerator
 
 from ts.torch_handler.base_handler import BaseHandler
 
-from llm_api.api import openai
-from llm_api.api.errors import DEFAULT_RETRY_AFTER_S, ApiError, internal_error
-from llm_api.api.native_stream import GRPC_MAX_MESSAGE_BYTES
-from llm_api.api.request import CancelRequest
-from llm_api.api.tokenize import detokenize_answer, tokenize_answer
+from llm_api.api.errors import ApiError, internal_error
 from llm_api.model.settings import ConfigError, Settings
-from llm_api.service.answer import (Chunk, Part, Refusal, encoded_parts, native_encoder, parse_detokenize_call,
-                                    parse_native, parse_openai, parse_tokenize_call)
+from llm_api.service.answer import Chunk, Part, Refusal
+from llm_api.service.routes.route import Call, RouteContext, Whole, error_body
+from llm_api.service.routes.table import answer, error_shape, find
 from llm_api.service.service import ModelService
 from llm_api.torchserve.metrics_sink import TorchServeMetricSink
-from llm_api.torchserve.reply import JSON_CONTENT_TYPE, Reply
+from llm_api.torchserve.reply import Reply
 
 logger = logging.getLogger(__name__)
 
@@ -97,89 +94,39 @@ class LLMHandler(BaseHandler):
 
     async def _serve_row(self, idx: int, row, context):
         reply = Reply(context, idx, self.async_mode)
-        api = None
+        path = "" if reply.is_grpc else (reply.url_path or "")
+        shape = error_shape(path, "torchserve")
         try:
-            api = openai.route(reply.url_path) if not reply.is_grpc else None
-            if api is not None:
-                return await self._serve_openai(reply, api, row)
-            return await self._serve_native(reply, row)
+            route, params = find(None, path, "torchserve", reply.headers)
+            shape = route.errors
+            call = Call(reply.request_id, None, row, reply.headers, grpc=reply.is_grpc,
+                        grpc_stream=reply.is_grpc and self.grpc_streaming)
+            ctx = RouteContext(self.marker, self._service)
+            result = await answer(route, params, ctx, call)
+            if isinstance(result, Whole):
+                if result.status == 200:
+                    return reply.finish(result.body, result.content_type)
+                return reply.refuse(result.status, result.body, result.content_type, result.headers)
+            return await self._write_parts(reply, result.parts)
         except ApiError as err:  # a refusal before anything was sent
             logger.info("request %s refused: %s", reply.request_id, err.code)
-            body = err.openai_text(self.marker) if api is not None or reply.url_path else err.native_text(self.marker)
-            return reply.refuse(err.status, body, headers=err.headers())
+            return reply.refuse(err.status, error_body(shape, err, self.marker), headers=err.headers())
         except Exception:  # a bug must cost this request only, never the worker or the other streams
             logger.exception("request %s failed", reply.request_id)
             error = internal_error("the server failed to handle this request")
             if reply.started:
                 return reply.finish("\n" + error.native_text(self.marker))
-            return reply.refuse(500, error.native_text(self.marker))
+            return reply.refuse(500, error_body(shape, error, self.marker))
 
-    # -------------------------------------------------------------------------------------------
-    # native: /predictions/<model> and gRPC
-
-    async def _serve_native(self, reply: Reply, row):
-        service = self._service
-        request = await parse_native(service, row, default_stream=not reply.is_grpc)
-        if isinstance(request, CancelRequest):
-            found = service.cancel(request.target_id)
-            logger.info("cancel of request %s: %s", request.target_id[:64], "done" if found else "not running")
-            return reply.finish(json.dumps({"cancelled": found}), JSON_CONTENT_TYPE)
-        if reply.is_grpc and not self.grpc_streaming:
-            # A unary Predictions call looks the same as StreamPredictions here, and a second message to a
-            # unary call kills the worker: without GRPC_STREAMING every gRPC answer is one message.
-            request.stream = False
-        # A unary gRPC answer is one message, which gRPC clients refuse above 4 MiB by default.
-        max_unary_bytes = GRPC_MAX_MESSAGE_BYTES if reply.is_grpc else None
-        encoder = native_encoder(request, self.marker, max_unary_bytes)
-        return await self._write_parts(reply, encoded_parts(service, request, encoder, reply.request_id, self.marker))
-
-    # -------------------------------------------------------------------------------------------
-    # OpenAI-compatible: /predictions/<model>/<version>/v1/...
-
-    async def _serve_openai(self, reply: Reply, api: str, row):
-        service = self._service
-        if api == "models":
-            return reply.finish(openai.models_list(service.model_name, service.created), JSON_CONTENT_TYPE)
-        if api == "health":
-            health = service.metrics.health()
-            if not health.ready:
-                return reply.refuse(503, json.dumps(health.to_json()),
-                                    headers={"Retry-After": str(DEFAULT_RETRY_AFTER_S)})
-            return reply.finish(json.dumps(health.to_json()), JSON_CONTENT_TYPE)
-        body = row.get("body") if hasattr(row, "get") else None
-        if body is None:
-            raise ApiError(400, "invalid_json", "send a JSON body (Content-Type: application/json)")
-        if api == "tokenize":
-            token_ids = await service.tokenize(await parse_tokenize_call(service, body))
-            return reply.finish(tokenize_answer(token_ids, service.max_model_len), JSON_CONTENT_TYPE)
-        if api == "detokenize":
-            token_ids = await parse_detokenize_call(service, body)
-            return reply.finish(detokenize_answer(await service.detokenize(token_ids)), JSON_CONTENT_TYPE)
-        request, call = await parse_openai(service, api, body)
-        call.marker = self.marker
-        return await self._write_parts(reply, encoded_parts(service, request, call, reply.request_id),
-                                       final_as_chunk=True)
-
-    # -------------------------------------------------------------------------------------------
-    # writing an answer
-
-    async def _write_parts(self, reply: Reply, parts: AsyncGenerator[Part, None], final_as_chunk: bool = False):
+    async def _write_parts(self, reply: Reply, parts: AsyncGenerator[Part, None]):
         """Write a request's parts (``llm_api.service.answer``): each chunk as it comes, then the final part
-        as the final message, or the refusal.
-
-        ``final_as_chunk`` (the OpenAI routes): the final part goes out as one more chunk and an empty final
-        message closes the answer. That differs from ``reply.finish(payload)`` only in classic mode when
-        nothing was sent before (a non-streamed answer): there the answer is then a chunked body instead
-        of one plain message."""
+        as the final message, or the refusal."""
         async with aclosing(parts):
             async for part in parts:
                 if isinstance(part, Chunk):
                     reply.send(part.payload, part.content_type)
                 elif isinstance(part, Refusal):
                     return reply.refuse(part.status, part.body, headers=part.headers)
-                elif final_as_chunk:
-                    reply.send(part.payload, part.content_type)
-                    return reply.finish("", part.content_type)
                 else:
                     return reply.finish(part.payload, part.content_type)
         raise RuntimeError("the request ended without a final part")

@@ -42,6 +42,8 @@ class Reply:
         self.async_mode = async_mode
         headers = context.request_processor[idx].get_request_properties() if context.request_processor else {}
         self.is_grpc = not any(isinstance(v, str) for v in headers.values())
+        # The request's HTTP headers, lower-case names (gRPC requests carry none).
+        self.headers = {str(k).lower(): v for k, v in headers.items() if isinstance(v, str)}
         url_path = headers.get("url_path")
         # What followed /predictions/<model>/<version>/ (None over gRPC, or for the bare path).
         self.url_path = url_path if isinstance(url_path, str) and url_path.strip("/") else None

@@ -1,0 +1,39 @@
+"""The native route: ``POST /predictions/<model>`` (TorchServe: the model's own path; gRPC: every call).
+
+The body (JSON or form fields, ``llm_api.api.native``) asks for a generation, streamed as text ending
+with the end-of-stream marker (or JSON lines), or, with ``{"cancel": id}``, ends the live request whose
+``x-request-id`` is ``id`` (a drain still takes cancels: they help it finish). Over gRPC the answer is
+one message unless the client reads a stream and the request asks for one (``stream``); a unary answer
+is bounded by gRPC's default message limit (``response_too_large`` beyond it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from llm_api.api.errors import ApiError, echo
+from llm_api.api.native_stream import GRPC_MAX_MESSAGE_BYTES
+from llm_api.api.request import CancelRequest
+from llm_api.service.answer import encoded_parts, native_encoder, parse_native
+from llm_api.service.routes.route import Answer, Call, RouteContext, Streamed, Whole
+
+logger = logging.getLogger(__name__)
+
+
+async def generate(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:
+    service = ctx.loaded()
+    model = params.get("model")
+    if model is not None and model != service.model_name:
+        raise ApiError(404, "model_not_found", f"no model {echo(model)}; this server serves {service.model_name!r}")
+    request = await parse_native(service, call.row, default_stream=not call.grpc)
+    if isinstance(request, CancelRequest):
+        found = service.cancel(request.target_id)
+        logger.info("cancel of request %s: %s", request.target_id[:64], "done" if found else "not running")
+        return Whole(200, json.dumps({"cancelled": found}))
+    ctx.serving()
+    if call.grpc and not call.grpc_stream:
+        request.stream = False  # a second message to a unary call kills TorchServe's worker
+    # A unary gRPC answer is one message, which gRPC clients refuse above 4 MiB by default.
+    encoder = native_encoder(request, ctx.marker, GRPC_MAX_MESSAGE_BYTES if call.grpc else None)
+    return Streamed(encoded_parts(service, request, encoder, call.request_id, ctx.marker), encoder)
