@@ -103,22 +103,19 @@ def _standalone_container(doc: dict) -> dict:
     return doc["spec"]["template"]["spec"]["containers"][0]
 
 
-def _server_routes() -> set[str]:
-    from llm_api.server.auth import BearerAuth
-    from llm_api.server.http_api import ServerState, build_app
-    from llm_api.server.lifecycle import Lifecycle
-    from llm_api.server.metrics import ServerMetrics
+def _public_probe(path: str) -> bool:
+    """Whether `llm_api serve` answers GET ``path`` without a key (the route table decides it)."""
+    from llm_api.service.routes import table
 
-    app = build_app(ServerState("<|endoftext|>", BearerAuth(None), Lifecycle(), ServerMetrics("smollm2"), 1 << 20))
-    return {resource.canonical for resource in app.router.resources()}
+    route, _ = table.find("GET", path, "server")
+    return route.public and table.is_public(path)
 
 
 def test_standalone_deployment_probes_drain_and_ports():
     deployment, service = yaml.safe_load_all((REPO / "deploy" / "standalone-deployment.yaml").read_text())
     container = _standalone_container(deployment)
-    routes = _server_routes()
-    assert container["readinessProbe"]["httpGet"]["path"] == "/ready" and "/ready" in routes
-    assert container["livenessProbe"]["httpGet"]["path"] == "/health" and "/health" in routes
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready" and _public_probe("/ready")
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health" and _public_probe("/health")
     assert container["command"][-1] == "serve" and "0.0.0.0" in container["args"]
     env = {e["name"]: e for e in container["env"]}
     assert "secretKeyRef" in env["LLM_API_KEY"]["valueFrom"]  # auth stays on: the probes need no key
