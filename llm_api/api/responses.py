@@ -52,7 +52,8 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Di
 
 from llm_api.api.constraints import json_object_constraint, json_schema_constraint, tool_constraint
 from llm_api.api.errors import ApiError, echo
-from llm_api.api.fields import Number, StrictFlag, StrictWholeNumber, Text, check_text, fail
+from llm_api.api.fields import (Number, StrictFlag, StrictWholeNumber, Text, check_text, fail, field_path, first_error,
+                                is_type_error, message_of, unknown_fields)
 from llm_api.api.logprobs import LogprobItem
 from llm_api.api.openai import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, ToolName, api_error
 from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, Constraint, GenerateRequest, Limits, WorkFields
@@ -114,7 +115,7 @@ class InputTextPart(_Strict):
 class MessageItem(_Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: Text | Annotated[list[TextPart], Field(max_length=MAX_PARTS)]
+    content: TextOr(TextPart)  # type: ignore[valid-type]
     id: Label | None = None
     status: ItemStatus | None = None
 
@@ -134,7 +135,7 @@ class FunctionCallItem(_Strict):
 class FunctionCallOutputItem(_Strict):
     type: Literal["function_call_output"]
     call_id: Label
-    output: Text | Annotated[list[InputTextPart], Field(max_length=MAX_PARTS)]
+    output: TextOr(InputTextPart)  # type: ignore[valid-type]
     id: Label | None = None
     status: ItemStatus | None = None
 
@@ -160,15 +161,33 @@ class ReasoningItem(_Strict):
         return "\n\n".join(p.text for p in parts)
 
 
+# Unions are tagged, so that an error is reported for the branch the value is (a list's error, not the
+# string's); tags start with TAG_MARK and are left out of the field path an error names.
+TAG_MARK = "~"
+
+
 def _item_kind(value: Any) -> str | None:
     if isinstance(value, dict):
-        return value.get("type", "message")
-    return getattr(value, "type", None)
+        return TAG_MARK + str(value.get("type", "message"))
+    kind = getattr(value, "type", None)
+    return None if kind is None else TAG_MARK + kind
 
 
-InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
-                            Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-                            Annotated[ReasoningItem, Tag("reasoning")]], Discriminator(_item_kind)]
+def _text_or_list(value: Any) -> str:
+    return TAG_MARK + ("list" if isinstance(value, list) else "text")
+
+
+def TextOr(parts: Any) -> Any:  # noqa: N802 (a type factory)
+    """A string or a list of ``parts`` (at most MAX_PARTS), tagged by the value's JSON type."""
+    return Annotated[Union[Annotated[Text, Tag(TAG_MARK + "text")],
+                           Annotated[list[parts], Field(max_length=MAX_PARTS), Tag(TAG_MARK + "list")]],
+                     Discriminator(_text_or_list)]
+
+
+InputItem = Annotated[Union[Annotated[MessageItem, Tag(TAG_MARK + "message")],
+                            Annotated[FunctionCallItem, Tag(TAG_MARK + "function_call")],
+                            Annotated[FunctionCallOutputItem, Tag(TAG_MARK + "function_call_output")],
+                            Annotated[ReasoningItem, Tag(TAG_MARK + "reasoning")]], Discriminator(_item_kind)]
 
 
 class FunctionTool(_Strict):
@@ -226,7 +245,9 @@ Metadata = Annotated[dict[str, str], BeforeValidator(_metadata), AfterValidator(
 
 class ResponsesBody(_Strict):
     model: Text
-    input: Text | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_INPUT_ITEMS)]
+    input: Annotated[Union[Annotated[Text, Tag(TAG_MARK + "text")],
+                           Annotated[list[InputItem], Field(min_length=1, max_length=MAX_INPUT_ITEMS),
+                                     Tag(TAG_MARK + "list")]], Discriminator(_text_or_list)]
     instructions: Text | None = None
     tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "name"}: checked below
@@ -355,7 +376,7 @@ _REFUSED_VALUES = {
 
 
 def _refusal(error: ValidationError, data: dict) -> ApiError:
-    refused = api_error(error)
+    refused = _api_error(error)
     param = refused.param or ""
     include = data.get("include")
     if param == "include" and isinstance(include, list) and include and isinstance(include[0], str):
@@ -365,6 +386,18 @@ def _refusal(error: ValidationError, data: dict) -> ApiError:
         if param == name or param.endswith("." + name):
             return ApiError(400, "unsupported_parameter", f"{param!r}: {why}", param)
     return refused
+
+
+def _api_error(error: ValidationError) -> ApiError:
+    """openai.api_error, with the unions' tags left out of the field path."""
+    if unknown_fields(error):
+        return api_error(error)
+    detail = first_error(error)
+    detail = {**detail, "loc": tuple(p for p in detail["loc"] if not (isinstance(p, str) and p.startswith(TAG_MARK)))}
+    param = field_path(detail["loc"]) or None
+    code = ("missing_required_parameter" if detail["type"] == "missing" else
+            "invalid_type" if is_type_error(detail) else "invalid_value")
+    return ApiError(400, code, message_of(detail), param)  # type: ignore[arg-type]
 
 
 def _check_size(call: ResponsesBody, items: list, limits: Limits) -> None:
