@@ -404,23 +404,31 @@ def service(tmp_path_factory, embedded_model_path):
 
 def served_client(service) -> tuple[openai.OpenAI, list]:
     """An openai client whose requests run through parse_responses, the service and encoded_parts (what
-    an edge does, minus sockets); the calls made are listed for the test to look at."""
-    from llm_api.service.answer import Chunk, Refusal, encoded_parts
+    an edge does, minus sockets), with a dict as the store of conversations (the lead's store's part);
+    the calls made are listed for the test to look at."""
+    from llm_api.service.answer import Refusal, encoded_parts
 
     calls: list[ResponsesCall] = []
+    store: dict[str, list[dict]] = {}
 
     async def run(body: bytes) -> httpx.Response:
         try:
             request, call = parse_responses(body, service.model_name, service.limits)
+            if call.previous_response_id is not None:
+                if call.previous_response_id not in store:
+                    raise ApiError(404, "not_found", "no such response", "previous_response_id")
+                call.continue_from(store[call.previous_response_id], request)
         except ApiError as error:
             return httpx.Response(error.status, content=error.openai_text().encode())
         calls.append(call)
-        payload, status = "", 200
+        payload = ""
         async for part in encoded_parts(service, request, call, f"r{len(calls)}"):
             if isinstance(part, Refusal):
                 return httpx.Response(part.status, content=part.body.encode())
             payload += part.payload
-        return httpx.Response(status, content=payload.encode(), headers={"content-type": call.content_type})
+        if call.store:
+            store[call.id] = call.conversation()
+        return httpx.Response(200, content=payload.encode(), headers={"content-type": call.content_type})
 
     def answer(request: httpx.Request) -> httpx.Response:
         return asyncio.run(run(request.content))
@@ -438,12 +446,19 @@ def test_end_to_end_text_streamed_and_whole(service):
     with client.responses.stream(model=service.model_name, input=question, temperature=0,
                                  max_output_tokens=24) as stream:
         deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
-        final = stream.get_final_response()
-    assert "".join(deltas) == final.output_text == whole.output_text  # greedy: the same answer
-    assert final.usage.input_tokens == whole.usage.input_tokens > 5
+        final = stream.get_final_response() if whole.status == "completed" else None
+    assert "".join(deltas) == whole.output_text  # greedy: the same answer
+    assert final is None or (final.output_text == whole.output_text and final.usage == whole.usage)
+    assert whole.usage.input_tokens > 5
     cut = client.responses.create(model=service.model_name, input=question, temperature=0, max_output_tokens=3)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
     assert cut.usage.output_tokens == 3 and whole.output_text.startswith(cut.output_text)
+    # A stored conversation continued: the second prompt holds the first answer.
+    follow = client.responses.create(model=service.model_name, input="And of Italy?", temperature=0,
+                                     max_output_tokens=4, previous_response_id=whole.id)
+    assert follow.previous_response_id == whole.id and follow.usage.input_tokens > whole.usage.input_tokens + 5
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=service.model_name, input="x", previous_response_id="resp_nothing")
 
 
 def test_end_to_end_json_schema(service):
@@ -460,25 +475,30 @@ def test_end_to_end_json_schema(service):
 def test_end_to_end_function_call_round_trip(service):
     client, calls = served_client(service)
     tools = [WEATHER]
-    first = client.responses.create(model=service.model_name, input="What is the weather in Paris?", tools=tools,
-                                    tool_choice="required", temperature=0, max_output_tokens=60)
+    with client.responses.stream(model=service.model_name, input="What is the weather in Paris?", tools=tools,
+                                 tool_choice="required", parallel_tool_calls=False, temperature=0,
+                                 max_output_tokens=60) as stream:
+        pieces = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+        first = stream.get_final_response()
     call = next(item for item in first.output if item.type == "function_call")
-    assert call.name == "get_weather" and call.status == "completed"
+    assert call.name == "get_weather" and call.status == "completed" and "".join(pieces) == call.arguments
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
-    stored = calls[-1].conversation()
     # The round trip: the call's output sent back, continuing the stored conversation.
-    body = {"model": service.model_name, "previous_response_id": first.id, "temperature": 0, "max_output_tokens": 20,
-            "input": [{"type": "function_call_output", "call_id": call.call_id, "output": "18 C, sunny"}],
-            "tools": tools}
-    request, second = parse_responses(body, service.model_name, service.limits)
-    second.continue_from(stored, request)
-    assert request.messages[-1] == {"role": "tool", "tool_call_id": call.call_id, "content": "18 C, sunny"}
-    assert request.messages[-2]["tool_calls"][0]["id"] == call.call_id
-    with pytest.raises(ApiError):  # without the stored conversation the output answers nothing
-        parse_responses(dict(body, previous_response_id=None), service.model_name, service.limits)
-    streamed = [e for e in client.responses.create(**{k: v for k, v in body.items() if k != "previous_response_id"},
-                                                    input=[{"type": "function_call", "call_id": call.call_id,
-                                                            "name": call.name, "arguments": call.arguments},
-                                                           *body["input"]], stream=True)]
-    assert streamed[-1].type in ("response.completed", "response.incomplete")
-    assert streamed[-1].response.output
+    result = [{"type": "function_call_output", "call_id": call.call_id, "output": "18 C, sunny"}]
+    second = client.responses.create(model=service.model_name, previous_response_id=first.id, input=result,
+                                     tools=tools, tool_choice="none", temperature=0, max_output_tokens=20)
+    assert second.status in ("completed", "incomplete") and second.output_text
+    turns = calls[-1].conversation()
+    assert turns[-3]["tool_calls"][0]["id"] == call.call_id
+    assert turns[-2] == {"role": "tool", "tool_call_id": call.call_id, "content": "18 C, sunny"}
+    # Without the stored conversation the output answers no call: a 400 naming it.
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=service.model_name, input=result, tools=tools, max_output_tokens=5)
+    assert err.value.body["param"] == "input[0].call_id"
+    # The whole conversation sent again instead (no store) works the same way.
+    again = client.responses.create(model=service.model_name, store=False, tools=tools, tool_choice="none",
+                                    temperature=0, max_output_tokens=20, input=[
+                                        {"role": "user", "content": "What is the weather in Paris?"},
+                                        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                                         "arguments": call.arguments}, *result])
+    assert again.output_text == second.output_text
