@@ -162,6 +162,13 @@ def test_max_output_tokens_cut_is_incomplete():
     assert last.type == "response.incomplete" and last.response.status == "incomplete"
 
 
+def test_an_aborted_answer_is_cancelled():
+    _, call = parse({"input": "Hi", "stream": True})
+    events = sse_events(feed(call, "Hel", 2, FinishReason.ABORT))
+    assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["status"] == "cancelled"
+    assert Response.model_validate(call.response_json()).incomplete_details is None
+
+
 def test_a_call_cut_short_is_an_incomplete_item():
     _, whole = parse({"input": "Weather?", "tools": [WEATHER]})
     response = Response.model_validate(json.loads(feed(whole, CALL_TEXT[:-20], 5, FinishReason.LENGTH)))

@@ -115,7 +115,7 @@ class InputTextPart(_Strict):
 class MessageItem(_Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: TextOr(TextPart)  # type: ignore[valid-type]
+    content: TextOr(TextPart)
     id: Label | None = None
     status: ItemStatus | None = None
 
@@ -135,7 +135,7 @@ class FunctionCallItem(_Strict):
 class FunctionCallOutputItem(_Strict):
     type: Literal["function_call_output"]
     call_id: Label
-    output: TextOr(InputTextPart)  # type: ignore[valid-type]
+    output: TextOr(InputTextPart)
     id: Label | None = None
     status: ItemStatus | None = None
 
@@ -211,7 +211,7 @@ class TextConfig(_Strict):
 
 
 class ReasoningConfig(_Strict):
-    effort: Literal[REASONING_EFFORTS] | None = None  # type: ignore[valid-type]
+    effort: Literal[REASONING_EFFORTS] | None = None
     summary: None = None  # no summaries are written here: refused unless null
     generate_summary: None = None
 
@@ -265,7 +265,7 @@ class ResponsesBody(_Strict):
     include: Annotated[list[Text], Field(max_length=0)] | None = None  # nothing optional is served (see below)
     truncation: Literal["disabled"] | None = None
     background: Literal[False] | None = None
-    service_tier: Literal[SERVICE_TIERS] | None = None  # type: ignore[valid-type]
+    service_tier: Literal[SERVICE_TIERS] | None = None
     prompt_cache_key: Label | None = None  # a routing hint; the prefix cache here needs none
     safety_identifier: Label | None = None  # like user: a label for abuse reports; nothing here uses it
 
@@ -324,7 +324,7 @@ def parse_responses(body: Any, model_name: str, limits: Limits) -> tuple[Generat
         "store": call.store,
         "temperature": temperature,
         "text": {"format": _format_echo(call.text)},
-        "tool_choice": _tool_choice_echo(choice, call.tool_choice),
+        "tool_choice": _tool_choice_echo(choice),
         "tools": [t.model_dump(by_alias=True) for t in call.tools or ()],
         "top_p": request.params.top_p,
         "truncation": "disabled",
@@ -551,7 +551,7 @@ def _tool_choice(value: Any, tools: list[FunctionTool] | None) -> str:
     return name
 
 
-def _tool_choice_echo(choice: str, value: Any) -> Any:
+def _tool_choice_echo(choice: str) -> str | dict:
     return choice if choice in TOOL_CHOICES else {"type": "function", "name": choice}
 
 
@@ -730,19 +730,20 @@ class ResponsesCall:
 
     def _text(self, text: str) -> str:
         out = ""
-        if self._open is None or self._open["type"] != "message":
+        item = self._open
+        if item is None or item["type"] != "message":
             out += self._close("completed")
             item = {"id": _new_id("msg_"), "type": "message", "status": "in_progress", "role": "assistant",
                     "content": []}
-            out += self._add(dict(item, content=[]))
-            self._open["content"].append({"type": "output_text", "text": "", "annotations": []})
+            out += self._add(item)  # (the added event shows it with no content yet, as OpenAI's)
+            item["content"].append({"type": "output_text", "text": "", "annotations": []})
             if self.stream:
-                out += self._event("response.content_part.added", item_id=self._open["id"],
+                out += self._event("response.content_part.added", item_id=item["id"],
                                    output_index=len(self._items) - 1, content_index=0,
                                    part={"type": "output_text", "text": "", "annotations": []})
-        self._open["content"][0]["text"] += text
+        item["content"][0]["text"] += text
         if self.stream:
-            out += self._event("response.output_text.delta", item_id=self._open["id"],
+            out += self._event("response.output_text.delta", item_id=item["id"],
                                output_index=len(self._items) - 1, content_index=0, delta=text, logprobs=[])
         return out
 
