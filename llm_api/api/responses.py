@@ -595,7 +595,7 @@ class ResponsesCall:
     _sequence: int = 0
     _started: bool = False
     _parser: ToolCallParser | None = None
-    _call_items: dict[int, dict] = field(default_factory=dict)  # the parser's call index -> its item
+    _pieces: list[str] = field(default_factory=list)  # the open item's text or arguments (joined at its end)
     _status: str = "in_progress"
     _incomplete_reason: str | None = None
     _error: dict | None = None
@@ -613,7 +613,8 @@ class ResponsesCall:
         request.messages = system + self.prior_turns + self.input_turns
 
     def output_items(self) -> list[dict]:
-        """The answer's output items (message and function_call items), as in the Response object."""
+        """The answer's output items (message and function_call items) as in the Response object, once
+        ``finish`` or ``fail`` ran."""
         return [dict(item) for item in self._items]
 
     def response_json(self) -> dict:
@@ -716,7 +717,6 @@ class ResponsesCall:
                 out += self._close("completed")
                 item = {"id": _new_id("fc_"), "type": "function_call", "status": "in_progress", "arguments": "",
                         "call_id": event.id, "name": event.name}
-                self._call_items[event.index] = item
                 out += self._add(item) + self._arguments(event.arguments)
             else:
                 out += self._arguments(event.arguments)
@@ -741,7 +741,7 @@ class ResponsesCall:
                 out += self._event("response.content_part.added", item_id=item["id"],
                                    output_index=len(self._items) - 1, content_index=0,
                                    part={"type": "output_text", "text": "", "annotations": []})
-        item["content"][0]["text"] += text
+        self._pieces.append(text)
         if self.stream:
             out += self._event("response.output_text.delta", item_id=item["id"],
                                output_index=len(self._items) - 1, content_index=0, delta=text, logprobs=[])
@@ -751,7 +751,7 @@ class ResponsesCall:
         if not piece:
             return ""
         assert self._open is not None and self._open["type"] == "function_call"  # (the parser named the call first)
-        self._open["arguments"] += piece
+        self._pieces.append(piece)
         if not self.stream:
             return ""
         return self._event("response.function_call_arguments.delta", item_id=self._open["id"],
@@ -762,6 +762,12 @@ class ResponsesCall:
         item, self._open = self._open, None
         if item is None:
             return ""
+        text = "".join(self._pieces)
+        self._pieces = []
+        if item["type"] == "message":
+            item["content"][0]["text"] = text
+        else:
+            item["arguments"] = text
         if item["type"] == "function_call":
             complete = self._parser is not None and any(
                 c.id == item["call_id"] and c.complete for c in self._parser.calls)
