@@ -196,6 +196,30 @@ def test_refusal_is_openais_error_shape():
                               "code": "prompt_too_long"}}
 
 
+def test_output_items_sent_back_as_input():
+    """What agents do: the previous answer's output items (as the openai package holds them) in the next
+    input, with the call's output. The client's serialised items must parse."""
+    seen: list = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        parsed, call = parse_responses(request.content, MODEL, LIMITS)
+        seen.append(parsed.messages)
+        return httpx.Response(200, content=feed(call, CALL_TEXT if len(seen) == 1 else "18 C.", 7).encode(),
+                              headers={"content-type": call.content_type})
+
+    client = openai.OpenAI(api_key="k", base_url="http://test/v1", max_retries=0,
+                           http_client=httpx.Client(transport=httpx.MockTransport(answer)))
+    first = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER])
+    call = first.output[1]
+    second = client.responses.create(model=MODEL, tools=[WEATHER], input=[
+        {"role": "user", "content": "Weather in Paris?"}, *first.output,
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}])
+    assert second.output_text == "18 C."
+    assert seen[1][1] == {"role": "assistant", "content": "Let me look.", "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert seen[1][2] == {"role": "tool", "tool_call_id": call.call_id, "content": "18 C"}
+
+
 # ------------------------------------------------------------------------------------------ parsing
 
 
