@@ -15,7 +15,9 @@ Tools (``request.tools``) are passed to the template's ``tools`` argument, and e
 ``tool_calls``) stay in their messages; the template renders them itself (as JSON, in the model's own
 layout), so they cannot be kept as data the way contents are: a tool definition or an earlier call
 holding special-token text anywhere (a description, a schema, an argument) is refused with a 400 naming
-it. A tool result (``role: "tool"``) is a message content like any other: data.
+it. The same holds for an assistant turn's reasoning sent back (``reasoning_content`` / ``reasoning``,
+e.g. a Responses API reasoning item). A tool result (``role: "tool"``) is a message content like any
+other: data.
 
 ``too_long(request)`` refuses, before any tokenizing, a prompt whose characters cannot fit in
 ``max_input_tokens`` tokens (no token of the vocabulary is longer than ``max_chars_per_token``
@@ -30,6 +32,9 @@ import uuid
 
 from llm_api.api.errors import ApiError
 from llm_api.api.request import GenerateRequest
+
+
+REASONING_KEYS = ("reasoning_content", "reasoning")  # an assistant turn's thinking, as templates read it
 
 
 class PromptBuilder:
@@ -85,7 +90,10 @@ class PromptBuilder:
         tool_values = [(f"tools[{i}]", tool) for i, tool in enumerate(tools or ())]
         calls = [(f"messages[{i}].tool_calls", m["tool_calls"]) for i, m in enumerate(messages)
                  if m.get("tool_calls")]
-        for where, value in tool_values + calls:
+        # An assistant turn's reasoning (sent back for interleaved thinking) is rendered as markup too.
+        reasoning = [(f"messages[{i}].{key}", m[key]) for i, m in enumerate(messages)
+                     for key in REASONING_KEYS if m.get(key)]
+        for where, value in tool_values + calls + reasoning:
             found = _find_in_strings(value, self._special_pattern)
             if found is not None:
                 raise ApiError(400, "invalid_input", f"{where!r} holds the model's control token {found!r}; the "
