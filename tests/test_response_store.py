@@ -405,6 +405,22 @@ def test_two_connections_on_one_file_share_the_bounds(tmp_path):
     second.close()
 
 
+def test_sqlite_put_that_cannot_write_loses_only_that_entry(tmp_path):
+    path = tmp_path / "busy.db"
+    store = SqliteResponseStore(path, BIG, busy_timeout_s=0.05)
+    assert store.put("resp_1", ALICE, *texts("resp_1"))
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # another process holds the write lock past the timeout
+    try:
+        assert not store.put("resp_2", ALICE, *texts("resp_2"))
+        assert store.get("resp_1", ALICE) is not None  # reading goes on (WAL)
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert store.put("resp_2", ALICE, *texts("resp_2")) and store.stats()[0] == 2
+    store.close()
+
+
 @pytest.mark.parametrize("case", ["directory", "missing_parent", "not_sqlite", "other_table"])
 def test_a_store_path_that_cannot_be_opened_names_the_variable(tmp_path, case):
     path = tmp_path / "store.db"

@@ -158,7 +158,7 @@ class MemoryResponseStore:
 
     def put(self, response_id: str, owner: str, response_json: str, conversation_json: str) -> bool:
         _check_id(response_id)
-        if not _encodable(response_json, conversation_json, owner):
+        if not _encodable(response_id, owner, response_json, conversation_json):
             return False
         response, conversation = response_json.encode(), conversation_json.encode()
         cost = entry_cost(response_id, owner, response, conversation)
@@ -273,8 +273,9 @@ class SqliteResponseStore:
     Raises ConfigError naming RESPONSES_STORE_PATH when the file cannot be opened or holds another table."""
 
     def __init__(self, path: str | Path, limits: StoreLimits, clock: Clock = time.time,
-                 sweep_every_s: float | None = None):
+                 sweep_every_s: float | None = None, busy_timeout_s: float = 10.0):
         self.limits = limits
+        self._busy_timeout_s = busy_timeout_s  # how long a change waits for another process's write
         self.path = Path(path)
         self._clock = clock
         self._lock = threading.Lock()
@@ -294,7 +295,8 @@ class SqliteResponseStore:
         finally:
             os.close(fd)
         # isolation_level=None: no implicit transactions; each change opens its own BEGIN IMMEDIATE.
-        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=10.0)
+        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None,
+                             timeout=self._busy_timeout_s)
         try:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a power cut may lose the last entries only
@@ -317,17 +319,23 @@ class SqliteResponseStore:
         if not _encodable(response_id, response_json, conversation_json, owner):
             return False
         cost = entry_cost(response_id, owner, response_json.encode(), conversation_json.encode())
-        with self._lock, self._write(self._db) as db:
-            db.execute("DELETE FROM stored_responses WHERE response_id = ?", (response_id,))
-            if cost > self.limits.max_bytes or self.limits.max_entries == 0:
-                return False
-            now = self._clock()
-            self._expire(db, now)
-            self._make_room(db, cost)
-            db.execute("INSERT INTO stored_responses (response_id, owner, created_at, cost, response_json, "
-                       "conversation_json) VALUES (?, ?, ?, ?, ?, ?)",
-                       (response_id, owner, now, cost, response_json, conversation_json))
-            return True
+        try:
+            with self._lock, self._write(self._db) as db:
+                db.execute("DELETE FROM stored_responses WHERE response_id = ?", (response_id,))
+                if cost > self.limits.max_bytes or self.limits.max_entries == 0:
+                    return False
+                now = self._clock()
+                self._expire(db, now)
+                self._make_room(db, cost)
+                db.execute("INSERT INTO stored_responses (response_id, owner, created_at, cost, response_json, "
+                           "conversation_json) VALUES (?, ?, ?, ?, ?, ?)",
+                           (response_id, owner, now, cost, response_json, conversation_json))
+                return True
+        except sqlite3.OperationalError:
+            # A full disk, or the file locked by another process past the timeout: the answer has gone out
+            # already, so this entry is lost like an evicted one (said in the log) and serving goes on.
+            logger.exception("response store: could not store a response in %s", self.path)
+            return False
 
     def get(self, response_id: str, owner: str) -> StoredResponse | None:
         if not _encodable(response_id, owner):
@@ -452,7 +460,7 @@ def open_response_store(settings: Settings, clock: Clock = time.time, sweep: boo
     if settings.responses_store_path:
         store: ResponseStore = SqliteResponseStore(settings.responses_store_path, limits, clock, every_s)
         count, num_bytes = store.stats()
-        logger.info("response store: %s (%d entries, %d bytes kept from before)", settings.responses_store_path,
-                    count, num_bytes)
+        logger.info("response store: %s (%d entries, %d bytes kept from before)",
+                    Path(settings.responses_store_path).resolve(), count, num_bytes)
         return store
     return MemoryResponseStore(limits, clock, every_s)
