@@ -324,6 +324,7 @@ def test_sqlite_bounds_hold_under_a_flood(tmp_path):
     assert flood(store, 3_000, 4096, seed=26, check_every=7) == 0
     count, num_bytes = store.stats()
     assert num_bytes > 0.9 * store.limits.max_bytes or count == 300
+    assert store._totals == [count, num_bytes]  # the totals kept with each change are the table's
     store.close()
 
 
@@ -401,6 +402,11 @@ def test_two_connections_on_one_file_share_the_bounds(tmp_path):
         (first if i % 2 else second).put(f"resp_{i}", ALICE, *texts(f"resp_{i}"))
     assert first.stats()[0] == 3 and [second.get(f"resp_{i}", ALICE) is not None for i in range(6)] == [
         False, False, False, True, True, True]
+    # What one deletes, the other no longer counts: two more puts evict nothing.
+    assert second.delete("resp_3", ALICE) and second.delete("resp_4", ALICE)
+    first.put("resp_6", ALICE, *texts("resp_6"))
+    first.put("resp_7", ALICE, *texts("resp_7"))
+    assert [first.get(f"resp_{i}", ALICE) is not None for i in (5, 6, 7)] == [True, True, True]
     first.close()
     second.close()
 

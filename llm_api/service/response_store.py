@@ -20,8 +20,9 @@ it as is).
   ``put`` answers False and evicts nothing (the route has answered already; a later ``get`` is None, as
   for an evicted one). ``max_entries`` 0 stores nothing.
 * Thread-safe: one lock per store (the event loop and worker threads call it); the SQLite store also takes
-  SQLite's write lock for each change (``BEGIN IMMEDIATE``) and reads its totals from the table inside it,
-  so several processes on one file keep the bounds too. Every SQL statement is parameterized.
+  SQLite's write lock for each change (``BEGIN IMMEDIATE``) and reads its totals again when another
+  process wrote the file, so several processes on one file keep the bounds too. Every value reaches SQL
+  as a parameter, never formatted into a statement.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ import sqlite3
 import threading
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 from llm_api.model.settings import ConfigError, Settings
 
@@ -263,22 +265,37 @@ CREATE TABLE IF NOT EXISTS stored_responses (
 CREATE INDEX IF NOT EXISTS stored_responses_by_age ON stored_responses (created_at, cost);
 """
 COLUMNS = ("seq", "response_id", "owner", "created_at", "cost", "response_json", "conversation_json")
+# The deletions, each as (count its rows and bytes, delete them), one parameter each.
+REMOVALS = {
+    "response_id": ("SELECT COUNT(*), TOTAL(cost) FROM stored_responses WHERE response_id = ?",
+                    "DELETE FROM stored_responses WHERE response_id = ?"),
+    "seq": ("SELECT COUNT(*), TOTAL(cost) FROM stored_responses WHERE seq = ?",
+            "DELETE FROM stored_responses WHERE seq = ?"),
+    "stored_before": ("SELECT COUNT(*), TOTAL(cost) FROM stored_responses WHERE created_at <= ?",
+                      "DELETE FROM stored_responses WHERE created_at <= ?"),
+}
 
 
 class SqliteResponseStore:
-    """One table in one SQLite file (WAL). ``seq`` orders the entries as stored (oldest first); the totals
-    for the bounds are read from the table inside each write transaction (the index on (created_at, cost)
-    covers that read), so other processes writing the same file are counted too.
+    """One table in one SQLite file (WAL). ``seq`` orders the entries as stored (oldest first).
+
+    The totals the bounds need (entries, bytes) are kept with each change, inside the write transaction
+    that makes it, and read again from the table (a scan of the (created_at, cost) index) only when
+    another connection has written the file since (SQLite's ``data_version``): so a put costs what it
+    evicts, not what the store holds, and several processes on one file still count each other's entries.
 
     Raises ConfigError naming RESPONSES_STORE_PATH when the file cannot be opened or holds another table."""
 
     def __init__(self, path: str | Path, limits: StoreLimits, clock: Clock = time.time,
                  sweep_every_s: float | None = None, busy_timeout_s: float = 10.0):
         self.limits = limits
-        self._busy_timeout_s = busy_timeout_s  # how long a change waits for another process's write
         self.path = Path(path)
         self._clock = clock
+        self._busy_timeout_s = busy_timeout_s  # how long a change waits for another process's write
         self._lock = threading.Lock()
+        # [entries, bytes] as of data_version ``_seen_version`` of this connection; None: read them again.
+        self._totals: list[int] | None = None
+        self._seen_version = -1
         try:
             self._db = self._open(self.path)
         except (OSError, sqlite3.Error) as err:
@@ -295,8 +312,7 @@ class SqliteResponseStore:
         finally:
             os.close(fd)
         # isolation_level=None: no implicit transactions; each change opens its own BEGIN IMMEDIATE.
-        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None,
-                             timeout=self._busy_timeout_s)
+        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=self._busy_timeout_s)
         try:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a power cut may lose the last entries only
@@ -305,31 +321,33 @@ class SqliteResponseStore:
             found = tuple(row[1] for row in db.execute("PRAGMA table_info(stored_responses)"))
             if found != COLUMNS:
                 raise sqlite3.DatabaseError(f"its stored_responses table has columns {found}, expected {COLUMNS}")
+            self._db = db
+            with self._lock, self._changing():
+                # The bounds may have shrunk since the file was written.
+                self._expire(self._clock())
+                self._make_room(0)
         except BaseException:
             db.close()
             raise
-        with self._lock, self._write(db):
-            # The bounds may have shrunk since the file was written.
-            self._expire(db, self._clock())
-            self._make_room(db, 0)
         return db
 
     def put(self, response_id: str, owner: str, response_json: str, conversation_json: str) -> bool:
         _check_id(response_id)
-        if not _encodable(response_id, response_json, conversation_json, owner):
+        if not _encodable(response_id, owner, response_json, conversation_json):
             return False
         cost = entry_cost(response_id, owner, response_json.encode(), conversation_json.encode())
         try:
-            with self._lock, self._write(self._db) as db:
-                db.execute("DELETE FROM stored_responses WHERE response_id = ?", (response_id,))
+            with self._lock, self._changing() as db:
+                self._remove("response_id", response_id)
                 if cost > self.limits.max_bytes or self.limits.max_entries == 0:
                     return False
                 now = self._clock()
-                self._expire(db, now)
-                self._make_room(db, cost)
+                self._expire(now)
+                self._make_room(cost)
                 db.execute("INSERT INTO stored_responses (response_id, owner, created_at, cost, response_json, "
                            "conversation_json) VALUES (?, ?, ?, ?, ?, ?)",
                            (response_id, owner, now, cost, response_json, conversation_json))
+                self._count(1, cost)
                 return True
         except sqlite3.OperationalError:
             # A full disk, or the file locked by another process past the timeout: the answer has gone out
@@ -346,8 +364,8 @@ class SqliteResponseStore:
             if row is None:
                 return None
             if row[1] + self.limits.ttl_s <= self._clock():
-                with self._write(self._db) as db:
-                    self._expire(db, self._clock())
+                with self._changing():
+                    self._expire(self._clock())
                 return None
         if not _same_owner(row[0], owner):
             return None
@@ -356,9 +374,8 @@ class SqliteResponseStore:
     def update(self, response_id: str, owner: str, response_json: str, conversation_json: str | None = None) -> bool:
         if not _encodable(response_id, owner, response_json, conversation_json or ""):
             return False
-        with self._lock, self._write(self._db) as db:
-            now = self._clock()
-            self._expire(db, now)
+        with self._lock, self._changing() as db:
+            self._expire(self._clock())
             row = db.execute("SELECT seq, owner, cost, conversation_json FROM stored_responses WHERE response_id = ?",
                              (response_id,)).fetchone()
             if row is None or not _same_owner(row[1], owner):
@@ -367,30 +384,32 @@ class SqliteResponseStore:
             conversation = old_conversation if conversation_json is None else conversation_json
             cost = entry_cost(response_id, owner, response_json.encode(), conversation.encode())
             if cost > self.limits.max_bytes:
-                db.execute("DELETE FROM stored_responses WHERE seq = ?", (seq,))
+                self._remove("seq", seq)
                 return False
             db.execute("UPDATE stored_responses SET cost = ?, response_json = ?, conversation_json = ? WHERE seq = ?",
                        (cost, response_json, conversation, seq))
-            self._make_room(db, 0, keep_seq=seq)
+            self._count(0, cost - old_cost)
+            self._make_room(0, keep_seq=seq)
             return True
 
     def delete(self, response_id: str, owner: str) -> bool:
         if not _encodable(response_id, owner):
             return False
-        with self._lock, self._write(self._db) as db:
-            self._expire(db, self._clock())
+        with self._lock, self._changing() as db:
+            self._expire(self._clock())
             row = db.execute("SELECT seq, owner FROM stored_responses WHERE response_id = ?",
                              (response_id,)).fetchone()
             if row is None or not _same_owner(row[1], owner):
                 return False
-            db.execute("DELETE FROM stored_responses WHERE seq = ?", (row[0],))
+            self._remove("seq", row[0])
             return True
 
     def sweep(self) -> int:
-        with self._lock, self._write(self._db) as db:
-            return self._expire(db, self._clock())
+        with self._lock, self._changing():
+            return self._expire(self._clock())
 
     def stats(self) -> tuple[int, int]:
+        """Read from the table (a scan of its index): for tests and gauges, not for every request."""
         with self._lock:
             count, num_bytes = self._db.execute("SELECT COUNT(*), TOTAL(cost) FROM stored_responses").fetchone()
         return count, int(num_bytes)
@@ -401,43 +420,67 @@ class SqliteResponseStore:
         with self._lock:
             self._db.close()
 
-    class _write:
-        """``with self._write(db) as db:`` one write transaction: committed on success, rolled back on error."""
+    @contextmanager
+    def _changing(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction (SQLite's write lock, so no other process writes meanwhile), with the totals
+        current inside it; committed when the block ends, rolled back (and the totals forgotten) on error."""
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        committed = False
+        try:
+            version = db.execute("PRAGMA data_version").fetchone()[0]
+            if self._totals is None or version != self._seen_version:
+                count, num_bytes = db.execute("SELECT COUNT(*), TOTAL(cost) FROM stored_responses").fetchone()
+                self._totals, self._seen_version = [count, int(num_bytes)], version
+            yield db
+            db.execute("COMMIT")
+            committed = True
+        finally:
+            if not committed:
+                self._totals = None
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
 
-        def __init__(self, db: sqlite3.Connection):
-            self.db = db
+    def _count(self, num_entries: int, num_bytes: int) -> None:
+        assert self._totals is not None  # inside _changing
+        self._totals[0] += num_entries
+        self._totals[1] += num_bytes
 
-        def __enter__(self) -> sqlite3.Connection:
-            self.db.execute("BEGIN IMMEDIATE")
-            return self.db
+    def _remove(self, which: str, value: object) -> int:
+        """Delete the rows one of REMOVALS selects, counting them out; how many."""
+        count_sql, delete_sql = REMOVALS[which]
+        count, num_bytes = self._db.execute(count_sql, (value,)).fetchone()
+        if count:
+            self._db.execute(delete_sql, (value,))
+            self._count(-count, -int(num_bytes))
+        return count
 
-        def __exit__(self, kind, value, traceback) -> None:
-            self.db.execute("COMMIT" if kind is None else "ROLLBACK")
+    def _expire(self, now: float) -> int:
+        return self._remove("stored_before", now - self.limits.ttl_s)
 
-    def _expire(self, db: sqlite3.Connection, now: float) -> int:
-        return db.execute("DELETE FROM stored_responses WHERE created_at <= ?", (now - self.limits.ttl_s,)).rowcount
+    def _fits(self, cost: int) -> bool:
+        assert self._totals is not None
+        count, num_bytes = self._totals
+        return count + (1 if cost else 0) <= self.limits.max_entries and num_bytes + cost <= self.limits.max_bytes
 
-    def _make_room(self, db: sqlite3.Connection, cost: int, keep_seq: int | None = None) -> None:
+    def _make_room(self, cost: int, keep_seq: int | None = None) -> None:
         """Delete the oldest entries (never ``keep_seq``) until one more entry of ``cost`` bytes fits (cost 0:
         until the bounds hold as they are)."""
-        count, num_bytes = db.execute("SELECT COUNT(*), TOTAL(cost) FROM stored_responses").fetchone()
-        one_more = 1 if cost else 0
-        if count + one_more <= self.limits.max_entries and num_bytes + cost <= self.limits.max_bytes:
+        if self._fits(cost):
             return
-        doomed = []
-        oldest_first = db.execute("SELECT seq, cost FROM stored_responses ORDER BY seq")
+        doomed: list[tuple[int, int]] = []
+        oldest_first = self._db.execute("SELECT seq, cost FROM stored_responses ORDER BY seq")
         try:
             for seq, row_cost in oldest_first:
-                if count + one_more <= self.limits.max_entries and num_bytes + cost <= self.limits.max_bytes:
-                    break
                 if seq == keep_seq:
                     continue
-                doomed.append(seq)
-                count -= 1
-                num_bytes -= row_cost
+                doomed.append((seq, row_cost))
+                self._count(-1, -row_cost)
+                if self._fits(cost):
+                    break
         finally:
             oldest_first.close()  # finished reading before the table changes
-        db.executemany("DELETE FROM stored_responses WHERE seq = ?", [(seq,) for seq in doomed])
+        self._db.executemany("DELETE FROM stored_responses WHERE seq = ?", [(seq,) for seq, _ in doomed])
 
 
 def _encodable(*texts: str) -> bool:
