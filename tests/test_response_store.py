@@ -392,6 +392,19 @@ def test_sqlite_file_is_private_and_in_wal_mode(tmp_path):
     store.close()
 
 
+@pytest.mark.parametrize("size", [40, 20_000])  # in the table's page; on overflow pages
+def test_sqlite_deleted_text_leaves_the_file(tmp_path, size):
+    path = tmp_path / "deleted.db"
+    store = SqliteResponseStore(path, BIG)
+    secret = ("the-user-said-" * size)[:size]
+    store.put("resp_keep", ALICE, *texts("resp_keep"))
+    store.put("resp_gone", ALICE, json.dumps({"text": secret}), json.dumps([secret]))
+    assert store.delete("resp_gone", ALICE)
+    store.close()  # the last connection's close checkpoints the WAL into the file
+    held = b"".join(p.read_bytes() for p in tmp_path.iterdir())
+    assert secret[:40].encode() not in held and b"resp_keep" in held
+
+
 def test_two_connections_on_one_file_share_the_bounds(tmp_path):
     """TorchServe's workers of one model open the same file: the totals come from the table, so each
     process's puts count against the others' entries."""

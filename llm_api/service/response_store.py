@@ -17,8 +17,8 @@ it as is).
   UTF-8 bytes of its id, owner and both texts plus ``ENTRY_OVERHEAD_BYTES`` (the memory store keeps the
   texts as UTF-8 bytes, so that is what it holds; tests/test_response_store.py measures it).
 * An entry larger than ``max_bytes`` alone, or with text that is not valid Unicode, is not stored:
-  ``put`` answers False and evicts nothing (the route has answered already; a later ``get`` is None, as
-  for an evicted one). ``max_entries`` 0 stores nothing.
+  ``put`` answers False and evicts nothing (but the entry it would have replaced is gone: the route has
+  answered already; a later ``get`` is None, as for an evicted one). ``max_entries`` 0 stores nothing.
 * Thread-safe: one lock per store (the event loop and worker threads call it); the SQLite store also takes
   SQLite's write lock for each change (``BEGIN IMMEDIATE``) and reads its totals again when another
   process wrote the file, so several processes on one file keep the bounds too. Every value reaches SQL
@@ -180,9 +180,11 @@ class MemoryResponseStore:
     def get(self, response_id: str, owner: str) -> StoredResponse | None:
         with self._lock:
             row = self._live_locked(response_id, owner)
-        if row is None:
-            return None
-        return StoredResponse(response_id, row.owner, row.created_at, row.response.decode(), row.conversation.decode())
+            if row is None:
+                return None
+            # Taken together under the lock: an update replaces both texts at once.
+            owner, created_at, response, conversation = row.owner, row.created_at, row.response, row.conversation
+        return StoredResponse(response_id, owner, created_at, response.decode(), conversation.decode())
 
     def update(self, response_id: str, owner: str, response_json: str, conversation_json: str | None = None) -> bool:
         if not _encodable(response_json, conversation_json or ""):
