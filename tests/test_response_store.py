@@ -24,6 +24,7 @@ from llm_api.model.settings import ConfigError, Settings
 from llm_api.service.owners import owner_of
 from llm_api.service.response_store import (
     ENTRY_OVERHEAD_BYTES,
+    WAL_LIMIT_BYTES,
     MemoryResponseStore,
     SqliteResponseStore,
     StoreLimits,
@@ -320,11 +321,15 @@ def test_memory_held_stays_within_the_byte_bound():
 
 
 def test_sqlite_bounds_hold_under_a_flood(tmp_path):
-    store = SqliteResponseStore(tmp_path / "flood.db", StoreLimits(max_entries=300, max_bytes=256 << 10, ttl_s=3600.0))
+    """3,000 puts (6 MB of text) into a 1 MiB store: the bounds hold, and so does the file on disk."""
+    store = SqliteResponseStore(tmp_path / "flood.db", StoreLimits(max_entries=2_000, max_bytes=1 << 20, ttl_s=3600.0))
     assert flood(store, 3_000, 4096, seed=26, check_every=7) == 0
     count, num_bytes = store.stats()
-    assert num_bytes > 0.9 * store.limits.max_bytes or count == 300
+    assert num_bytes > 0.95 * store.limits.max_bytes
     assert store._totals == [count, num_bytes]  # the totals kept with each change are the table's
+    wal = tmp_path / "flood.db-wal"
+    assert (tmp_path / "flood.db").stat().st_size <= 1.25 * store.limits.max_bytes
+    assert not wal.exists() or wal.stat().st_size <= WAL_LIMIT_BYTES + (1 << 20)
     store.close()
 
 
