@@ -73,7 +73,8 @@ class Settings:
     # One request's work (llm_api.api.request.request_work): prompt tokens + n x max_new_tokens x (1 + logprob
     # entries per token). The other caps bound each factor alone; this bounds their product (400 above it).
     max_request_work: int = 262_144
-    # The standalone server (llm_api serve). Its bearer key: LLM_API_KEY, or one generated per start.
+    # The standalone server (llm_api serve). Its bearer keys: LLM_API_KEY (comma-separated, see api_keys), or
+    # one generated per start.
     api_key: str = field(default="", repr=False)
     drain_grace_s: float = 30.0  # after SIGTERM: how long in-flight requests may take to finish
     max_request_bytes: int = 6_553_500  # largest request body (TorchServe's max_request_size default)
@@ -83,6 +84,12 @@ class Settings:
     write_timeout_s: float = 30.0  # a deadline for each write of an answer (a client that stopped reading)
     send_buffer_bytes: int = 262_144  # the kernel's send buffer per connection (SO_SNDBUF); 0: the kernel's own
     max_connections: int = 512  # open connections served at once; those beyond get 503 and are closed
+    # Stored responses (the Responses API's store: true; llm_api.service.response_store): oldest evicted
+    # first past either bound, each gone after the TTL; an empty path keeps them in memory only.
+    responses_store_max_entries: int = 10_000  # 0: nothing is stored
+    responses_store_max_bytes: int = 64 * 1024 * 1024
+    responses_store_ttl_s: float = 86_400.0
+    responses_store_path: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -127,12 +134,24 @@ class Settings:
             "write_timeout_s": _float(env, "WRITE_TIMEOUT_S", cls.write_timeout_s, 0.0, None),
             "send_buffer_bytes": _int(env, "SEND_BUFFER_BYTES", cls.send_buffer_bytes, minimum=0),
             "max_connections": _int(env, "MAX_CONNECTIONS", cls.max_connections, minimum=1),
+            "responses_store_max_entries": _int(env, "RESPONSES_STORE_MAX_ENTRIES", cls.responses_store_max_entries,
+                                                minimum=0),
+            "responses_store_max_bytes": _int(env, "RESPONSES_STORE_MAX_BYTES", cls.responses_store_max_bytes,
+                                              minimum=MIN_RESPONSES_STORE_BYTES),
+            "responses_store_ttl_s": _float(env, "RESPONSES_STORE_TTL_S", cls.responses_store_ttl_s, 0.0, None),
+            "responses_store_path": _store_path(env.get("RESPONSES_STORE_PATH", "")),
         }
         if 0 < values["max_num_batched_tokens"] < values["max_num_seqs"]:
             # The scheduler serves running requests first: a smaller budget would starve the newest.
             raise ConfigError(f"MAX_NUM_BATCHED_TOKENS={values['max_num_batched_tokens']} is below MAX_NUM_SEQS="
                               f"{values['max_num_seqs']}; allowed values: 0 (sized to the device) or >= MAX_NUM_SEQS")
         return cls(**values)
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys of LLM_API_KEY (empty when unset): any one of them is accepted, each its own owner of
+        stored responses."""
+        return split_api_keys(self.api_key)
 
 
 def _nonempty(env: Mapping[str, str], name: str, default: str) -> str:
@@ -155,15 +174,41 @@ def _marker(raw: str) -> str:
 MIN_API_KEY_CHARS = 8
 
 
+def split_api_keys(raw: str) -> tuple[str, ...]:
+    """LLM_API_KEY's keys: comma-separated (vLLM's ``--api-key`` also takes several), so no key holds a comma."""
+    return tuple(raw.split(",")) if raw else ()
+
+
 def _api_key(raw: str) -> str:
-    """LLM_API_KEY: empty (a key is generated at start), or what clients send after ``Bearer ``: visible
-    ASCII without spaces (it travels in a header), long enough not to be guessed in a few tries. The
-    message never shows the value."""
+    """LLM_API_KEY: empty (a key is generated at start), or one or more comma-separated keys, each what a
+    client sends after ``Bearer ``: visible ASCII without spaces (it travels in a header), long enough not to
+    be guessed in a few tries, and no key twice (two names for one owner would be a mistake). The message
+    names the key by its position and length, never by its value."""
     if raw == "":
         return raw
-    if len(raw) < MIN_API_KEY_CHARS or not all("!" <= c <= "~" for c in raw):
-        raise ConfigError(f"LLM_API_KEY is not usable ({len(raw)} characters); allowed values: at least "
-                          f"{MIN_API_KEY_CHARS} visible ASCII characters without spaces, or unset to generate one")
+    allowed = (f"one or more keys separated by commas, each at least {MIN_API_KEY_CHARS} visible ASCII characters "
+               "without spaces or commas, or unset to generate one")
+    keys = split_api_keys(raw)
+    for position, key in enumerate(keys, start=1):
+        if len(key) < MIN_API_KEY_CHARS or not all("!" <= c <= "~" for c in key):
+            where = f"key {position} of {len(keys)}" if len(keys) > 1 else "the key"
+            raise ConfigError(f"LLM_API_KEY is not usable ({where} has {len(key)} characters); allowed values: "
+                              f"{allowed}")
+    if len(set(keys)) != len(keys):
+        raise ConfigError(f"LLM_API_KEY is not usable (a key is listed twice); allowed values: {allowed}")
+    return raw
+
+
+# A byte bound below one small entry would refuse every response; 1 KiB is still tiny.
+MIN_RESPONSES_STORE_BYTES = 1024
+
+
+def _store_path(raw: str) -> str:
+    """RESPONSES_STORE_PATH: empty (memory), or an SQLite file. Whether it opens is checked when the store is
+    opened (llm_api.service.response_store.open_response_store), which names this variable too."""
+    if raw and (raw != raw.strip() or "\0" in raw):
+        raise ConfigError(f"RESPONSES_STORE_PATH={raw!r} is not supported; allowed values: empty (memory) or a "
+                          "file path without leading or trailing spaces")
     return raw
 
 
