@@ -8,7 +8,8 @@ between are the same and live here, so the two edges cannot drift apart:
   worker threads when the body is large (embeddings: up to ~6 MB of JSON), so the event loop keeps
   serving the other streams meanwhile. They raise ``ApiError``. ``parse_tokenize_call(service, body)`` /
   ``parse_detokenize_call(service, body)``: the tokenizer routes' bodies (``llm_api.api.tokenize``), the
-  same way (a /detokenize body may hold a million ids).
+  same way (a /detokenize body may hold a million ids); ``parse_large(service, parse, body, *args)`` for
+  any other format's parser (the Responses API's).
 * ``encoded_parts(service, request, encoder, request_id, marker)``: ``service.generate``'s events (text
   deltas and choice ends of every choice, then one ``Finished``) through any ``AnswerEncoder``
   (``llm_api.api.encoding``: native, OpenAI chat/completions, responses) into what the client receives,
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, Mapping
+from typing import Any, AsyncGenerator, Callable, Mapping, TypeVar
 
 from llm_api.api import openai
 from llm_api.api.native import parse_request
@@ -38,6 +39,7 @@ from llm_api.api.tokenize import TokenizeRequest, parse_detokenize, parse_tokeni
 from llm_api.service.service import ChoiceFinished, ModelService, TextDelta
 
 LARGE_BODY_BYTES = 64 * 1024  # bodies above this are parsed off the event loop
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,13 @@ async def parse_openai(service: ModelService, api: str, body: bytes) -> tuple[Ge
     if len(body) > LARGE_BODY_BYTES:
         return await service.offload(openai.parse_call, api, body, service.model_name, service.limits)
     return openai.parse_call(api, body, service.model_name, service.limits)
+
+
+async def parse_large(service: ModelService, parse: Callable[..., T], body: bytes, *args: Any) -> T:
+    """``parse(body, *args)``, on the service's worker threads when the body is large."""
+    if len(body) > LARGE_BODY_BYTES:
+        return await service.offload(parse, body, *args)
+    return parse(body, *args)
 
 
 async def parse_tokenize_call(service: ModelService, body: bytes) -> TokenizeRequest:

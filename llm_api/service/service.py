@@ -70,7 +70,9 @@ from llm_api.model.loader import LoadedModel, load
 from llm_api.model.settings import Settings
 from llm_api.service.engine_loop import EngineLoop
 from llm_api.service.grammars import GrammarCompilation
+from llm_api.service.live_responses import Responses
 from llm_api.service.metrics import ServingMetrics, Sink
+from llm_api.service.response_store import open_response_store
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +128,8 @@ class ModelService:
                                       engine_alive=lambda: self.loop.alive)
         self._prepare_pool = ThreadPoolExecutor(2, thread_name_prefix="llm-prepare")
         self.grammars = GrammarCompilation(lm.tokenizer, _logits_width(lm.model), lm.eos_token_ids)
+        # The Responses API's stored and in-flight responses (an unusable RESPONSES_STORE_PATH fails here).
+        self.responses = Responses(open_response_store(settings))
         self._live: dict[str, Generation] = {}  # request id -> admitted request
         self._labels: set[str] = set()  # client request_id labels of live requests
         self._tokens_in_flight = 0
@@ -170,6 +174,7 @@ class ModelService:
 
     def shutdown(self) -> None:
         self.loop.shutdown()
+        self.responses.store.close()
         self._prepare_pool.shutdown(wait=False, cancel_futures=True)
         self.grammars.shutdown()
 

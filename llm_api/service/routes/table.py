@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 
 from llm_api.api.errors import ApiError, echo
-from llm_api.service.routes import native, openai_calls, probes, tokenizer
+from llm_api.service.routes import native, openai_calls, probes, responses, tokenizer
 from llm_api.service.routes.route import Answer, Call, Route, RouteContext
 
 METHOD_OVERRIDE_HEADER = "x-http-method-override"
@@ -30,6 +30,13 @@ ROUTES: tuple[Route, ...] = (
     Route("chat", "POST", openai_calls.chat, paths=("v1/chat/completions",), model_paths=("v1/chat/completions",)),
     Route("completions", "POST", openai_calls.completions, paths=("v1/completions",),
           model_paths=("v1/completions",)),
+    Route("responses", "POST", responses.create, paths=("v1/responses",), model_paths=("v1/responses",)),
+    Route("retrieve_response", "GET", responses.retrieve, paths=("v1/responses/{id}",),
+          model_paths=("v1/responses/{id}",)),
+    Route("delete_response", "DELETE", responses.delete, paths=("v1/responses/{id}",),
+          model_paths=("v1/responses/{id}",)),
+    Route("cancel_response", "POST", responses.cancel, paths=("v1/responses/{id}/cancel",),
+          model_paths=("v1/responses/{id}/cancel",)),
     Route("tokenize", "POST", tokenizer.tokenize, paths=("tokenize",), model_paths=("tokenize",)),
     Route("detokenize", "POST", tokenizer.detokenize, paths=("detokenize",), model_paths=("detokenize",)),
     Route("models", "GET", probes.models, paths=("v1/models",), model_paths=("v1/models",)),

@@ -1,0 +1,112 @@
+"""The Responses API: ``POST v1/responses``, ``GET`` / ``DELETE v1/responses/{id}``, ``POST v1/responses/{id}/cancel``.
+
+* create: the body (``llm_api.api.responses``) becomes a ``GenerateRequest`` and the ``ResponsesCall``
+  that encodes the answer (a Response object, or typed SSE events). ``previous_response_id`` continues a
+  stored conversation of the same owner (its turns come first; the prompt they render is the earlier
+  prompt and answer, so its blocks come from the prefix cache); unknown, evicted, expired or another's:
+  404. With ``store`` (the default) the finished Response and its conversation are stored before the
+  answer's last part goes out, so a client may retrieve or continue it the moment it has read it.
+* retrieve: a stored response, or one still being generated (its Response object so far,
+  ``status: in_progress``); delete: removes a stored one (``{"id", "object": "response.deleted",
+  "deleted": true}``); cancel: ends a response still being generated (its stream ends, the stored object
+  says ``cancelled``) and answers the Response object; a finished one cannot be cancelled (400).
+* Owners: the credential the request carried (``llm_api.service.owners.owner_of`` of its Authorization
+  header): another key gets 404 for an id it did not create, exactly as for an id that never existed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from contextlib import aclosing
+from typing import AsyncGenerator
+
+from llm_api.api.errors import ApiError, echo
+from llm_api.api.responses import ResponsesCall, parse_responses
+from llm_api.api.request import GenerateRequest
+from llm_api.service.answer import Final, Part, encoded_parts, parse_large
+from llm_api.service.owners import owner_of
+from llm_api.service.live_responses import InFlightResponse
+from llm_api.service.routes.route import Answer, Call, RouteContext, Streamed, Whole
+from llm_api.service.service import ModelService
+
+logger = logging.getLogger(__name__)
+CANCEL_WAIT_S = 5.0  # how long cancel waits for the response to end before answering it as it stands
+
+
+def _owner(call: Call) -> str:
+    return owner_of(call.headers.get("authorization"))
+
+
+def _not_found(response_id: str, param: str | None = None) -> ApiError:
+    return ApiError(404, "not_found", f"no response with id {echo(response_id)}", param)
+
+
+async def create(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:
+    service = ctx.serving()
+    request, encoder = await parse_large(service, parse_responses, call.json_body(), service.model_name,
+                                         service.limits)
+    owner = _owner(call)
+    if encoder.previous_response_id is not None:
+        stored = service.responses.store.get(encoder.previous_response_id, owner)
+        if stored is None:
+            raise _not_found(encoder.previous_response_id, "previous_response_id")
+        encoder.continue_from(json.loads(stored.conversation_json), request)
+    return Streamed(_tracked(service, request, encoder, call.request_id, owner), encoder)
+
+
+async def _tracked(service: ModelService, request: GenerateRequest, encoder: ResponsesCall, request_id: str,
+                   owner: str) -> AsyncGenerator[Part, None]:
+    """The answer's parts, with the response known as in flight meanwhile and stored before its last part."""
+    live = service.responses.in_flight
+    entry = InFlightResponse(owner, request_id, encoder)
+    live[encoder.id] = entry
+    try:
+        async with aclosing(encoded_parts(service, request, encoder, request_id)) as parts:
+            async for part in parts:
+                if isinstance(part, Final) and encoder.store:
+                    stored = service.responses.store.put(encoder.id, owner, json.dumps(encoder.response_json()),
+                                                         json.dumps(encoder.conversation()))
+                    if not stored:
+                        logger.info("response %s was not stored (over RESPONSES_STORE_MAX_BYTES)", encoder.id)
+                yield part
+    finally:
+        live.pop(encoder.id, None)
+        entry.ended.set()
+
+
+async def retrieve(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:
+    responses = ctx.loaded().responses
+    response_id, owner = params["id"], _owner(call)
+    live = responses.in_flight.get(response_id)
+    if live is not None and live.owner == owner:
+        return Whole(200, json.dumps(live.encoder.response_json()))
+    stored = responses.store.get(response_id, owner)
+    if stored is None:
+        raise _not_found(response_id)
+    return Whole(200, stored.response_json)
+
+
+async def delete(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:
+    response_id = params["id"]
+    if not ctx.loaded().responses.store.delete(response_id, _owner(call)):
+        raise _not_found(response_id)
+    return Whole(200, json.dumps({"id": response_id, "object": "response.deleted", "deleted": True}))
+
+
+async def cancel(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:
+    service = ctx.loaded()
+    response_id, owner = params["id"], _owner(call)
+    live = service.responses.in_flight.get(response_id)
+    if live is None or live.owner != owner:
+        if service.responses.store.get(response_id, owner) is None:
+            raise _not_found(response_id)
+        raise ApiError(400, "invalid_request", f"the response {echo(response_id)} has finished; only a response "
+                       "being generated can be cancelled")
+    service.cancel(live.request_id)
+    try:
+        await asyncio.wait_for(live.ended.wait(), CANCEL_WAIT_S)
+    except TimeoutError:
+        pass
+    return Whole(200, json.dumps(live.encoder.response_json()))

@@ -1,0 +1,151 @@
+"""The Responses API through the real `openai` package, on both front ends (TorchServe in the shipped async
+mode, below /predictions/<model>/1.0/v1, and `llm_api serve`, at /v1), with the real embedded model.
+
+What it proves: `responses.create` whole and streamed (the typed events in the order the package parses
+them, the same text both ways), `.retrieve` and `.delete` (TorchServe: the method override the handler
+needs, and a DELETE without it refused, never taken for a GET), a `previous_response_id` chain that
+remembers a fact, a function-call round trip on a model whose template has no tool format (call,
+`function_call_output`, answer), `text.format` json_schema output that validates, another key reading
+nothing of a stored response (the standalone server takes two keys), and the store's bound under a flood
+(the oldest evicted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.server
+MODEL = "smollm2"
+QUESTION = "What is the capital of France?"
+DELETE_OVERRIDE = {"X-HTTP-Method-Override": "DELETE"}
+WEATHER = {"type": "function", "name": "get_weather", "description": "Get the weather of a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                           "unit": {"enum": ["celsius", "fahrenheit"]}},
+                          "required": ["city", "unit"], "additionalProperties": False}}
+
+
+def client_of(server, key: str | None = None):
+    import openai
+
+    return openai.OpenAI(base_url=server.openai_base, api_key=key or server.key(), max_retries=0, timeout=120)
+
+
+def test_create_whole_and_streamed(async_frontend):
+    client = client_of(async_frontend)
+    whole = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=24, temperature=0)
+    assert whole.status == "completed" and "Paris" in whole.output_text
+    assert whole.usage.input_tokens > 5 and 0 < whole.usage.output_tokens <= 24
+    assert whole.output[0].type == "message" and whole.output[0].content[0].type == "output_text"
+
+    events = list(client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=24, temperature=0,
+                                          stream=True))
+    kinds = [e.type for e in events]
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"} and len(deltas) > 2
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(deltas) == whole.output_text == events[-1].response.output_text  # (float32: greedy is exact)
+
+    cut = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2, temperature=0)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert async_frontend.worker_status() == "READY"
+
+
+def test_retrieve_delete_and_the_method_torchserve_cannot_see(async_frontend, request):
+    import openai
+
+    client = client_of(async_frontend)
+    created = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=8, temperature=0)
+    got = client.responses.retrieve(created.id)
+    assert got.id == created.id and got.output_text == created.output_text and got.status == "completed"
+    torchserve = "torchserve" in request.node.callspec.id
+    if torchserve:
+        # TorchServe hands the handler no method: a DELETE must say so, and one that does not is refused.
+        with pytest.raises(openai.BadRequestError, match="X-HTTP-Method-Override") as refused:
+            client.responses.delete(created.id)
+        assert refused.value.body["code"] == "method_unknown"
+        assert client.responses.retrieve(created.id).id == created.id  # (still there)
+    client.responses.delete(created.id, extra_headers=DELETE_OVERRIDE if torchserve else None)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(created.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete("resp_" + "0" * 32, extra_headers=DELETE_OVERRIDE)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=MODEL, input="hi", previous_response_id=created.id)
+    unstored = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=4, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_a_previous_response_id_chain_remembers(async_frontend):
+    client = client_of(async_frontend)
+    first = client.responses.create(model=MODEL, input="Remember: the secret code word is PINEAPPLE. Reply OK.",
+                                    max_output_tokens=12, temperature=0)
+    assert "PINEAPPLE" not in first.output_text
+    second = client.responses.create(model=MODEL, previous_response_id=first.id,
+                                     input="What is the secret code word?", max_output_tokens=16, temperature=0)
+    assert "PINEAPPLE" in second.output_text
+    # Without the chain the model cannot know it (the word is only in the stored conversation).
+    alone = client.responses.create(model=MODEL, input="What is the secret code word?", max_output_tokens=16,
+                                    temperature=0)
+    assert "PINEAPPLE" not in alone.output_text
+
+
+def test_a_function_call_round_trip(async_frontend):
+    client = client_of(async_frontend)
+    called = client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER],
+                                     tool_choice="required", max_output_tokens=64, temperature=0)
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather"
+    arguments = json.loads(calls[0].arguments)
+    assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
+    answer = client.responses.create(
+        model=MODEL, previous_response_id=called.id, tools=[WEATHER], max_output_tokens=24, temperature=0,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny, 24 degrees"}])
+    assert answer.status == "completed" and answer.output_text
+
+    streamed = list(client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[WEATHER], stream=True,
+                                            tool_choice={"type": "function", "name": "get_weather"},
+                                            max_output_tokens=64, temperature=0))
+    done = [e for e in streamed if e.type == "response.function_call_arguments.done"]
+    pieces = [e.delta for e in streamed if e.type == "response.function_call_arguments.delta"]
+    assert len(done) == 1 and "".join(pieces) == done[0].arguments
+    assert set(json.loads(done[0].arguments)) == {"city", "unit"}
+
+
+def test_text_format_json_schema(async_frontend):
+    client = client_of(async_frontend)
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 30},
+                                               "population_millions": {"type": "integer", "minimum": 0}},
+              "required": ["capital", "population_millions"], "additionalProperties": False}
+    answer = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=60, temperature=0,
+                                     text={"format": {"type": "json_schema", "name": "city", "schema": schema}})
+    value = json.loads(answer.output_text)
+    assert set(value) == {"capital", "population_millions"} and isinstance(value["population_millions"], int)
+
+
+def test_another_key_reads_nothing_and_the_store_stays_bounded(start_standalone):
+    """Two keys are two owners; a flood of stored responses keeps the newest RESPONSES_STORE_MAX_ENTRIES."""
+    import openai
+
+    server = start_standalone("responses-owners", {"LLM_API_KEY": "first-key-123,second-key-456",
+                                                   "RESPONSES_STORE_MAX_ENTRIES": "4", "MAX_NEW_TOKENS": "8"})
+    try:
+        first, second = client_of(server, "first-key-123"), client_of(server, "second-key-456")
+        mine = first.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+        assert first.responses.retrieve(mine.id).id == mine.id
+        for attempt in (lambda: second.responses.retrieve(mine.id), lambda: second.responses.delete(mine.id),
+                        lambda: second.responses.create(model=MODEL, input="hi", previous_response_id=mine.id)):
+            with pytest.raises(openai.NotFoundError):
+                attempt()
+        ids = [first.responses.create(model=MODEL, input=f"count {i}", max_output_tokens=2).id for i in range(6)]
+        for response_id in [mine.id] + ids[:2]:
+            with pytest.raises(openai.NotFoundError):
+                first.responses.retrieve(response_id)
+        assert [first.responses.retrieve(i).id for i in ids[2:]] == ids[2:]
+    finally:
+        server.stop()
