@@ -101,7 +101,7 @@ class GenerateRequest:
         if self.messages is not None:
             chars = sum(len(m.get("content") or "") + len(m.get("reasoning_content") or "") for m in self.messages)
             calls = [m["tool_calls"] for m in self.messages if m.get("tool_calls")]
-            extra = [self.tools] if self.tools else []
+            extra: list = [self.tools] if self.tools else []
             extra += [self.template_kwargs] if self.template_kwargs else []
             return chars + sum(len(json.dumps(x, ensure_ascii=False)) for x in calls + extra)
         return 0

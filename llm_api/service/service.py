@@ -58,9 +58,9 @@ from llm_api.api.detokenizer import TextStream
 from llm_api.api.errors import ApiError, echo, internal_error
 from llm_api.api.logprobs import LogprobItem, TokenTexts
 from llm_api.api.prompt import PromptBuilder
+from llm_api.api.reasoning import reasoning_format
 from llm_api.api.request import GenerateRequest, Limits, work_refusal
 from llm_api.api.tokenize import TokenizeRequest
-from llm_api.api.reasoning import reasoning_format
 from llm_api.api.tools import detect_tool_format
 from llm_api.engine.engine import EngineConfig, LLMEngine
 from llm_api.engine.reference import ReferenceCore
