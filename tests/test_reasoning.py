@@ -142,6 +142,7 @@ def test_template_kwargs_and_reasoning_effort_reach_the_template(tokenizer):
     ({"chat_template_kwargs": {"big": "x" * 9000}}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"1st": 1}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"__class__": 1}}, "chat_template_kwargs"),
     ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     ({"reasoning_effort": 3}, "reasoning_effort"),
     ({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}}, "reasoning_effort"),

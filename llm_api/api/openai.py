@@ -64,7 +64,8 @@ from llm_api.api.errors import ApiError, echo
 from llm_api.api.fields import (Integer, LogitBias, Number, StopStrings, StrictFlag, StrictWholeNumber, Text,
                                 field_path, first_error, is_type_error, message_of, unknown_fields)
 from llm_api.api.logprobs import LogprobItem, openai_chat_logprobs, openai_completion_logprobs
-from llm_api.api.reasoning import AnswerText, ReasoningFormat, ReasoningParser, ReasoningText, answer_only
+from llm_api.api.reasoning import (AnswerText, ReasoningFormat, ReasoningParser, ReasoningText, answer_only,
+                                   template_variables)
 from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, MAX_SEED, Constraint, GenerateRequest, Limits, WorkFields
 from llm_api.api.tools import ToolCallDelta, ToolCallParser, ToolFormat
 from llm_api.api.validation import decode_json
@@ -93,10 +94,6 @@ MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function and schema names
 TOOL_CHOICES = ("none", "auto", "required")
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
-MAX_TEMPLATE_KWARGS = 16  # keys of chat_template_kwargs
-MAX_TEMPLATE_KWARGS_BYTES = 8192  # its JSON text
-TEMPLATE_KWARG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # a jinja variable name
 
 
 def route(url_path: str | None) -> str | None:
@@ -492,8 +489,8 @@ class ChatBody(_CallBody):
     tools: list[ToolDefinition] | None = None
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}: checked below
     parallel_tool_calls: StrictFlag | None = None
-    chat_template_kwargs: Any = None  # an object of template variables: checked by _template_kwargs
-    reasoning_effort: Any = None  # one of REASONING_EFFORTS: checked by _template_kwargs
+    chat_template_kwargs: Any = None  # an object of template variables: checked by template_variables
+    reasoning_effort: Any = None  # one of reasoning.REASONING_EFFORTS: checked by template_variables
 
 
 class CompletionBody(_CallBody):
@@ -537,7 +534,7 @@ def parse_call(kind: str, body: Any, model_name: str, limits: Limits) -> tuple[G
         _check_tool_call_arguments(call.messages)
         _check_reasoning(call.messages)
         request.messages = [m.to_turn() for m in call.messages]
-        request.template_kwargs = _template_kwargs(call.chat_template_kwargs, call.reasoning_effort)
+        request.template_kwargs = template_variables(call.chat_template_kwargs, call.reasoning_effort)
         request.constraint, request.tools, tool_format = _structured_output(call, limits)
         if limits.reasoning_format is not None and request.constraint is not None:
             request.constraint = answer_only(limits.reasoning_format, request.constraint)
@@ -580,39 +577,6 @@ def _check_reasoning(messages: list[ChatMessage]) -> None:
             param = f"messages[{i}].reasoning_content"
             raise ApiError(400, "invalid_value", f"{param!r} differs from 'messages[{i}].reasoning': send the "
                            "thinking once, in either field", param)
-
-
-def _template_kwargs(kwargs: Any, effort: Any) -> dict | None:
-    """chat_template_kwargs and reasoning_effort -> the template's extra variables (None: none). The names
-    the render already uses are refused by the PromptBuilder, which knows the tokenizer's."""
-    if kwargs is not None:
-        if not isinstance(kwargs, dict):
-            raise ApiError(400, "invalid_type", "'chat_template_kwargs' must be an object", "chat_template_kwargs")
-        if len(kwargs) > MAX_TEMPLATE_KWARGS:
-            raise ApiError(400, "invalid_value", f"'chat_template_kwargs' has {len(kwargs)} keys; at most "
-                           f"{MAX_TEMPLATE_KWARGS} are allowed", "chat_template_kwargs")
-        for name in kwargs:
-            if not TEMPLATE_KWARG_NAME.fullmatch(name):
-                raise ApiError(400, "invalid_value", f"'chat_template_kwargs' key {echo(name)} is not a template "
-                               "variable name (letters, digits and _, not starting with a digit, at most 64)",
-                               "chat_template_kwargs")
-        size = len(json.dumps(kwargs, ensure_ascii=False).encode("utf-8"))
-        if size > MAX_TEMPLATE_KWARGS_BYTES:
-            raise ApiError(400, "invalid_value", f"'chat_template_kwargs' is {size} bytes of JSON; at most "
-                           f"{MAX_TEMPLATE_KWARGS_BYTES} are allowed", "chat_template_kwargs")
-    variables = dict(kwargs or {})
-    if effort is not None:
-        if not isinstance(effort, str) or effort not in REASONING_EFFORTS:
-            raise ApiError(400, "invalid_value", f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, "
-                           f"got {echo(effort)}", "reasoning_effort")
-        implied = {"reasoning_effort": effort, **({"enable_thinking": False} if effort == "none" else {})}
-        for name, value in implied.items():
-            if name in variables and not _same(variables[name], value):
-                raise ApiError(400, "invalid_value", f"'reasoning_effort' {effort} means the template variable "
-                               f"{name}={json.dumps(value)}, but 'chat_template_kwargs.{name}' says otherwise",
-                               "reasoning_effort")
-        variables.update(implied)
-    return variables or None
 
 
 def _check_tool_call_arguments(messages: list[ChatMessage]) -> None:

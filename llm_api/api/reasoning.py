@@ -21,6 +21,10 @@ Contract
   reasoning and at the start of the answer after a think block is dropped (Qwen3 writes
   ``<think>\\n`` and ``</think>\\n\\n``); other text is kept exactly. ``reasoning_ended`` says whether the
   answer part has begun.
+- ``template_variables(chat_template_kwargs, effort)``: the request's extra variables of the chat template
+  (``GenerateRequest.template_kwargs``): the kwargs object checked (at most ``MAX_TEMPLATE_KWARGS`` keys
+  named like template variables, ``MAX_TEMPLATE_KWARGS_BYTES`` of JSON), plus the effort mapped to
+  ``reasoning_effort`` (any of ``REASONING_EFFORTS``) and, for "none", ``enable_thinking`` false.
 - Cut inside the reasoning (``max_tokens``, a stop string, a client cancel): all the text is reasoning and
   there is no answer text (what vLLM does: the chat message's ``content`` is null).
 - ``reasoning_grammar(format, spec)``: structured output applies to the answer only. The request's
@@ -34,9 +38,11 @@ Contract
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
+from typing import Any
 
-from llm_api.api.errors import ApiError
+from llm_api.api.errors import ApiError, echo
 from llm_api.api.request import Constraint
 from llm_api.engine.grammar import JSON_MAX_WHITESPACE, GrammarError, GrammarSpec, check_limits
 
@@ -45,6 +51,11 @@ THINK_START = "<think>"
 THINK_END = "</think>"
 MAX_GAP = 8  # spaces/newlines the grammar allows between </think> and the answer
 _WHITESPACE = " \t\r\n"
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+MAX_TEMPLATE_KWARGS = 16  # keys of chat_template_kwargs
+MAX_TEMPLATE_KWARGS_BYTES = 8192  # its JSON text
+# A jinja variable name (not starting with "_": no name that looks like a Python dunder reaches the sandbox)
+TEMPLATE_KWARG_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
 
 
 @dataclass(frozen=True)
@@ -88,6 +99,45 @@ def _opened(prompt: str) -> bool:
     """Whether ``prompt`` ends inside a think block it opened."""
     start = prompt.rfind(THINK_START)
     return start >= 0 and prompt.find(THINK_END, start) < 0
+
+
+# --------------------------------------------------------------------------------------------------
+# template variables
+
+
+def template_variables(kwargs: Any, effort: Any, effort_param: str = "reasoning_effort") -> dict | None:
+    """``chat_template_kwargs`` and a reasoning effort (the field ``effort_param``: ``reasoning_effort`` on
+    chat) -> the chat template's extra variables (None: none), or ApiError 400 naming the field. The names
+    the render already uses and control-token text are refused by the PromptBuilder, which knows the
+    tokenizer's."""
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise ApiError(400, "invalid_type", "'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        if len(kwargs) > MAX_TEMPLATE_KWARGS:
+            raise ApiError(400, "invalid_value", f"'chat_template_kwargs' has {len(kwargs)} keys; at most "
+                           f"{MAX_TEMPLATE_KWARGS} are allowed", "chat_template_kwargs")
+        for name in kwargs:
+            if not TEMPLATE_KWARG_NAME.fullmatch(name):
+                raise ApiError(400, "invalid_value", f"'chat_template_kwargs' key {echo(name)} is not a template "
+                               "variable name (letters, digits and _, starting with a letter, at most 64)",
+                               "chat_template_kwargs")
+        size = len(json.dumps(kwargs, ensure_ascii=False).encode("utf-8"))
+        if size > MAX_TEMPLATE_KWARGS_BYTES:
+            raise ApiError(400, "invalid_value", f"'chat_template_kwargs' is {size} bytes of JSON; at most "
+                           f"{MAX_TEMPLATE_KWARGS_BYTES} are allowed", "chat_template_kwargs")
+    variables = dict(kwargs or {})
+    if effort is not None:
+        if not isinstance(effort, str) or effort not in REASONING_EFFORTS:
+            raise ApiError(400, "invalid_value", f"{effort_param!r} must be one of {', '.join(REASONING_EFFORTS)}, "
+                           f"got {echo(effort)}", effort_param)
+        implied = {"reasoning_effort": effort, **({"enable_thinking": False} if effort == "none" else {})}
+        for name, value in implied.items():
+            if name in variables and not (type(variables[name]) is type(value) and variables[name] == value):
+                raise ApiError(400, "invalid_value", f"{effort_param!r} {effort} means the template variable "
+                               f"{name}={json.dumps(value)}, but 'chat_template_kwargs.{name}' says otherwise",
+                               effort_param)
+        variables.update(implied)
+    return variables or None
 
 
 # --------------------------------------------------------------------------------------------------
