@@ -153,3 +153,22 @@ def test_hostile_template_kwargs_get_400_naming_the_field(client):
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model="smollm2", messages=ASK, extra_body=extra)
         assert refused.value.body["param"] == param, extra
+
+
+def test_torchserve_splits_the_same_way(start_server, reasoning_checkpoint):
+    """The same answer through TorchServe (shipped async mode): the split lives in the shared service path."""
+    import openai
+
+    from torchserve_server import REPO
+
+    server = start_server("reasoning-ts", (REPO / "model-config.yaml").read_text(),
+                          env={"MODEL_PATH": str(reasoning_checkpoint), "DTYPE": "float32", "KV_CACHE_MEMORY_MIB": "16"})
+    try:
+        client = openai.OpenAI(base_url=f"{server.http}/predictions/smollm2/1.0/v1", api_key=server.key(),
+                               max_retries=0, timeout=120)
+        message = client.chat.completions.create(model="smollm2", messages=ASK, temperature=0).choices[0].message
+        assert (message.content, _extra(message, "reasoning"), _extra(message, "reasoning_content")) == \
+            ("The answer", "abc", "abc")
+        assert _streamed(client) == ("abc", "The answer", "stop")
+    finally:
+        server.stop()
