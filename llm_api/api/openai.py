@@ -392,7 +392,7 @@ class ChatMessage(BaseModel):
     def _role_rules(self):
         if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.thinking)):
             raise ValueError(f"a {self.role} message needs 'content'" +
-                             (" or 'tool_calls'" if self.role == "assistant" else ""))
+                             (" or 'tool_calls' or 'reasoning'" if self.role == "assistant" else ""))
         if self.role != "assistant" and (self.reasoning is not None or self.reasoning_content is not None):
             raise ValueError("only assistant messages may carry 'reasoning' or 'reasoning_content'")
         if self.tool_calls is not None and self.role != "assistant":
