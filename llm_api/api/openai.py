@@ -30,7 +30,7 @@ header; ``route()`` maps it to one of the calls below. Contract:
   ``role: "tool"`` results (``tool_call_id``).
 * Reasoning models (``llm_api.api.reasoning``): ``chat_template_kwargs`` (an object of at most 16
   identifier keys and 8 KiB of JSON) are extra variables of the chat template's render;
-  ``reasoning_effort`` (none | minimal | low | medium | high) reaches the template as the variable
+  ``reasoning_effort`` (none | minimal | low | medium | high | xhigh) reaches the template as the variable
   ``reasoning_effort``, and "none" also as ``enable_thinking`` false (Qwen3's switch); a kwarg that
   contradicts it is refused. When the model has a reasoning parser (``Limits.reasoning_format``), each
   choice's text is split first: the think block goes out as ``reasoning`` and ``reasoning_content``

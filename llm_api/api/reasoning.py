@@ -51,7 +51,7 @@ THINK_START = "<think>"
 THINK_END = "</think>"
 MAX_GAP = 8  # spaces/newlines the grammar allows between </think> and the answer
 _WHITESPACE = " \t\r\n"
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's values
 MAX_TEMPLATE_KWARGS = 16  # keys of chat_template_kwargs
 MAX_TEMPLATE_KWARGS_BYTES = 8192  # its JSON text
 # A jinja variable name (not starting with "_": no name that looks like a Python dunder reaches the sandbox)
