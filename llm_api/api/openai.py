@@ -28,6 +28,17 @@ header; ``route()`` maps it to one of the calls below. Contract:
   (streamed as ``delta.tool_calls`` with the arguments in pieces) and the finish reason is
   ``tool_calls``. Messages may carry a conversation's earlier calls: assistant ``tool_calls`` and
   ``role: "tool"`` results (``tool_call_id``).
+* Reasoning models (``llm_api.api.reasoning``): ``chat_template_kwargs`` (an object of at most 16
+  identifier keys and 8 KiB of JSON) are extra variables of the chat template's render;
+  ``reasoning_effort`` (none | minimal | low | medium | high | xhigh) reaches the template as the variable
+  ``reasoning_effort``, and "none" also as ``enable_thinking`` false (Qwen3's switch); a kwarg that
+  contradicts it is refused. When the model has a reasoning parser (``Limits.reasoning_format``), each
+  choice's text is split first: the think block goes out as ``reasoning`` and ``reasoning_content``
+  (both names, the same text; ``delta.reasoning`` / ``delta.reasoning_content`` when streaming), only the
+  answer as ``content`` (null when the output ended inside the reasoning) and through the tool-call
+  parser; the structured-output grammar applies to the answer only. Assistant messages may carry
+  ``reasoning`` or ``reasoning_content`` (the same text if both): the template gets it as
+  ``reasoning_content``.
 * ``GET v1/models``: ``models_list``. ``GET v1/health``: see ``llm_api.service.metrics.Health``.
 * Streaming answers are server-sent events (``text/event-stream``): one ``data: {chunk}`` per text
   delta, a last chunk carrying ``finish_reason`` (and ``usage`` when asked for), then ``data: [DONE]``.
@@ -53,6 +64,8 @@ from llm_api.api.errors import ApiError, echo
 from llm_api.api.fields import (Integer, LogitBias, Number, StopStrings, StrictFlag, StrictWholeNumber, Text,
                                 field_path, first_error, is_type_error, message_of, unknown_fields)
 from llm_api.api.logprobs import LogprobItem, openai_chat_logprobs, openai_completion_logprobs
+from llm_api.api.reasoning import (AnswerText, ReasoningFormat, ReasoningParser, ReasoningText, answer_only,
+                                   template_variables)
 from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, MAX_SEED, Constraint, GenerateRequest, Limits, WorkFields
 from llm_api.api.tools import ToolCallDelta, ToolCallParser, ToolFormat
 from llm_api.api.validation import decode_json
@@ -117,6 +130,7 @@ class OpenAICall:
     n: int = 1
     with_logprobs: bool = False
     tool_format: ToolFormat | None = None  # set when the call has tools: the answer's calls are parsed
+    reasoning_format: ReasoningFormat | None = None  # set for a reasoning model's chat: the think block is split
     marker: str = ""  # the native end-of-stream marker, kept out of refusals here too (no error ever holds it)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -125,6 +139,8 @@ class OpenAICall:
     _num_chars: dict[int, int] = field(default_factory=dict)  # choice -> characters generated (text_offset)
     _reasons: dict[int, str] = field(default_factory=dict)  # choice -> finish reason, once ended
     _tool_parsers: dict[int, ToolCallParser] = field(default_factory=dict)
+    _reasoning_parsers: dict[int, ReasoningParser] = field(default_factory=dict)
+    _reasoning: dict[int, list[str]] = field(default_factory=dict)  # choice -> its reasoning so far (not streaming)
     _sent_role: set[int] = field(default_factory=set)
 
     @property
@@ -143,17 +159,40 @@ class OpenAICall:
         rendered = self._render_logprobs(index, text, logprobs)
         if rendered is not None:
             self._logprobs.setdefault(index, []).append(rendered)
+        if self.reasoning_format is None:
+            return self._answer(index, text)
+        parser = self._reasoning_parsers.get(index)
+        if parser is None:
+            parser = self._reasoning_parsers[index] = ReasoningParser(self.reasoning_format)
+        return self._reasoning_events(index, parser.push(text))
+
+    def _answer(self, index: int, text: str) -> str:
         if self.tool_format is None:
             return self._content(index, text)
         return self._events(index, self._tool_parser(index).push(text))
 
+    def _reasoning_events(self, index: int, events: list[ReasoningText | AnswerText]) -> str:
+        out = ""
+        for event in events:
+            if isinstance(event, AnswerText):
+                out += self._answer(index, event.text)
+            elif not self.stream:
+                self._reasoning.setdefault(index, []).append(event.text)
+            else:
+                delta = {"reasoning": event.text, "reasoning_content": event.text}
+                out += self._role_event(index) + _sse(self._chunk(index, None, None, self._take_logprobs(index), delta))
+        return out
+
     def choice_finish(self, index: int, finish_reason: FinishReason, num_generated_tokens: int = 0) -> str:
-        """Choice ``index`` ended: what its parser still held, then its finish-reason chunk when streaming."""
+        """Choice ``index`` ended: what its parsers still held, then its finish-reason chunk when streaming."""
         reason = finish_reason.value
         out = ""
+        thinking = self._reasoning_parsers.get(index)
+        if thinking is not None:
+            out += self._reasoning_events(index, thinking.finish())
         parser = self._tool_parsers.get(index)
         if parser is not None:
-            out = self._events(index, parser.finish())
+            out += self._events(index, parser.finish())
             if parser.calls and finish_reason is FinishReason.STOP:
                 reason = "tool_calls"
         self._reasons[index] = reason
@@ -250,6 +289,11 @@ class OpenAICall:
         if parser is not None and parser.calls:
             message = {"role": "assistant", "content": text or None,
                        "tool_calls": [c.to_openai() for c in parser.calls]}
+        if self.reasoning_format is not None:
+            reasoning = "".join(self._reasoning.get(index, ())) or None
+            if reasoning is not None and not text:
+                message["content"] = None  # the output ended inside the reasoning (vLLM's answer too)
+            message["reasoning"] = message["reasoning_content"] = reasoning
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
     def _chunk(self, index: int, text: str | None, reason: str | None, logprobs: dict | None,
@@ -341,12 +385,16 @@ class ChatMessage(BaseModel):
     name: Text | None = None
     tool_calls: list[ToolCallItem] | None = None  # assistant turns only
     tool_call_id: Text | None = None  # tool turns only: the call this result answers
+    reasoning: Text | None = None  # assistant turns only: its thinking (vLLM's name)
+    reasoning_content: Text | None = None  # the same (DeepSeek's name); both given: the same text
 
     @model_validator(mode="after")
     def _role_rules(self):
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.thinking)):
             raise ValueError(f"a {self.role} message needs 'content'" +
-                             (" or 'tool_calls'" if self.role == "assistant" else ""))
+                             (" or 'tool_calls' or 'reasoning'" if self.role == "assistant" else ""))
+        if self.role != "assistant" and (self.reasoning is not None or self.reasoning_content is not None):
+            raise ValueError("only assistant messages may carry 'reasoning' or 'reasoning_content'")
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only assistant messages may carry 'tool_calls'")
         if (self.tool_call_id is None) != (self.role != "tool"):
@@ -365,7 +413,13 @@ class ChatMessage(BaseModel):
                 "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
         if self.tool_call_id is not None:
             turn["tool_call_id"] = self.tool_call_id
+        if self.thinking:
+            turn["reasoning_content"] = self.thinking  # the name Qwen3's template reads
         return turn
+
+    @property
+    def thinking(self) -> str | None:
+        return self.reasoning_content if self.reasoning_content is not None else self.reasoning
 
 
 class FunctionDefinition(BaseModel):
@@ -435,6 +489,8 @@ class ChatBody(_CallBody):
     tools: list[ToolDefinition] | None = None
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}: checked below
     parallel_tool_calls: StrictFlag | None = None
+    chat_template_kwargs: Any = None  # an object of template variables: checked by template_variables
+    reasoning_effort: Any = None  # one of reasoning.REASONING_EFFORTS: checked by template_variables
 
 
 class CompletionBody(_CallBody):
@@ -476,8 +532,12 @@ def parse_call(kind: str, body: Any, model_name: str, limits: Limits) -> tuple[G
         logprobs = call.logprobs
     if isinstance(call, ChatBody):
         _check_tool_call_arguments(call.messages)
+        _check_reasoning(call.messages)
         request.messages = [m.to_turn() for m in call.messages]
+        request.template_kwargs = template_variables(call.chat_template_kwargs, call.reasoning_effort)
         request.constraint, request.tools, tool_format = _structured_output(call, limits)
+        if limits.reasoning_format is not None and request.constraint is not None:
+            request.constraint = answer_only(limits.reasoning_format, request.constraint)
         max_default = min(DEFAULT_MAX_NEW_TOKENS, limits.max_new_tokens)
         max_tokens, param = ((call.max_completion_tokens, "max_completion_tokens") if call.max_completion_tokens
                              is not None else (call.max_tokens, "max_tokens"))
@@ -506,7 +566,17 @@ def parse_call(kind: str, body: Any, model_name: str, limits: Limits) -> tuple[G
     request.work_fields = WorkFields("n", param, "top_logprobs" if kind == "chat" else "logprobs")
     include_usage = call.stream_options is not None and call.stream_options.include_usage
     return request, OpenAICall(kind=kind, model=model_name, stream=call.stream, include_usage=include_usage, n=call.n,
-                               with_logprobs=logprobs is not None, tool_format=tool_format)
+                               with_logprobs=logprobs is not None, tool_format=tool_format,
+                               reasoning_format=limits.reasoning_format if kind == "chat" else None)
+
+
+def _check_reasoning(messages: list[ChatMessage]) -> None:
+    for i, message in enumerate(messages):
+        if message.reasoning is not None and message.reasoning_content is not None and \
+                message.reasoning != message.reasoning_content:
+            param = f"messages[{i}].reasoning_content"
+            raise ApiError(400, "invalid_value", f"{param!r} differs from 'messages[{i}].reasoning': send the "
+                           "thinking once, in either field", param)
 
 
 def _check_tool_call_arguments(messages: list[ChatMessage]) -> None:

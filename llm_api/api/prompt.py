@@ -19,6 +19,13 @@ it. The same holds for an assistant turn's reasoning sent back (``reasoning_cont
 e.g. a Responses API reasoning item). A tool result (``role: "tool"``) is a message content like any
 other: data.
 
+``request.template_kwargs`` (``chat_template_kwargs`` and ``reasoning_effort``) are extra variables of the
+template's render (transformers' sandboxed jinja environment, as always). A name the render already
+gives the template (``messages``, ``tools``, ``add_generation_prompt``, the special tokens such as
+``bos_token``, any parameter of ``apply_chat_template``) is refused, naming it; so is special-token text
+in any string of a value or in an earlier turn's ``reasoning_content``: like tools, the template renders
+them itself, so they cannot be kept as data the way contents are.
+
 ``too_long(request)`` refuses, before any tokenizing, a prompt whose characters cannot fit in
 ``max_input_tokens`` tokens (no token of the vocabulary is longer than ``max_chars_per_token``
 characters), so a megabyte of text costs a length check, not a tokenizer run.
@@ -27,11 +34,16 @@ characters), so a megabyte of text costs a length check, not a tokenizer run.
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 import uuid
 
 from llm_api.api.errors import ApiError
 from llm_api.api.request import GenerateRequest
+
+# What transformers' render gives every template besides the special tokens (a kwarg may not replace them).
+TEMPLATE_NAMES = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                  "raise_exception", "strftime_now", "tojson", "namespace", "range", "loop", "self")
 
 
 REASONING_KEYS = ("reasoning_content", "reasoning")  # an assistant turn's thinking, as templates read it
@@ -53,6 +65,10 @@ class PromptBuilder:
         # An upper bound on the characters one token covers (byte-level vocabularies spell one byte per
         # character, so a key's length bounds its decoded length too).
         self.max_chars_per_token = max(max(map(len, vocab), default=1), max(map(len, specials), default=1))
+        # Names a template kwarg may not take: what the render already passes (and apply_chat_template's own
+        # parameters, which a kwarg of that name would silently change).
+        self.reserved_template_names = frozenset(TEMPLATE_NAMES) | frozenset(tokenizer.special_tokens_map) | \
+            frozenset(inspect.signature(tokenizer.apply_chat_template).parameters)
 
     # ----------------------------------------------------------------------------------------------
 
@@ -66,15 +82,16 @@ class PromptBuilder:
 
     def token_ids(self, request: GenerateRequest) -> list[int]:
         """The prompt's token ids (raises ApiError: no chat template, a template error, too long)."""
-        return self.ids_of(request.text, request.messages, tools=request.tools)
+        return self.ids_of(request.text, request.messages, tools=request.tools,
+                           template_kwargs=request.template_kwargs)
 
     def ids_of(self, text: str | None, messages: list[dict] | None, add_special_tokens: bool = True,
-               tools: list[dict] | None = None) -> list[int]:
+               tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         """``text`` (with the tokenizer's special tokens unless told not to) or chat ``messages`` (with the
-        ``tools`` the chat template renders) -> ids."""
+        ``tools`` and the extra variables ``template_kwargs`` the chat template renders) -> ids."""
         if messages is not None:
-            self._refuse_control_text_in_tools(messages, tools)
-            ids = self._chat_ids(messages, tools)
+            self._refuse_control_text_in_tools(messages, tools, template_kwargs)
+            ids = self._chat_ids(messages, tools, template_kwargs or {})
         else:
             ids = list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
         if len(ids) > self.max_input_tokens:
@@ -84,7 +101,13 @@ class PromptBuilder:
 
     # ----------------------------------------------------------------------------------------------
 
-    def _refuse_control_text_in_tools(self, messages: list[dict], tools: list[dict] | None) -> None:
+    def _refuse_control_text_in_tools(self, messages: list[dict], tools: list[dict] | None,
+                                      template_kwargs: dict | None = None) -> None:
+        for name in template_kwargs or ():
+            if name in self.reserved_template_names:
+                where = f"chat_template_kwargs.{name}"
+                raise ApiError(400, "invalid_value", f"{where!r}: the chat template already gets {name!r}; a "
+                               "template kwarg cannot replace it", where)
         if self._special_pattern is None:
             return
         tool_values = [(f"tools[{i}]", tool) for i, tool in enumerate(tools or ())]
@@ -93,34 +116,37 @@ class PromptBuilder:
         # An assistant turn's reasoning (sent back for interleaved thinking) is rendered as markup too.
         reasoning = [(f"messages[{i}].{key}", m[key]) for i, m in enumerate(messages)
                      for key in REASONING_KEYS if m.get(key)]
-        for where, value in tool_values + calls + reasoning:
+        variables = [(f"chat_template_kwargs.{name}", value) for name, value in (template_kwargs or {}).items()]
+        for where, value in tool_values + calls + reasoning + variables:
             found = _find_in_strings(value, self._special_pattern)
             if found is not None:
                 raise ApiError(400, "invalid_input", f"{where!r} holds the model's control token {found!r}; the "
                                f"chat template renders it as markup, so it cannot be kept as plain text", where)
 
-    def _render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def _render(self, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
+                ) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "unsupported_input", "this model has no chat template; send 'text' instead")
+        extra = dict(template_kwargs or {})
+        if tools:
+            extra["tools"] = tools
         try:
-            if tools:
-                return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                          tokenize=False)
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
         except Exception as exc:  # templates raise on role orders they do not support
             raise ApiError(400, "invalid_input", f"the chat template rejected these messages: "
                            f"{str(exc)[:200]}") from None
 
-    def _chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def _chat_ids(self, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
+                  ) -> list[int]:
         # Only non-empty contents get a placeholder: templates test an empty content (an assistant turn
         # that only calls tools), and an empty content holds no text to keep as data anyway.
         with_text = [i for i, m in enumerate(messages) if m["content"]]
         placeholders = {i: f"\ue000{uuid.uuid4().hex}\ue001" for i in with_text}
         rendered = self._render([{**m, "content": placeholders.get(i, m["content"])} for i, m in enumerate(messages)],
-                                tools)
+                                tools, template_kwargs)
         pieces = _split_at(rendered, list(placeholders.values()))
         if pieces is None or self._text_encoder is None:
-            return self._chat_ids_refusing_control_text(messages, tools)
+            return self._chat_ids_refusing_control_text(messages, tools, template_kwargs)
         # Assemble the real prompt, remembering where the template's own special tokens are.
         text, template_specials = "", []  # (start, end) in text of each special token of the template
         for i, markup in enumerate(pieces):
@@ -144,13 +170,15 @@ class PromptBuilder:
         assert self._text_encoder is not None  # _chat_ids comes here only when there is one
         return self._text_encoder.encode_batch([text], add_special_tokens=False)[0].ids if text else []
 
-    def _chat_ids_refusing_control_text(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def _chat_ids_refusing_control_text(self, messages: list[dict], tools: list[dict] | None = None,
+                                        template_kwargs: dict | None = None) -> list[int]:
         for i, message in enumerate(messages):
             found = self._special_pattern.search(message["content"]) if self._special_pattern else None
             if found:
                 raise ApiError(400, "invalid_input", f"messages[{i}].content holds the model's control token "
                                f"{found.group(0)!r}, which this tokenizer cannot keep as plain text")
-        return list(self.tokenizer(self._render(messages, tools), add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(self._render(messages, tools, template_kwargs),
+                                   add_special_tokens=False)["input_ids"])
 
 
 def _find_in_strings(value, pattern: re.Pattern) -> str | None:

@@ -35,6 +35,7 @@ from llm_api.engine.grammar import GrammarSpec
 from llm_api.engine.sampler import SamplingParams
 
 if TYPE_CHECKING:
+    from llm_api.api.reasoning import ReasoningFormat
     from llm_api.api.tools import ToolFormat
 
 INPUT_FIELDS = ("text", "messages", "inputs_embeds")
@@ -51,6 +52,7 @@ class Limits:
     max_n: int = 128  # choices per request (MAX_NUM_SEQS: all n sequences run together)
     tool_format: "ToolFormat | None" = None  # how the model writes tool calls; None: no tools served
     max_request_work: int | None = None  # MAX_REQUEST_WORK (request_work); None: no bound
+    reasoning_format: "ReasoningFormat | None" = None  # how answers split into reasoning and answer; None: not
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class GenerateRequest:
     output: str = "text"  # native answers: "text" (chunks then the marker) or "jsonl" (llm_api.api.native_stream)
     constraint: Constraint | None = None  # structured output; the service compiles it into params.grammar
     tools: list[dict] | None = None  # tool definitions rendered by the chat template ({"type": "function", ...})
+    template_kwargs: dict | None = None  # extra variables of the chat template (chat_template_kwargs, reasoning_effort)
     work_fields: WorkFields = field(default_factory=WorkFields)  # (the format's names, for work_refusal)
 
     @property
@@ -96,9 +99,10 @@ class GenerateRequest:
         if self.text is not None:
             return len(self.text)
         if self.messages is not None:
-            chars = sum(len(m.get("content") or "") for m in self.messages)
+            chars = sum(len(m.get("content") or "") + len(m.get("reasoning_content") or "") for m in self.messages)
             calls = [m["tool_calls"] for m in self.messages if m.get("tool_calls")]
-            extra = [self.tools] if self.tools else []
+            extra: list = [self.tools] if self.tools else []
+            extra += [self.template_kwargs] if self.template_kwargs else []
             return chars + sum(len(json.dumps(x, ensure_ascii=False)) for x in calls + extra)
         return 0
 

@@ -18,6 +18,7 @@ QUANTIZATIONS = ("none", "8bit", "4bit")
 BNB_4BIT_QUANT_TYPES = ("nf4", "fp4")
 ENGINES = ("paged", "generate")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+REASONING_PARSERS = ("none", "auto", "deepseek_r1", "qwen3")  # llm_api.api.reasoning
 DEFAULT_MODEL_DIR_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -49,6 +50,9 @@ class Settings:
     bnb_4bit_quant_type: str = "nf4"  # the 4-bit data type of QUANTIZATION=4bit
     offload_folder: str = ""  # where DEVICE_MAP "disk" entries put weights; empty: <cache dir>/offload/<model>
     end_of_stream_token: str = "<|endoftext|>"
+    # How a reasoning model's <think> block is split from its answer (llm_api.api.reasoning); auto: from
+    # the chat template (none when it has no think tags).
+    reasoning_parser: str = "auto"
     # Generation path: the paged engine, or transformers' generate() (the reference).
     engine: str = "paged"
     # Paged KV cache and scheduler limits.
@@ -107,6 +111,7 @@ class Settings:
             "offload_folder": env.get("OFFLOAD_FOLDER", "")
             or str(default_cache_dir(env) / "offload" / _nonempty(env, "MODEL_NAME", cls.model_name)),
             "end_of_stream_token": _marker(env.get("END_OF_STREAM_TOKEN", cls.end_of_stream_token)),
+            "reasoning_parser": _choice(env, "REASONING_PARSER", cls.reasoning_parser, REASONING_PARSERS),
             "engine": _choice(env, "ENGINE", cls.engine, ENGINES),
             "kv_block_size": _int(env, "KV_BLOCK_SIZE", cls.kv_block_size, minimum=1),
             "kv_cache_memory_mib": _int(env, "KV_CACHE_MEMORY_MIB", cls.kv_cache_memory_mib, minimum=0),

@@ -58,6 +58,7 @@ from llm_api.api.detokenizer import TextStream
 from llm_api.api.errors import ApiError, echo, internal_error
 from llm_api.api.logprobs import LogprobItem, TokenTexts
 from llm_api.api.prompt import PromptBuilder
+from llm_api.api.reasoning import reasoning_format
 from llm_api.api.request import GenerateRequest, Limits, work_refusal
 from llm_api.api.tokenize import TokenizeRequest
 from llm_api.api.tools import detect_tool_format
@@ -119,7 +120,8 @@ class ModelService:
         self.created = int(time.time())
         self.limits = Limits(settings.max_input_tokens, settings.max_new_tokens, lm.hidden_size,
                              _vocab_size(lm.model), settings.max_num_seqs, detect_tool_format(lm.tokenizer),
-                             settings.max_request_work)
+                             settings.max_request_work,
+                             reasoning_format(settings.reasoning_parser, lm.tokenizer))
         self.engine: LLMEngine | None = self._build_engine() if settings.engine == "paged" else None
         core = self.engine if self.engine is not None else ReferenceCore(lm.model, lm.eos_token_ids,
                                                                          lm.tokenizer.pad_token_id)
