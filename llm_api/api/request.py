@@ -85,6 +85,9 @@ class GenerateRequest:
     output: str = "text"  # native answers: "text" (chunks then the marker) or "jsonl" (llm_api.api.native_stream)
     constraint: Constraint | None = None  # structured output; the service compiles it into params.grammar
     tools: list[dict] | None = None  # tool definitions rendered by the chat template ({"type": "function", ...})
+    # A model without a tool format (llm_api.api.tools, generic form): the tools block added to the system
+    # turn; the template is then not given ``tools`` (they are checked for control text all the same).
+    tool_prompt: str | None = None
     work_fields: WorkFields = field(default_factory=WorkFields)  # (the format's names, for work_refusal)
 
     @property
@@ -99,7 +102,7 @@ class GenerateRequest:
             chars = sum(len(m.get("content") or "") for m in self.messages)
             calls = [m["tool_calls"] for m in self.messages if m.get("tool_calls")]
             extra = [self.tools] if self.tools else []
-            return chars + sum(len(json.dumps(x, ensure_ascii=False)) for x in calls + extra)
+            return chars + sum(len(json.dumps(x, ensure_ascii=False)) for x in calls + extra) + len(self.tool_prompt or "")
         return 0
 
 
