@@ -5,8 +5,8 @@ What the tests prove:
 
 * the generic grammar accepts exactly the valid calls: a call of a defined tool whose arguments follow its
   schema (nested objects, enums, bounded integers, arrays) and nothing else (no text around it, no other
-  name, no arguments off the schema, no second call when ``parallel_tool_calls`` is false, no call of
-  another function when one is named); random walks through it always parse into calls that validate;
+  name, no arguments off the schema, no second call whatever ``parallel_tool_calls``, no call of another
+  function when one is named); random walks through it always parse into one call that validates;
 * the parser reads the generic form the same whatever the chunking (every split of a two-call answer);
 * ``plan_tools``: ``required`` and named calls on such a model get the generic grammar, prompt and format;
   ``auto`` is refused naming ``tool_choice``; a model with a tool format keeps its own (no tool prompt);
@@ -101,15 +101,16 @@ INVALID = [  # (label, answer text): each breaks the schema of the call or the g
 ]
 
 
+@pytest.mark.parametrize("parallel", [True, False])
 @pytest.mark.parametrize("choice", ["required", "forecast"])
-def test_the_generic_grammar_accepts_exactly_valid_calls(compiler, choice):
-    spec = tool_grammar(GENERIC, TOOLS, choice, parallel=False)
+def test_the_generic_grammar_accepts_exactly_valid_calls(compiler, choice, parallel):
+    spec = plan_tools(TOOLS, choice, parallel, LIMITS).constraint.spec
     for name, arguments in VALID.items():
         jsonschema.validate(arguments, SCHEMAS[name])  # (the table itself is right)
         assert accepts(compiler, spec, call(name, arguments)) == (choice == "required" or name == choice), name
     for label, text in INVALID:
         assert not accepts(compiler, spec, text), label
-    # parallel_tool_calls false: one call only; true: one per line.
+    # One call per answer, whatever parallel_tool_calls (the grammar of the form itself could take more).
     two = call("forecast", {"hours": 2}) + "\n" + call("ping", {})
     assert not accepts(compiler, spec, two)
     assert accepts(compiler, tool_grammar(GENERIC, TOOLS, "required", parallel=True), two)
@@ -159,14 +160,12 @@ def summarize(events: list) -> tuple[str, list[tuple[str, str]]]:
 @pytest.mark.parametrize("choice,parallel", [("required", True), ("required", False), ("get_weather", True),
                                              ("tag", False)])
 def test_every_walk_through_the_generic_grammar_parses_into_valid_calls(compiler, choice, parallel):
-    spec = tool_grammar(GENERIC, TOOLS, choice, parallel)
+    spec = plan_tools(TOOLS, choice, parallel, LIMITS).constraint.spec
     for seed in range(5):
         text = walk(compiler, spec, seed, stop_bias=4.0)
         parser = ToolCallParser(GENERIC)
         content, calls = summarize(feed(parser, [text[i:i + 3] for i in range(0, len(text), 3)]))
-        assert content == "" and calls and parser.num_complete_calls == len(calls), text
-        if not parallel:
-            assert len(calls) == 1, text
+        assert content == "" and len(calls) == 1 and parser.num_complete_calls == 1, text
         for name, arguments in calls:
             assert choice == "required" or name == choice
             jsonschema.validate(json.loads(arguments), SCHEMAS[name])
@@ -209,7 +208,7 @@ def test_generic_calls_are_encoded_as_tool_calls_streamed_and_whole():
 def test_plan_tools_on_a_model_without_a_tool_format():
     plan = plan_tools(TOOLS, "required", True, LIMITS)
     assert plan.format is GENERIC and plan.tools == TOOLS and plan.constraint.param == "tools"
-    assert plan.tool_prompt == generic_tool_prompt(TOOLS, "required", True)
+    assert plan.tool_prompt == generic_tool_prompt(TOOLS, "required")
     assert [p for p, _ in plan.constraint.parts] == [f"tools[{i}].function.parameters" for i in range(3)]
     named = plan_tools(TOOLS, "tag", False, LIMITS)
     assert json.loads(named.constraint.spec.source)["format"]["begin"] == '{"name": "tag", "arguments": '
@@ -231,10 +230,10 @@ def chat_body(**fields) -> bytes:
 def test_the_chat_route_serves_required_and_named_and_refuses_auto():
     request, encoder = parse_call("chat", chat_body(tools=TOOLS, tool_choice="required"), "m", LIMITS)
     assert encoder.tool_format is GENERIC and request.tools == TOOLS
-    assert request.tool_prompt == generic_tool_prompt(TOOLS, "required", True)
+    assert request.tool_prompt == generic_tool_prompt(TOOLS, "required")
     request, _ = parse_call("chat", chat_body(tools=TOOLS, tool_choice={"type": "function", "function": {
         "name": "forecast"}}, parallel_tool_calls=False), "m", LIMITS)
-    assert request.tool_prompt == generic_tool_prompt(TOOLS, "forecast", False)
+    assert request.tool_prompt == generic_tool_prompt(TOOLS, "forecast")
     for fields in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}):
         with pytest.raises(ApiError) as err:
             parse_call("chat", chat_body(**fields), "m", LIMITS)
@@ -252,10 +251,8 @@ def test_the_generic_prompt_text():
             '{"name": "ping"}\n\n')
     required = ('Answer with a call of one of these functions and nothing else, written as one JSON object:\n'
                 '{"name": <the function\'s name>, "arguments": <its arguments, a JSON object>}')
-    assert generic_tool_prompt(tools, "required", False) == head + required
-    assert generic_tool_prompt(tools, "required", True) == (head + required +
-                                                            "\nTo make several calls, write one such object per line.")
-    assert generic_tool_prompt(tools, "ping", True) == head + (
+    assert generic_tool_prompt(tools, "required") == head + required
+    assert generic_tool_prompt(tools, "ping") == head + (
         'Answer with a call of the function ping and nothing else, written as one JSON object:\n'
         '{"name": "ping", "arguments": <its arguments, a JSON object>}')
 
@@ -308,7 +305,8 @@ def test_the_embedded_models_prompt_holds_the_tools_as_data(embedded_model_path)
 
 
 def test_random_chunking_of_a_walk_is_stable(compiler):
-    """(A longer answer than TWO_CALLS: three calls of the parallel grammar, cut at random.)"""
+    """(A longer answer than TWO_CALLS: the calls of the form's grammar with several allowed, which the
+    parser takes too, cut at random.)"""
     text = walk(compiler, tool_grammar(GENERIC, TOOLS, "required", True), seed=11, stop_bias=-2.0)
     expected = summarize(feed(ToolCallParser(GENERIC), [text]))
     rng = random.Random(0)

@@ -14,7 +14,8 @@ takes them (chat completions; the Responses API): the ``ToolPlan`` with the gram
 carries (``GenerateRequest.tools``), the generic tools block for a template without a tool format
 (``GenerateRequest.tool_prompt``) and the format the answer's calls are parsed in. On such a template
 ``required`` and a named function are served in the generic form (``llm_api.api.tools.GENERIC``) and
-``auto`` is refused, naming ``tool_choice`` (see ``llm_api.api.tools`` for why).
+``auto`` is refused, naming ``tool_choice``, and one call is made per answer (see ``llm_api.api.tools``
+for why).
 """
 
 from __future__ import annotations
@@ -101,5 +102,6 @@ def plan_tools(tools: list[dict], choice: str, parallel: bool, limits: Limits) -
                        "tool_choice auto (the model choosing between text and a call) is not served; send "
                        "tool_choice required or a named function (the call is decoded under the tool's schema), "
                        "or none", "tool_choice")
-    return ToolPlan(tool_constraint(GENERIC, tools, choice, parallel), tools,
-                    generic_tool_prompt(tools, choice, parallel), GENERIC)
+    # One call per answer in the generic form, whatever ``parallel`` (llm_api.api.tools says why).
+    return ToolPlan(tool_constraint(GENERIC, tools, choice, parallel=False), tools, generic_tool_prompt(tools, choice),
+                    GENERIC)

@@ -9,8 +9,8 @@ A ``ToolFormat`` is how a model family writes a call in its answer. Two are pars
   ``{"name": "get_weather", "parameters": {"city": "Paris"}}``, one object per call.
 
 and a third, ``json``, is this server's own generic form for a model whose template has no tool-call
-format (the embedded SmolLM2): ``{"name": "get_weather", "arguments": {"city": "Paris"}}``, one object
-per line.
+format (the embedded SmolLM2): ``{"name": "get_weather", "arguments": {"city": "Paris"}}``, one call per
+answer.
 
 ``detect_tool_format(tokenizer)`` picks one from the model's chat template (the text that tells the model
 how to call), or None when the template renders no tools or uses another format. Such a model gets
@@ -21,7 +21,10 @@ into their assistant turns as the same JSON lines (``calls_as_text``), and the a
 the generic grammar, so it is only calls and every call's arguments follow its schema. ``auto`` is not
 served there (``llm_api.api.constraints.plan_tools`` refuses it, as vLLM refuses ``auto`` without a tool
 parser): the model was never trained to choose between a call and text, so a free answer would be
-guesswork read back from arbitrary text.
+guesswork read back from arbitrary text. The generic form makes one call per answer, whatever
+``parallel_tool_calls`` (true permits several calls; it does not ask for them): a model never trained on
+the form does not know when to stop calling, and with several calls allowed the embedded model wrote calls
+until ``max_tokens`` ran out (finish reason ``length`` instead of ``tool_calls``).
 
 ``tool_grammar(format, tools, choice, parallel)`` is the structural tag (xgrammar's format, compiled like
 any other grammar) that every request with tools runs under: with ``auto`` the model writes free text,
@@ -144,9 +147,10 @@ GENERIC_PROMPT_HEAD = ("# Tools\n\nYou can call these functions. Each is written
 GENERIC_CALL_SHAPE = '{"name": <the function\'s name>, "arguments": <its arguments, a JSON object>}'
 
 
-def generic_tool_prompt(tools: list[dict], choice: str, parallel: bool = True) -> str:
-    """The system-message block that shows a model without a tool format the tools and how to call them.
-    choice: "required" or the name of the function to call (``auto`` is not served in this form)."""
+def generic_tool_prompt(tools: list[dict], choice: str) -> str:
+    """The system-message block that shows a model without a tool format the tools and how to call them
+    (one call). choice: "required" or the name of the function to call (``auto`` is not served in this
+    form)."""
     lines = []
     for tool in tools:
         function = tool["function"]
@@ -158,8 +162,6 @@ def generic_tool_prompt(tools: list[dict], choice: str, parallel: bool = True) -
     if choice == "required":
         ask = f"Answer with a call of one of these functions and nothing else, written as one JSON object:\n" \
               f"{GENERIC_CALL_SHAPE}"
-        if parallel:
-            ask += "\nTo make several calls, write one such object per line."
     else:
         ask = (f"Answer with a call of the function {choice} and nothing else, written as one JSON object:\n"
                f'{{"name": "{choice}", "arguments": <its arguments, a JSON object>}}')
