@@ -27,7 +27,7 @@ import torch
 from llm_api.api.constraints import plan_tools
 from llm_api.api.errors import ApiError
 from llm_api.api.openai import OpenAICall, parse_call
-from llm_api.api.request import GenerateRequest, Limits
+from llm_api.api.request import Limits
 from llm_api.api.tools import (GENERIC, HERMES, ToolCallDelta, ToolCallParser, calls_as_text, generic_tool_prompt,
                                tool_grammar, with_tool_prompt)
 from llm_api.engine.request import FinishReason
