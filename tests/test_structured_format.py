@@ -131,11 +131,14 @@ def test_bad_values_are_400s_naming_the_field(fields, param):
     assert set(error.openai_json()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_tools_need_a_model_whose_format_is_parsed():
+def test_a_model_without_a_tool_format_serves_forced_calls_only():
+    """(The generic form: tests/test_generic_tools.py.) auto needs the model's own format."""
     error = refused(chat, NO_TOOLS, tools=[TOOL])
-    assert error.param == "tools" and "tool-call format" in error.message
+    assert error.param == "tool_choice" and "tool-call format" in error.message
+    request, call = chat(NO_TOOLS, tools=[TOOL], tool_choice="required")
+    assert request.tools == [TOOL] and request.tool_prompt and call.tool_format is not None
     request, _ = chat(NO_TOOLS, tools=[TOOL], tool_choice="none")  # nothing to parse: fine
-    assert request.tools is None
+    assert request.tools is None and request.tool_prompt is None
 
 
 def test_native_constraints():

@@ -8,13 +8,23 @@ source size, string-length and repetition bounds) at once, so an over-limit gram
 compile. What the grammar library itself rejects is found when the service compiles the spec (off the
 event loop), and reported the same way: ``ApiError(400, "invalid_grammar", ...)`` with ``param`` naming
 the field (``response_format``, ``json_schema``, ``regex``, ``grammar``, ``tools[i].function.parameters``).
+
+``plan_tools(tools, choice, parallel, limits)`` is everything a request's tools decide, for any route that
+takes them (chat completions; the Responses API): the ``ToolPlan`` with the grammar, the tools the prompt
+carries (``GenerateRequest.tools``), the generic tools block for a template without a tool format
+(``GenerateRequest.tool_prompt``) and the format the answer's calls are parsed in. On such a template
+``required`` and a named function are served in the generic form (``llm_api.api.tools.GENERIC``) and
+``auto`` is refused, naming ``tool_choice``, and one call is made per answer (see ``llm_api.api.tools``
+for why).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from llm_api.api.errors import ApiError
-from llm_api.api.request import Constraint
-from llm_api.api.tools import ToolFormat, arguments_schema, tool_grammar
+from llm_api.api.request import Constraint, Limits
+from llm_api.api.tools import GENERIC, ToolFormat, arguments_schema, generic_tool_prompt, tool_grammar
 from llm_api.engine.grammar import GrammarError, GrammarSpec, check_limits
 
 
@@ -63,3 +73,37 @@ def tool_constraint(fmt: ToolFormat, tools: list[dict], choice: str, parallel: b
             parts.append((param, _checked(GrammarSpec.json_schema, schema, param)))
     spec = _checked(lambda _: tool_grammar(fmt, tools, choice, parallel), None, "tools")
     return Constraint(spec, "tools", tuple(parts))
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How a request with tools is served (see ``plan_tools``)."""
+
+    constraint: Constraint  # the answer's grammar (calls only, or text and calls with auto)
+    tools: list[dict]  # GenerateRequest.tools: rendered by the template, or checked and shown by tool_prompt
+    tool_prompt: str | None  # GenerateRequest.tool_prompt: the generic tools block (no tool format), else None
+    format: ToolFormat  # how the answer's calls are parsed (ToolCallParser)
+
+
+def plan_tools(tools: list[dict], choice: str, parallel: bool, limits: Limits) -> ToolPlan:
+    """tools: [{"type": "function", "function": {"name", "description"?, "parameters"?}}] (names checked);
+    choice: auto | required | a function's name (not none: no tools are served then); parallel: more than
+    one call allowed. Raises ApiError (400) for repeated names, a schema that is refused, and ``auto`` on a
+    template without a tool format."""
+    seen: set[str] = set()  # (a set: 10,000 tools are checked in linear time)
+    for i, tool in enumerate(tools):
+        name = tool["function"]["name"]
+        if name in seen:
+            raise ApiError(400, "invalid_value", f"'tools[{i}].function.name' repeats the name {name!r}",
+                           f"tools[{i}].function.name")
+        seen.add(name)
+    if limits.tool_format is not None:
+        return ToolPlan(tool_constraint(limits.tool_format, tools, choice, parallel), tools, None, limits.tool_format)
+    if choice == "auto":
+        raise ApiError(400, "unsupported_value", "this model's chat template has no tool-call format, so "
+                       "tool_choice auto (the model choosing between text and a call) is not served; send "
+                       "tool_choice required or a named function (the call is decoded under the tool's schema), "
+                       "or none", "tool_choice")
+    # One call per answer in the generic form, whatever ``parallel`` (llm_api.api.tools says why).
+    return ToolPlan(tool_constraint(GENERIC, tools, choice, parallel=False), tools, generic_tool_prompt(tools, choice),
+                    GENERIC)

@@ -24,7 +24,10 @@ header; ``route()`` maps it to one of the calls below. Contract:
   becomes a grammar the answer must follow (``llm_api.api.constraints``). ``tools`` are rendered by the
   model's chat template and, with ``tool_choice`` ``auto`` (the default with tools), ``required`` or a
   named function, the answer runs under the tool grammar of the model's format (``llm_api.api.tools``);
-  ``none`` renders no tools and allows no call. Calls in the answer are parsed into ``tool_calls``
+  ``none`` renders no tools and allows no call. A template without a tool format (the embedded SmolLM2)
+  gets ``required`` and named calls in the generic form (the tools listed in a system block, the call
+  decoded as ``{"name", "arguments"}`` under the tool's schema) and ``auto`` refused (400 naming
+  ``tool_choice``, as vLLM without a tool parser). Calls in the answer are parsed into ``tool_calls``
   (streamed as ``delta.tool_calls`` with the arguments in pieces) and the finish reason is
   ``tool_calls``. Messages may carry a conversation's earlier calls: assistant ``tool_calls`` and
   ``role: "tool"`` results (``tool_call_id``).
@@ -59,7 +62,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from llm_api.api.constraints import json_object_constraint, json_schema_constraint, tool_constraint
+from llm_api.api.constraints import ToolPlan, json_object_constraint, json_schema_constraint, plan_tools
 from llm_api.api.errors import ApiError, echo
 from llm_api.api.fields import (Integer, LogitBias, Number, StopStrings, StrictFlag, StrictWholeNumber, Text,
                                 field_path, first_error, is_type_error, message_of, unknown_fields)
@@ -535,7 +538,12 @@ def parse_call(kind: str, body: Any, model_name: str, limits: Limits) -> tuple[G
         _check_reasoning(call.messages)
         request.messages = [m.to_turn() for m in call.messages]
         request.template_kwargs = template_variables(call.chat_template_kwargs, call.reasoning_effort)
-        request.constraint, request.tools, tool_format = _structured_output(call, limits)
+        output = _structured_output(call, limits)
+        if isinstance(output, ToolPlan):
+            request.constraint, request.tools, request.tool_prompt = output.constraint, output.tools, output.tool_prompt
+            tool_format = output.format
+        else:
+            request.constraint = output
         if limits.reasoning_format is not None and request.constraint is not None:
             request.constraint = answer_only(limits.reasoning_format, request.constraint)
         max_default = min(DEFAULT_MAX_NEW_TOKENS, limits.max_new_tokens)
@@ -591,10 +599,9 @@ def _check_tool_call_arguments(messages: list[ChatMessage]) -> None:
                 raise ApiError(400, "invalid_value", f"{param!r} must be a JSON object (as text)", param)
 
 
-def _structured_output(call: ChatBody, limits: Limits) -> tuple[Constraint | None, list[dict] | None,
-                                                                 ToolFormat | None]:
-    """response_format, tools, tool_choice, parallel_tool_calls -> (constraint, tools to render, the format
-    their calls are parsed in)."""
+def _structured_output(call: ChatBody, limits: Limits) -> Constraint | ToolPlan | None:
+    """response_format, tools, tool_choice, parallel_tool_calls -> the response format's constraint, or the
+    plan of the tools (``llm_api.api.constraints.plan_tools``), or None."""
     constraint = None
     response_format = call.response_format
     if response_format is not None and response_format.type == "json_schema":
@@ -612,22 +619,13 @@ def _structured_output(call: ChatBody, limits: Limits) -> tuple[Constraint | Non
 
     choice = _tool_choice(call.tool_choice, call.tools)
     if not call.tools or choice == "none":
-        return constraint, None, None  # "none": the tools are not rendered, so no call can be made
+        return constraint  # "none": the tools are not rendered, so no call can be made
     if constraint is not None:
         raise ApiError(400, "invalid_value", "'response_format' cannot be combined with 'tools' (unless "
                        "tool_choice is none): the answer is either a tool call or the response format",
                        "response_format")
-    if limits.tool_format is None:
-        raise ApiError(400, "unsupported_parameter", "this model's chat template has no tool-call format this server "
-                       "parses (Hermes/Qwen <tool_call>, Llama 3 JSON): 'tools' cannot be used", "tools")
-    names = [t.function.name for t in call.tools]
-    for i, name in enumerate(names):
-        if name in names[:i]:
-            raise ApiError(400, "invalid_value", f"'tools[{i}].function.name' repeats the name {name!r}",
-                           f"tools[{i}].function.name")
     tools = [t.model_dump(exclude_none=True) for t in call.tools]
-    parallel = call.parallel_tool_calls is not False
-    return tool_constraint(limits.tool_format, tools, choice, parallel), tools, limits.tool_format
+    return plan_tools(tools, choice, call.parallel_tool_calls is not False, limits)
 
 
 def _tool_choice(value: Any, tools: list[ToolDefinition] | None) -> str:

@@ -26,6 +26,12 @@ gives the template (``messages``, ``tools``, ``add_generation_prompt``, the spec
 in any string of a value or in an earlier turn's ``reasoning_content``: like tools, the template renders
 them itself, so they cannot be kept as data the way contents are.
 
+A model whose template has no tool format (``llm_api.api.tools``, generic form) is shown its tools by
+``request.tool_prompt``, a block added to the first system turn (or inserted as one), and the template is
+not given ``tools``; earlier calls are written into their assistant turns' contents as the generic JSON
+lines. Both become message contents, so data, but the tool definitions and earlier calls are refused for
+control text first all the same, so one request gets the same answer on every model.
+
 ``too_long(request)`` refuses, before any tokenizing, a prompt whose characters cannot fit in
 ``max_input_tokens`` tokens (no token of the vocabulary is longer than ``max_chars_per_token``
 characters), so a megabyte of text costs a length check, not a tokenizer run.
@@ -40,6 +46,7 @@ import uuid
 
 from llm_api.api.errors import ApiError
 from llm_api.api.request import GenerateRequest
+from llm_api.api.tools import calls_as_text, detect_tool_format, with_tool_prompt
 
 # What transformers' render gives every template besides the special tokens (a kwarg may not replace them).
 TEMPLATE_NAMES = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
@@ -53,6 +60,7 @@ class PromptBuilder:
     def __init__(self, tokenizer, max_input_tokens: int):
         self.tokenizer = tokenizer
         self.max_input_tokens = max_input_tokens
+        self.tool_format = detect_tool_format(tokenizer)  # None: tools and calls in the generic form
         specials = sorted({t for t in tokenizer.all_special_tokens if t}, key=len, reverse=True)
         self._special_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in specials}
         self._special_pattern = re.compile("|".join(map(re.escape, specials))) if specials else None
@@ -82,15 +90,21 @@ class PromptBuilder:
 
     def token_ids(self, request: GenerateRequest) -> list[int]:
         """The prompt's token ids (raises ApiError: no chat template, a template error, too long)."""
-        return self.ids_of(request.text, request.messages, tools=request.tools,
+        return self.ids_of(request.text, request.messages, tools=request.tools, tool_prompt=request.tool_prompt,
                            template_kwargs=request.template_kwargs)
 
     def ids_of(self, text: str | None, messages: list[dict] | None, add_special_tokens: bool = True,
-               tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+               tools: list[dict] | None = None, tool_prompt: str | None = None,
+               template_kwargs: dict | None = None) -> list[int]:
         """``text`` (with the tokenizer's special tokens unless told not to) or chat ``messages`` (with the
-        ``tools`` and the extra variables ``template_kwargs`` the chat template renders) -> ids."""
+        ``tools`` the chat template renders, or for a template without a tool format the generic
+        ``tool_prompt`` in the system turn, and the extra variables ``template_kwargs``) -> ids."""
         if messages is not None:
             self._refuse_control_text_in_tools(messages, tools, template_kwargs)
+            if self.tool_format is None:  # the generic form: calls as text, tools in the system turn
+                messages = calls_as_text(messages)
+                if tool_prompt is not None:
+                    messages, tools = with_tool_prompt(messages, tool_prompt), None
             ids = self._chat_ids(messages, tools, template_kwargs or {})
         else:
             ids = list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])

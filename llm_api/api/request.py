@@ -88,6 +88,9 @@ class GenerateRequest:
     constraint: Constraint | None = None  # structured output; the service compiles it into params.grammar
     tools: list[dict] | None = None  # tool definitions rendered by the chat template ({"type": "function", ...})
     template_kwargs: dict | None = None  # extra variables of the chat template (chat_template_kwargs, reasoning_effort)
+    # A model without a tool format (llm_api.api.tools, generic form): the tools block added to the system
+    # turn; the template is then not given ``tools`` (they are checked for control text all the same).
+    tool_prompt: str | None = None
     work_fields: WorkFields = field(default_factory=WorkFields)  # (the format's names, for work_refusal)
 
     @property
@@ -103,7 +106,8 @@ class GenerateRequest:
             calls = [m["tool_calls"] for m in self.messages if m.get("tool_calls")]
             extra: list = [self.tools] if self.tools else []
             extra += [self.template_kwargs] if self.template_kwargs else []
-            return chars + sum(len(json.dumps(x, ensure_ascii=False)) for x in calls + extra)
+            return (chars + sum(len(json.dumps(x, ensure_ascii=False)) for x in calls + extra)
+                    + len(self.tool_prompt or ""))
         return 0
 
 

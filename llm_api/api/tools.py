@@ -8,9 +8,23 @@ A ``ToolFormat`` is how a model family writes a call in its answer. Two are pars
 * ``llama3_json`` (Llama 3.1 / 3.2 / 3.3 with JSON tool calling):
   ``{"name": "get_weather", "parameters": {"city": "Paris"}}``, one object per call.
 
+and a third, ``json``, is this server's own generic form for a model whose template has no tool-call
+format (the embedded SmolLM2): ``{"name": "get_weather", "arguments": {"city": "Paris"}}``, one call per
+answer.
+
 ``detect_tool_format(tokenizer)`` picks one from the model's chat template (the text that tells the model
-how to call), or None when the template renders no tools or uses another format: such a model is served
-without ``tools`` (refused by name, never ignored).
+how to call), or None when the template renders no tools or uses another format. Such a model gets
+forced calls in the generic form (``GENERIC``): with ``tool_choice`` ``required`` or a named function the
+tool definitions reach the prompt as a system-message block (``generic_tool_prompt``, added by
+``with_tool_prompt``; the template is not given ``tools``), earlier calls of the conversation are written
+into their assistant turns as the same JSON lines (``calls_as_text``), and the answer is decoded under
+the generic grammar, so it is only calls and every call's arguments follow its schema. ``auto`` is not
+served there (``llm_api.api.constraints.plan_tools`` refuses it, as vLLM refuses ``auto`` without a tool
+parser): the model was never trained to choose between a call and text, so a free answer would be
+guesswork read back from arbitrary text. The generic form makes one call per answer, whatever
+``parallel_tool_calls`` (true permits several calls; it does not ask for them): a model never trained on
+the form does not know when to stop calling, and with several calls allowed the embedded model wrote calls
+until ``max_tokens`` ran out (finish reason ``length`` instead of ``tool_calls``).
 
 ``tool_grammar(format, tools, choice, parallel)`` is the structural tag (xgrammar's format, compiled like
 any other grammar) that every request with tools runs under: with ``auto`` the model writes free text,
@@ -33,13 +47,14 @@ returned as content; arguments already streamed stay streamed (the finish reason
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from dataclasses import dataclass, field
 
 from llm_api.engine.grammar import JSON_MAX_WHITESPACE, GrammarSpec
 
-TOOL_FORMATS = ("hermes", "llama3_json")
+TOOL_FORMATS = ("hermes", "llama3_json", "json")
 MAX_HEAD_CHARS = 256  # text between a trigger and a call's arguments (the name is at most 64 characters)
 
 
@@ -66,7 +81,12 @@ LLAMA3_JSON = ToolFormat(
     name="llama3_json", trigger='{"name": ', begin='{"name": "{name}", "parameters": ', end="}",
     head=re.compile(r'\{"name":\s*"(?P<name>[A-Za-z0-9_.-]{1,64})"\s*,\s*"(?:parameters|arguments)"\s*:\s*'),
     separators=" \t\r\n;", call_separator="; ")
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON)}
+# The generic form (no tool format in the template): the call object of the tools prompt, one per line.
+GENERIC = ToolFormat(
+    name="json", trigger='{"name": ', begin='{"name": "{name}", "arguments": ', end="}",
+    head=re.compile(r'\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_.-]{1,64})"\s*,\s*"arguments"\s*:\s*'),
+    separators=" \t\r\n", call_separator="\n")
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, GENERIC)}
 
 
 def detect_tool_format(tokenizer) -> ToolFormat | None:
@@ -117,6 +137,62 @@ def tool_grammar(fmt: ToolFormat, tools: list[dict], choice: str | None, paralle
     else:
         body = tag(next(f for f in functions if f["name"] == choice))
     return GrammarSpec.structural_tag({"type": "structural_tag", "format": body})
+
+
+# --------------------------------------------------------------------------------------------------
+# the generic form's prompt (a template without a tool format)
+
+GENERIC_PROMPT_HEAD = ("# Tools\n\nYou can call these functions. Each is written as a JSON object: its name, its "
+                       "description and the JSON Schema of its arguments (\"parameters\").\n")
+GENERIC_CALL_SHAPE = '{"name": <the function\'s name>, "arguments": <its arguments, a JSON object>}'
+
+
+def generic_tool_prompt(tools: list[dict], choice: str) -> str:
+    """The system-message block that shows a model without a tool format the tools and how to call them
+    (one call). choice: "required" or the name of the function to call (``auto`` is not served in this
+    form)."""
+    lines = []
+    for tool in tools:
+        function = tool["function"]
+        shown = {"name": function["name"]}
+        for key in ("description", "parameters"):
+            if function.get(key) is not None:
+                shown[key] = function[key]
+        lines.append(json.dumps(shown, ensure_ascii=False))
+    if choice == "required":
+        ask = f"Answer with a call of one of these functions and nothing else, written as one JSON object:\n" \
+              f"{GENERIC_CALL_SHAPE}"
+    else:
+        ask = (f"Answer with a call of the function {choice} and nothing else, written as one JSON object:\n"
+               f'{{"name": "{choice}", "arguments": <its arguments, a JSON object>}}')
+    return GENERIC_PROMPT_HEAD + "\n".join(lines) + "\n\n" + ask
+
+
+def with_tool_prompt(turns: list[dict], prompt: str) -> list[dict]:
+    """Chat turns with ``prompt`` appended to the first turn when it is a system turn (after a blank line),
+    else inserted before the others as a system turn of its own (the turns given are not changed)."""
+    if turns and turns[0]["role"] == "system":
+        first = turns[0]
+        content = f"{first['content']}\n\n{prompt}" if first["content"] else prompt
+        return [{**first, "content": content}, *turns[1:]]
+    return [{"role": "system", "content": prompt}, *turns]
+
+
+def calls_as_text(turns: list[dict]) -> list[dict]:
+    """Chat turns with each assistant turn's earlier calls (``tool_calls``, arguments as objects) written
+    into its content as the generic form's JSON lines, after its text, so a template that renders no calls
+    still shows the model what it called (the turns given are not changed)."""
+    written = []
+    for turn in turns:
+        calls = turn.get("tool_calls")
+        if not calls:
+            written.append(turn)
+            continue
+        lines = [json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                            ensure_ascii=False) for c in calls]
+        text = "\n".join(([turn["content"]] if turn.get("content") else []) + lines)
+        written.append({k: v for k, v in turn.items() if k != "tool_calls"} | {"content": text})
+    return written
 
 
 # --------------------------------------------------------------------------------------------------
