@@ -21,7 +21,8 @@ def test_openapi_spec_is_valid():
     paths = set(spec["paths"])
     assert {"/predictions/{model_name}", "/predictions/{model_name}/{model_version}/v1/chat/completions",
             "/predictions/{model_name}/{model_version}/v1/completions", "/predictions/{model_name}/{model_version}/v1/models",
-            "/predictions/{model_name}/{model_version}/v1/health"} <= paths
+            "/predictions/{model_name}/{model_version}/v1/health", "/predictions/{model_name}/{model_version}/v1/responses",
+            "/predictions/{model_name}/{model_version}/v1/responses/{response_id}"} <= paths
 
 
 def test_dockerfile_passes_hadolint():
