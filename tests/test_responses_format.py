@@ -10,6 +10,11 @@
   service and ``encoded_parts`` (the driver the edges use), and its answer back to the client: text
   streamed and whole (equal under greedy decoding), max_output_tokens cut, json_schema, a forced
   function call and its round trip.
+* Forced tool calls without a tool format (the generic form, planned by ``plan_tools`` as on chat): the
+  tools block and the call's grammar, auto refused naming tool_choice, errors in the Responses names.
+* Reasoning (a Qwen3 reasoning format): reasoning.effort as template variables, constraints on the answer
+  only, the think block as a ``reasoning`` item before the message / calls (streamed events in order,
+  read by the openai client), cut inside it, and the stored conversation's ``reasoning_content``.
 * Parsing: input items to chat turns, instructions, continuing a stored conversation; every refused
   parameter and hostile input gets a 400 naming the field.
 """
@@ -29,7 +34,8 @@ from openai.types.responses import Response, ResponseStreamEvent
 from llm_api.api.errors import ApiError
 from llm_api.api.request import Limits
 from llm_api.api.responses import (MAX_INPUT_ITEMS, ResponsesCall, parse_responses)
-from llm_api.api.tools import HERMES
+from llm_api.api.reasoning import QWEN3, THINK_END, answer_only
+from llm_api.api.tools import GENERIC, HERMES, generic_tool_prompt
 from llm_api.engine.request import FinishReason
 
 MODEL = "smollm2"
@@ -38,6 +44,10 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 CALL_TEXT = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 EVENTS = pydantic.TypeAdapter(ResponseStreamEvent)
+THINKING = Limits(max_input_tokens=2048, max_new_tokens=512, vocab_size=49152, tool_format=HERMES,
+                  reasoning_format=QWEN3)
+THOUGHT = "<think>\nabc</think>\n\nThe answer"  # what a Qwen3-style model writes
+GENERIC_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 
 
 def parse(body: dict, limits: Limits = LIMITS):
@@ -294,7 +304,7 @@ def test_sampling_settings():
                            "reasoning": {"effort": "low"}, "store": False, "stream": True})
     p = request.params
     assert (p.max_new_tokens, p.do_sample, p.top_p, p.n) == (33, False, 0.5, 1)
-    assert call.reasoning_effort == "low" and not call.store and call.stream
+    assert request.template_kwargs == {"reasoning_effort": "low"} and not call.store and call.stream
     request, _ = parse({"input": "x"})
     assert request.params.max_new_tokens == 256 and request.params.do_sample
 
@@ -349,14 +359,143 @@ def test_refused_parameters_are_named(body, param, code):
     assert param.split("[")[0].split(".")[-1] in err.value.message or param in err.value.message
 
 
-def test_tools_need_a_tool_format_and_the_model_must_match():
-    with pytest.raises(ApiError) as err:
-        parse({"input": "x", "tools": [WEATHER]}, Limits(2048, 512))
-    assert err.value.param == "tools" and err.value.code == "unsupported_parameter"
-    parse({"input": "x", "tools": [WEATHER], "tool_choice": "none"}, Limits(2048, 512))  # none renders no tools
+def test_forced_tools_without_a_tool_format_are_planned_as_on_chat():
+    """No tool format (the embedded model): required and a named function are served in the generic form
+    (tools block in the prompt, one call decoded under the schema); auto is refused naming tool_choice."""
+    plain = Limits(2048, 512)
+    for body in ({"tools": [WEATHER]}, {"tools": [WEATHER], "tool_choice": "auto"}):
+        with pytest.raises(ApiError) as err:
+            parse({"input": "x", **body}, plain)
+        assert (err.value.param, err.value.code) == ("tool_choice", "unsupported_value"), body
+    request, call = parse({"input": "x", "tools": [WEATHER], "tool_choice": "none"}, plain)  # none renders no tools
+    assert (request.tools, request.tool_prompt, request.constraint, call.tool_format) == (None, None, None, None)
+
+    chat_tools = [{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}]
+    for choice, ask in (("required", "required"), ({"type": "function", "name": "get_weather"}, "get_weather")):
+        request, call = parse({"input": "x", "tools": [WEATHER], "tool_choice": choice}, plain)
+        assert request.tools == chat_tools and call.tool_format is GENERIC
+        assert request.tool_prompt == generic_tool_prompt(chat_tools, ask)
+        assert request.constraint.param == "tools" and [p for p, _ in request.constraint.parts] == ["tools[0].parameters"]
+        assert Response.model_validate(call.response_json()).tool_choice  # echoed as sent
+    # the answer in the generic form: one function_call item, no message
+    _, whole = parse({"input": "x", "tools": [WEATHER], "tool_choice": "required"}, plain)
+    response = Response.model_validate(json.loads(feed(whole, GENERIC_CALL, 4)))
+    assert [item.type for item in response.output] == ["function_call"]
+    assert json.loads(response.output[0].arguments) == {"city": "Paris"} and response.output[0].status == "completed"
+    _, streamed = parse({"input": "x", "tools": [WEATHER], "tool_choice": "required", "stream": True}, plain)
+    with client_over(feed(streamed, GENERIC_CALL, 3)).responses.stream(model=MODEL, input="x") as stream:
+        final = stream.get_final_response()
+    assert final.output[0].arguments == response.output[0].arguments
+    # a model with a tool format renders the tools itself: no generic block
+    request, call = parse({"input": "x", "tools": [WEATHER]})
+    assert request.tool_prompt is None and call.tool_format is HERMES and request.tools == chat_tools
+
+
+@pytest.mark.parametrize("limits", [LIMITS, Limits(2048, 512)])
+def test_tool_errors_use_the_responses_names(limits):
+    cases = [({"tools": [WEATHER, WEATHER]}, "tools[1].name"),
+             ({"tools": [{**WEATHER, "parameters": {"type": "string"}}]}, "tools[0].parameters")]
+    for body, param in cases:
+        with pytest.raises(ApiError) as err:
+            parse({"input": "x", "tool_choice": "required", **body}, limits)
+        assert err.value.param == param and ".function." not in err.value.message, body
+
+
+def test_the_model_must_match():
     with pytest.raises(ApiError) as err:
         parse_responses({"model": "gpt-4o", "input": "x"}, MODEL, LIMITS)
     assert err.value.status == 404 and err.value.param == "model"
+
+
+# ------------------------------------------------------------------------------------------ reasoning
+
+
+@pytest.mark.parametrize("effort,variables", [(None, None), ("high", {"reasoning_effort": "high"}),
+                                              ("none", {"reasoning_effort": "none", "enable_thinking": False})])
+def test_reasoning_effort_reaches_the_template(effort, variables):
+    body = {"input": "x"} if effort is None else {"input": "x", "reasoning": {"effort": effort}}
+    request, call = parse(body, THINKING)
+    assert request.template_kwargs == variables
+    assert Response.model_validate(call.response_json()).reasoning.effort == effort
+
+
+def test_constraints_apply_to_the_answer_only():
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    text_format = {"format": {"type": "json_schema", "name": "ok", "schema": schema}}
+    plain, _ = parse({"input": "x", "text": text_format})
+    thinking, _ = parse({"input": "x", "text": text_format}, THINKING)
+    assert plain.constraint.spec.kind == "json_schema"
+    assert thinking.constraint.spec == answer_only(QWEN3, plain.constraint).spec
+    assert thinking.constraint.param == "text.format.schema"
+    tools, _ = parse({"input": "x", "tools": [WEATHER], "tool_choice": "required"}, THINKING)
+    assert tools.constraint.spec.kind == "structural_tag" and THINK_END in tools.constraint.spec.source
+    assert [p for p, _ in tools.constraint.parts] == ["tools[0].parameters"]
+
+
+@pytest.mark.parametrize("size", [1, 3, 200])
+def test_reasoning_item_before_the_message_streamed_and_whole(size):
+    _, whole = parse({"input": "x"}, THINKING)
+    response = Response.model_validate(json.loads(feed(whole, THOUGHT, size)))
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_") and reasoning.summary == []
+    assert [(c.type, c.text) for c in reasoning.content] == [("reasoning_text", "abc")]
+    assert reasoning.status == "completed" and response.output_text == "The answer"
+    assert response.usage.output_tokens_details.reasoning_tokens == 0  # (text seen, not tokens: not guessed)
+    # the stored conversation carries the thinking for a continuation (interleaved thinking)
+    assert whole.conversation()[-1] == {"role": "assistant", "content": "The answer", "reasoning_content": "abc"}
+    request, follow = parse({"input": "and then?", "previous_response_id": whole.id}, THINKING)
+    follow.continue_from(whole.conversation(), request)
+    assert request.messages[1]["reasoning_content"] == "abc"
+
+    _, streamed = parse({"input": "x", "stream": True}, THINKING)
+    payload = feed(streamed, THOUGHT, size)
+    events = sse_events(payload)
+    kinds = [e["type"] for e in events]
+    squeezed = [k for i, k in enumerate(kinds) if not (k.endswith(".delta") and kinds[i - 1] == k)]  # deltas as one
+    assert squeezed == ["response.created", "response.in_progress",
+                        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+                        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+                        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+                        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                        "response.completed"]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "abc"
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "The answer"
+    parts = [e["part"]["type"] for e in events if e["type"] == "response.content_part.added"]
+    assert parts == ["reasoning_text", "output_text"]
+    assert {e["output_index"] for e in events if e["type"] == "response.reasoning_text.delta"} == {0}
+    assert {e["output_index"] for e in events if e["type"] == "response.output_text.delta"} == {1}
+    final = Response.model_validate(events[-1]["response"])
+    assert final.output[0].content[0].text == "abc" and final.output_text == "The answer"
+    with client_over(payload).responses.stream(model=MODEL, input="x") as stream:
+        assert [item.type for item in stream.get_final_response().output] == ["reasoning", "message"]
+
+
+def test_reasoning_then_a_function_call():
+    _, call = parse({"input": "Weather?", "tools": [WEATHER], "stream": True}, THINKING)
+    events = sse_events(feed(call, "<think>\nLook it up.</think>\n\n" + CALL_TEXT, 5))
+    added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
+    assert added == ["reasoning", "message", "function_call"]
+    response = Response.model_validate(events[-1]["response"])
+    assert response.output[0].content[0].text == "Look it up." and response.output[2].status == "completed"
+    turn = call.conversation()[-1]
+    assert turn["reasoning_content"] == "Look it up." and turn["content"] == "Let me look."
+    assert turn["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
+
+
+def test_cut_inside_the_reasoning():
+    _, call = parse({"input": "x", "stream": True, "max_output_tokens": 17}, THINKING)
+    events = sse_events(feed(call, "<think>abc de", 3, FinishReason.LENGTH))
+    response = Response.model_validate(events[-1]["response"])
+    assert response.status == "incomplete" and [item.type for item in response.output] == ["reasoning"]
+    assert response.output[0].status == "incomplete" and response.output[0].content[0].text == "abc de"
+    assert response.usage.output_tokens_details.reasoning_tokens == 17  # all of the output is reasoning
+    assert call.conversation()[-1] == {"role": "assistant", "content": "", "reasoning_content": "abc de"}
+
+
+def test_no_reasoning_parser_keeps_the_block_in_the_message():
+    _, call = parse({"input": "x"})
+    response = Response.model_validate(json.loads(feed(call, THOUGHT, 4)))
+    assert [item.type for item in response.output] == ["message"] and response.output_text == THOUGHT
 
 
 def test_ignored_hints_are_accepted_and_echoed():

@@ -1,7 +1,8 @@
 """A reasoning model over the real standalone server (`llm_api serve`) with the openai package: the think
 block returned apart from the answer in both field names (``reasoning``, ``reasoning_content``), streamed
 and whole; chat_template_kwargs / reasoning_effort switching the thinking off; structured output applied to
-the answer only; an answer cut inside the reasoning.
+the answer only; an answer cut inside the reasoning; the Responses API (``responses.create`` streamed and
+whole) returning the thinking as a ``reasoning`` item before the ``message`` item, on both servers.
 
 The model is a tiny Qwen3 checkpoint built here (no hub) with the embedded model's tokenizer, ``<think>`` and
 ``</think>`` added as plain tokens (as Qwen3's tokenizer has them) and the Qwen3-style template of
@@ -143,6 +144,38 @@ def test_cut_inside_the_reasoning(client):
     assert _streamed(client, max_tokens=2) == ("abc", "", "length")
 
 
+def _responses(client, **kw) -> list[tuple[str, str, str]]:
+    """responses.create whole and streamed (equal) -> [(item type, its text, its status)]."""
+    whole = client.responses.create(model="smollm2", input=ASK[0]["content"], temperature=0, **kw)
+    items = [(item.type, item.content[0].text, item.status) for item in whole.output]
+    events = list(client.responses.create(model="smollm2", input=ASK[0]["content"], temperature=0, stream=True,
+                                          **kw))
+    streamed = events[-1].response
+    assert [(item.type, item.content[0].text, item.status) for item in streamed.output] == items
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    answer = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert (reasoning, answer) == ("".join(t for kind, t, _ in items if kind == "reasoning"),
+                                   "".join(t for kind, t, _ in items if kind == "message"))
+    assert streamed.usage.output_tokens == whole.usage.output_tokens
+    return items
+
+
+def test_responses_return_the_thinking_as_a_reasoning_item(client):
+    assert _responses(client) == [("reasoning", "abc", "completed"), ("message", "The answer", "completed")]
+    assert _responses(client, reasoning={"effort": "none"}) == [("message", "The answer", "completed")]
+    cut = client.responses.create(model="smollm2", input=ASK[0]["content"], temperature=0, max_output_tokens=2)
+    assert cut.status == "incomplete" and [(i.type, i.status) for i in cut.output] == [("reasoning", "incomplete")]
+    assert cut.usage.output_tokens_details.reasoning_tokens == 2
+    # text.format applies to the answer only; the stored conversation keeps the thinking for the next turn
+    shaped = client.responses.create(model="smollm2", input=ASK[0]["content"], temperature=0, max_output_tokens=60,
+                                     text={"format": {"type": "json_schema", "name": "ok", "schema": SCHEMA}})
+    assert shaped.output[0].content[0].text == "abc"
+    jsonschema.validate(json.loads(shaped.output_text), SCHEMA)
+    follow = client.responses.create(model="smollm2", input="And again?", previous_response_id=shaped.id,
+                                     temperature=0)
+    assert follow.status == "completed" and follow.usage.input_tokens > shaped.usage.input_tokens
+
+
 def test_hostile_template_kwargs_get_400_naming_the_field(client):
     import openai
 
@@ -170,5 +203,6 @@ def test_torchserve_splits_the_same_way(start_server, reasoning_checkpoint):
         assert (message.content, _extra(message, "reasoning"), _extra(message, "reasoning_content")) == \
             ("The answer", "abc", "abc")
         assert _streamed(client) == ("abc", "The answer", "stop")
+        assert _responses(client) == [("reasoning", "abc", "completed"), ("message", "The answer", "completed")]
     finally:
         server.stop()

@@ -34,9 +34,22 @@ Contract (docs/responses.md has the user's view):
   ``response.completed`` (``response.incomplete`` when cut). A failure after the stream began sends
   ``error`` (our code, message, param) and then ``response.failed`` (the Response with its ``error``):
   the openai package yields both as typed events (it raises on neither in a Responses stream).
-* With tools, the answer's text goes through ``ToolCallParser`` (the model's ``ToolFormat``): content
-  becomes a ``message`` item, each call a ``function_call`` item (``call_id`` "call_...", arguments
-  streamed in pieces exactly as the model wrote them).
+* With tools, ``llm_api.api.constraints.plan_tools`` decides how they are served, as on chat (the
+  Responses function tools converted to chat's shape, its errors renamed: ``tools[i].parameters``):
+  the template renders them, or, on a template without a tool format, the generic tools block
+  (``request.tool_prompt``) serves ``required`` and a named function (one call per answer) and ``auto``
+  is refused naming ``tool_choice``. The answer's text goes through ``ToolCallParser`` (the plan's
+  ``ToolFormat``): content becomes a ``message`` item, each call a ``function_call`` item (``call_id``
+  "call_...", arguments streamed in pieces exactly as the model wrote them).
+* Reasoning models (``Limits.reasoning_format``): ``reasoning.effort`` becomes the template variables
+  (``template_variables``, as chat's ``reasoning_effort``); a constraint (text.format, tools) applies to
+  the answer only (``answer_only``). The output goes through ``ReasoningParser`` first: the think block
+  is a ``reasoning`` item (``rs_...``, ``summary`` [], one ``reasoning_text`` content part) before the
+  answer's items, streamed as ``response.output_item.added``, ``response.content_part.added``,
+  ``response.reasoning_text.delta``..., ``response.reasoning_text.done``, ``response.content_part.done``,
+  ``response.output_item.done``. ``conversation()`` keeps it as the answer's ``reasoning_content``.
+  ``usage.output_tokens_details.reasoning_tokens``: every output token when no answer text followed the
+  reasoning, else 0 (the encoder sees text, not tokens; it does not guess the split).
 """
 
 from __future__ import annotations
@@ -44,18 +57,20 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
                       ValidationError)
 
-from llm_api.api.constraints import json_object_constraint, json_schema_constraint, tool_constraint
+from llm_api.api.constraints import ToolPlan, json_object_constraint, json_schema_constraint, plan_tools
 from llm_api.api.errors import ApiError, echo
 from llm_api.api.fields import (Number, StrictFlag, StrictWholeNumber, Text, check_text, fail, field_path, first_error,
                                 is_type_error, message_of, unknown_fields)
 from llm_api.api.logprobs import LogprobItem
 from llm_api.api.openai import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, ToolName, api_error
+from llm_api.api.reasoning import (REASONING_EFFORTS, AnswerText, ReasoningFormat, ReasoningParser, ReasoningText,
+                                   answer_only, template_variables)
 from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, Constraint, GenerateRequest, Limits, WorkFields
 from llm_api.api.tools import ToolCallDelta, ToolCallParser, ToolFormat
 from llm_api.api.validation import decode_json
@@ -73,7 +88,6 @@ MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 51
 MAX_ID_CHARS = 256  # ids and labels the client sends (call_id, user, prompt_cache_key, ...)
 TOOL_CHOICES = ("none", "auto", "required")
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 SERVICE_TIERS = ("auto", "default")  # one tier here: these two mean it; flex/priority/scale are refused
 
 
@@ -310,7 +324,16 @@ def parse_responses(body: Any, model_name: str, limits: Limits) -> tuple[Generat
         do_sample=temperature > 0.0,
     )
     request.work_fields = WorkFields("n", "max_output_tokens", "include")
-    request.constraint, request.tools, tool_format, choice = _structured_output(call, limits)
+    request.constraint, plan, choice = _structured_output(call, limits)
+    tool_format = None
+    if plan is not None:
+        request.constraint, request.tools, request.tool_prompt = plan.constraint, plan.tools, plan.tool_prompt
+        tool_format = plan.format
+    effort = call.reasoning.effort if call.reasoning else None
+    request.template_kwargs = template_variables(None, effort, "reasoning.effort")
+    if limits.reasoning_format is not None and request.constraint is not None:
+        # the think block stays free text; text.format or the calls apply to the answer after it
+        request.constraint = answer_only(limits.reasoning_format, request.constraint)
     system = [{"role": "system", "content": call.instructions}] if call.instructions is not None else []
     request.messages = system + input_turns
 
@@ -336,8 +359,7 @@ def parse_responses(body: Any, model_name: str, limits: Limits) -> tuple[Generat
     }
     responses_call = ResponsesCall(
         model=model_name, stream=call.stream, store=call.store, tool_format=tool_format,
-        previous_response_id=call.previous_response_id,
-        reasoning_effort=call.reasoning.effort if call.reasoning else None,
+        reasoning_format=limits.reasoning_format, previous_response_id=call.previous_response_id,
         instructions=call.instructions, input_turns=input_turns, input_items=items, settings=settings)
     return request, responses_call
 
@@ -477,10 +499,9 @@ def _check_call_ids(prior: list[dict], items: list) -> None:
                            "of the conversation", f"input[{i}].call_id")
 
 
-def _structured_output(call: ResponsesBody, limits: Limits) -> tuple[Constraint | None, list[dict] | None,
-                                                                      ToolFormat | None, str]:
-    """text.format, tools, tool_choice, parallel_tool_calls -> (constraint, tools for the template in
-    chat's shape, the format calls are parsed in, the tool choice)."""
+def _structured_output(call: ResponsesBody, limits: Limits) -> tuple[Constraint | None, ToolPlan | None, str]:
+    """text.format, tools, tool_choice, parallel_tool_calls -> (text.format's constraint, the plan of the
+    tools (``llm_api.api.constraints.plan_tools``, errors named in the Responses shape), the tool choice)."""
     constraint = None
     fmt = call.text.format if call.text is not None else None
     if fmt is not None and fmt.type != "json_schema":
@@ -500,25 +521,19 @@ def _structured_output(call: ResponsesBody, limits: Limits) -> tuple[Constraint 
 
     choice = _tool_choice(call.tool_choice, call.tools)
     if not call.tools or choice == "none":
-        return constraint, None, None, choice  # none: the tools are not rendered, so no call can be made
+        return constraint, None, choice  # none: the tools are not rendered, so no call can be made
     if constraint is not None:
         raise ApiError(400, "invalid_value", "'text.format' cannot be combined with 'tools' (unless tool_choice is "
                        "none): the answer is either a function call or the text format", "text.format")
-    if limits.tool_format is None:
-        raise ApiError(400, "unsupported_parameter", "this model's chat template has no tool-call format this server "
-                       "parses (Hermes/Qwen <tool_call>, Llama 3 JSON): 'tools' cannot be used", "tools")
-    names = [t.name for t in call.tools]
-    for i, name in enumerate(names):
-        if name in names[:i]:
-            raise ApiError(400, "invalid_value", f"'tools[{i}].name' repeats the name {name!r}", f"tools[{i}].name")
+    # plan_tools takes chat's shape ({"type": "function", "function": {...}}) and names its errors so
+    # (tools[i].function.parameters); the Responses names drop the ".function".
     tools = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})} for t in call.tools]
-    parallel = call.parallel_tool_calls is not False
     try:
-        constraint = tool_constraint(limits.tool_format, tools, choice, parallel)
-    except ApiError as error:  # (named in chat's shape, tools[i].function.parameters)
+        plan = plan_tools(tools, choice, call.parallel_tool_calls is not False, limits)
+    except ApiError as error:
         raise _responses_names(error) from None
-    parts = tuple((param.replace(".function.", "."), spec) for param, spec in constraint.parts)
-    return Constraint(constraint.spec, constraint.param, parts), tools, limits.tool_format, choice
+    parts = tuple((param.replace(".function.", "."), spec) for param, spec in plan.constraint.parts)
+    return constraint, replace(plan, constraint=Constraint(plan.constraint.spec, plan.constraint.param, parts)), choice
 
 
 def _responses_names(error: ApiError) -> ApiError:
@@ -582,7 +597,7 @@ class ResponsesCall:
     store: bool = True
     tool_format: ToolFormat | None = None
     previous_response_id: str | None = None
-    reasoning_effort: str | None = None  # passed through (the reasoning support maps it to the template)
+    reasoning_format: ReasoningFormat | None = None  # a reasoning model's: the think block is a reasoning item
     instructions: str | None = None
     input_turns: list[dict] = field(default_factory=list)
     input_items: list = field(default_factory=list)  # the parsed input items (call ids are checked on them)
@@ -595,6 +610,8 @@ class ResponsesCall:
     _sequence: int = 0
     _started: bool = False
     _parser: ToolCallParser | None = None
+    _thinking: ReasoningParser | None = None  # splits the think block off first (a reasoning model)
+    _answer_began: bool = False  # text after the think block (or with no block) was seen
     _pieces: list[str] = field(default_factory=list)  # the open item's text or arguments (joined at its end)
     _status: str = "in_progress"
     _incomplete_reason: str | None = None
@@ -625,7 +642,11 @@ class ResponsesCall:
         """The conversation to store for a later ``previous_response_id``: the prior turns, this input and
         the answer, as chat turns (no instructions: a continuation brings its own)."""
         answer: list[dict] = []
+        reasoning = None  # the think block, for the assistant turn that follows it (interleaved thinking)
         for item in self._items:
+            if item["type"] == "reasoning":
+                reasoning = item["content"][0]["text"]
+                continue
             if item["type"] == "message":
                 answer.append({"role": "assistant", "content": "".join(p["text"] for p in item["content"])})
                 continue
@@ -639,6 +660,10 @@ class ResponsesCall:
                 answer[-1].setdefault("tool_calls", []).append(call)
             else:
                 answer.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        if reasoning is not None:
+            if not answer:  # cut inside the reasoning: an assistant turn of thinking only
+                answer.append({"role": "assistant", "content": ""})
+            answer[0]["reasoning_content"] = reasoning
         return self.prior_turns + self.input_turns + answer
 
     # -- AnswerEncoder ----------------------------------------------------------------------------
@@ -651,17 +676,30 @@ class ResponsesCall:
         out = self._start()
         if not text:
             return out
+        if self.reasoning_format is None:
+            return out + self._answer(text)
+        if self._thinking is None:
+            self._thinking = ReasoningParser(self.reasoning_format)
+        return out + self._split(self._thinking.push(text))
+
+    def _split(self, events: list[ReasoningText | AnswerText]) -> str:
+        return "".join(self._answer(e.text) if isinstance(e, AnswerText) else self._reasoning(e.text) for e in events)
+
+    def _answer(self, text: str) -> str:
+        self._answer_began = True
         if self.tool_format is None:
-            return out + self._text(text)
+            return self._text(text)
         if self._parser is None:
             self._parser = ToolCallParser(self.tool_format)
-        return out + self._parsed(self._parser.push(text))
+        return self._parsed(self._parser.push(text))
 
     def choice_finish(self, index: int, reason: FinishReason, num_generated_tokens: int = 0) -> str:
         return ""  # one choice: everything ends in finish
 
     def finish(self, reason: FinishReason, num_prompt_tokens: int, num_generated_tokens: int) -> str:
         out = self._start()
+        if self._thinking is not None:
+            out += self._split(self._thinking.finish())
         if self._parser is not None:
             out += self._parsed(self._parser.finish())
         cut = reason is FinishReason.LENGTH
@@ -673,7 +711,7 @@ class ResponsesCall:
                        # the service does not report prefix-cache hits per request yet: 0, not a guess (and
                        # cache_write_tokens, which the openai package requires, is a billing figure: 0)
                        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-                       "output_tokens_details": {"reasoning_tokens": 0}}
+                       "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens(num_generated_tokens)}}
         if not self.stream:
             return json.dumps(self._response(), ensure_ascii=False)
         kind = "response.completed" if self._status == "completed" else "response.incomplete"
@@ -691,6 +729,12 @@ class ResponsesCall:
 
     def refusal(self, error: ApiError) -> str:
         return error.openai_text()
+
+    def _reasoning_tokens(self, num_generated_tokens: int) -> int:
+        """The output's tokens when it is all reasoning (cut inside the think block); else 0: the encoder sees
+        text, not tokens, so where the reasoning's tokens end is not known here (no guess is reported)."""
+        has_reasoning = any(item["type"] == "reasoning" for item in self._items)
+        return num_generated_tokens if has_reasoning and not self._answer_began else 0
 
     # -- events -----------------------------------------------------------------------------------
 
@@ -728,6 +772,25 @@ class ResponsesCall:
         return self._event("response.output_item.added", output_index=len(self._items) - 1, item=dict(item)) \
             if self.stream else ""
 
+    def _reasoning(self, text: str) -> str:
+        """Text of the think block: a reasoning item (one reasoning_text part), before the answer's items."""
+        out = ""
+        item = self._open
+        if item is None or item["type"] != "reasoning":
+            out += self._close("completed")
+            item = {"id": _new_id("rs_"), "type": "reasoning", "status": "in_progress", "summary": [], "content": []}
+            out += self._add(item)
+            item["content"].append({"type": "reasoning_text", "text": ""})
+            if self.stream:
+                out += self._event("response.content_part.added", item_id=item["id"],
+                                   output_index=len(self._items) - 1, content_index=0,
+                                   part={"type": "reasoning_text", "text": ""})
+        self._pieces.append(text)
+        if self.stream:
+            out += self._event("response.reasoning_text.delta", item_id=item["id"],
+                               output_index=len(self._items) - 1, content_index=0, delta=text)
+        return out
+
     def _text(self, text: str) -> str:
         out = ""
         item = self._open
@@ -764,10 +827,10 @@ class ResponsesCall:
             return ""
         text = "".join(self._pieces)
         self._pieces = []
-        if item["type"] == "message":
-            item["content"][0]["text"] = text
-        else:
+        if item["type"] == "function_call":
             item["arguments"] = text
+        else:
+            item["content"][0]["text"] = text
         if item["type"] == "function_call":
             complete = self._parser is not None and any(
                 c.id == item["call_id"] and c.complete for c in self._parser.calls)
@@ -781,6 +844,12 @@ class ResponsesCall:
             part = item["content"][0]
             out += self._event("response.output_text.done", item_id=item["id"], output_index=output_index,
                                content_index=0, text=part["text"], logprobs=[])
+            out += self._event("response.content_part.done", item_id=item["id"], output_index=output_index,
+                               content_index=0, part=dict(part))
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            out += self._event("response.reasoning_text.done", item_id=item["id"], output_index=output_index,
+                               content_index=0, text=part["text"])
             out += self._event("response.content_part.done", item_id=item["id"], output_index=output_index,
                                content_index=0, part=dict(part))
         else:
@@ -804,6 +873,6 @@ class ResponsesCall:
 
 
 def _copy(item: dict) -> dict:
-    if item["type"] == "message":
+    if item["type"] in ("message", "reasoning"):
         return {**item, "content": [dict(p) for p in item["content"]]}
     return dict(item)
