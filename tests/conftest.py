@@ -186,6 +186,12 @@ def hermes_model(tmp_path_factory, embedded_model_path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hermes_model_path(tmp_path_factory, embedded_model_path) -> Path:
+    """``hermes_model`` as a fixture (a test module's own import of conftest may find another conftest)."""
+    return hermes_model(tmp_path_factory, embedded_model_path)
+
+
+@pytest.fixture(scope="session")
 def hermes_server(tmp_path_factory, embedded_model_path):
     """TorchServe in the shipped async mode serving the embedded model with a tool format (the Hermes
     template above), a 64 MiB KV pool, gRPC streaming on. float32 on every host: the tool-call tests rely

@@ -557,15 +557,14 @@ def test_hostile_bodies():
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory, embedded_model_path):
+def service(hermes_model_path):
     """The embedded model with the tests' Hermes template in a ModelService of its own (float32: the tests
     compare greedy answers), no server."""
-    from conftest import hermes_model
     from llm_api.model import loader as model_loader
     from llm_api.model.settings import Settings
     from llm_api.service.service import ModelService
 
-    settings = Settings.from_env({"MODEL_PATH": str(hermes_model(tmp_path_factory, embedded_model_path)),
+    settings = Settings.from_env({"MODEL_PATH": str(hermes_model_path),
                                   "DTYPE": "float32", "KV_CACHE_MEMORY_MIB": "32"})
     svc = ModelService(settings, model_loader.load(settings))
     yield svc
