@@ -120,6 +120,30 @@ def refusal_problems(name: str, answer: Answer, *, openai: bool, statuses=range(
     return problems
 
 
+def openai_param(answer: Answer):
+    """The ``param`` an OpenAI-shaped refusal names ("<no error object>" when it is not one)."""
+    try:
+        return answer.json()["error"]["param"]
+    except (ValueError, KeyError, TypeError):
+        return "<no error object>"
+
+
+def openai_answer_problems(label: str, answer: Answer, elapsed: float, status: int, param,
+                           max_seconds: float) -> list[str]:
+    """``status`` 200: served; else a refusal in OpenAI's shape with that status naming ``param`` (None: no
+    field; "*": any); and answered within ``max_seconds``."""
+    if status == 200:
+        problems = [] if answer.status == 200 else [f"{label}: {answer.status} {answer.body[:300]!r}"]
+    else:
+        problems = refusal_problems(label, answer, openai=True, statuses=(status,))
+        if not problems and param != "*" and openai_param(answer) != param:
+            problems.append(f"{label}: the {status} names {openai_param(answer)!r}, not {param!r}: "
+                            f"{answer.body[:300]!r}")
+    if elapsed > max_seconds:
+        problems.append(f"{label}: answered after {elapsed:.1f} s")
+    return problems
+
+
 def error_type(answer: Answer) -> str | None:
     """The error's stable name in either shape: the native ``type``, OpenAI's ``code`` (its ``type`` is only
     ``invalid_request_error`` or ``server_error``); None when the body is not an error object."""

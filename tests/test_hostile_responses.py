@@ -103,24 +103,10 @@ def _deep_schema(levels: int) -> dict:
     return schema
 
 
-def param_of(answer: hostile.Answer):
-    try:
-        return answer.json()["error"]["param"]
-    except (ValueError, KeyError, TypeError):
-        return "<no error object>"
-
-
 def check(label: str, answer: hostile.Answer, elapsed: float, status: int, param) -> list[str]:
-    if status == 200:
-        problems = [] if answer.status == 200 else [f"{label}: {answer.status} {answer.body[:300]!r}"]
-    else:
-        problems = hostile.refusal_problems(label, answer, openai=True, statuses=(status,))
-        if not problems and param not in ("*", None) and param_of(answer) != param:
-            problems.append(f"{label}: the {status} names {param_of(answer)!r}, not {param!r}: {answer.body[:300]!r}")
+    problems = hostile.openai_answer_problems(label, answer, elapsed, status, param, MAX_SECONDS)
     if b"evil\r\n" in answer.body.lower() or b"\x00" in answer.body:
         problems.append(f"{label}: raw request bytes echoed: {answer.body[:300]!r}")
-    if elapsed > MAX_SECONDS:
-        problems.append(f"{label}: answered after {elapsed:.1f} s")
     return problems
 
 

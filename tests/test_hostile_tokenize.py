@@ -41,24 +41,8 @@ def send(server, route: str, payload) -> tuple[hostile.Answer, float]:
     return answer, time.monotonic() - start
 
 
-def param_of(answer: hostile.Answer):
-    try:
-        return answer.json()["error"]["param"]
-    except (ValueError, KeyError, TypeError):
-        return "<no error object>"
-
-
 def check(label: str, answer: hostile.Answer, elapsed: float, status: int, param) -> list[str]:
-    """``status`` 200: served; else a refusal with that status naming ``param`` ("*": any)."""
-    if status == 200:
-        problems = [] if answer.status == 200 else [f"{label}: {answer.status} {answer.body[:300]!r}"]
-    else:
-        problems = hostile.refusal_problems(label, answer, openai=True, statuses=(status,))
-        if not problems and param != "*" and param_of(answer) != param:
-            problems.append(f"{label}: the {status} names {param_of(answer)!r}, not {param!r}: {answer.body[:300]!r}")
-    if elapsed > MAX_SECONDS:
-        problems.append(f"{label}: answered after {elapsed:.1f} s")
-    return problems
+    return hostile.openai_answer_problems(label, answer, elapsed, status, param, MAX_SECONDS)
 
 
 def deep(levels: int):
