@@ -164,3 +164,22 @@ def test_hostile_response_ids_and_methods(async_frontend):
             answers[hostile.outcome(answer)] += 1
     hostile.report("responses ids and methods", server, inputs=inputs, answers=answers, witness=witness)
     assert not problems, "\n".join(problems)
+
+
+def test_a_prompt_of_no_tokens_is_refused_on_every_route(async_frontend):
+    """Text the tokenizer drops entirely (a control character) is a 400 on every generation route, never the
+    engine's 500 (schemathesis found it on /v1/completions)."""
+    server = async_frontend
+    requests = [(hostile.native_path(server), {"text": "\u0006"}, False),
+                (hostile.openai_path(server, "completions"), {"model": MODEL, "prompt": "\u0006"}, True),
+                (responses_path(server), {"model": MODEL, "input": [{"role": "user", "content": "\u0006"}],
+                                          "max_output_tokens": 2}, True)]
+    problems = []
+    for path, body, openai in requests:
+        answer = hostile.post_json(server, path, body)
+        if path.endswith("responses") and answer.status == 200:
+            continue  # (a chat template wraps the character in tokens of its own: served)
+        problems += hostile.refusal_problems(path, answer, openai=openai, statuses=(400,))
+        if hostile.error_type(answer) != "empty_prompt":
+            problems.append(f"{path}: {answer.body[:200]!r}")
+    assert not problems, "\n".join(problems)

@@ -10,7 +10,8 @@ server) parse a body into a ``GenerateRequest`` with the request formats of ``ll
 1. before the first event, the request is admitted or ``ApiError`` is raised (nothing was sent yet, so
    the edge answers with the error's status): a duplicate live ``request_id`` label (409), work over
    MAX_REQUEST_WORK (``llm_api.api.request.request_work``: checked before the prompt is tokenized, and
-   again with its tokens; 400 ``work_limit_exceeded``), a prompt over MAX_INPUT_TOKENS (refused by its
+   again with its tokens; 400 ``work_limit_exceeded``), a prompt that tokenizes to nothing (400
+   ``empty_prompt``: control characters the tokenizer drops), a prompt over MAX_INPUT_TOKENS (refused by its
    length before tokenizing when it cannot fit), one that cannot fit the KV cache, a grammar (structured
    output, tool calls) the library rejects (400 naming the field), a full server (503). Large prompts are
    tokenized, and embeddings converted, on a small thread pool, off the event loop; grammars are compiled
@@ -212,6 +213,9 @@ class ModelService:
         else:
             assert prompt_embeds is not None  # _prepare gives ids or embeddings
             num_prompt_tokens = int(prompt_embeds.shape[0])
+        if num_prompt_tokens == 0:  # (the engine has nothing to prefill: an answer needs one token to follow)
+            raise ApiError(400, "empty_prompt", "the prompt becomes no tokens (it holds only characters the "
+                           "tokenizer drops); send text the model can read")
         refusal = work_refusal(request, num_prompt_tokens, self.limits.max_request_work)
         if refusal is not None:
             raise refusal

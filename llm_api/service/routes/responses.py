@@ -10,6 +10,7 @@
   ``status: in_progress``); delete: removes a stored one (``{"id", "object": "response.deleted",
   "deleted": true}``); cancel: ends a response still being generated (its stream ends, the stored object
   says ``cancelled``) and answers the Response object; a finished one cannot be cancelled (400).
+* The store is called on a worker thread (an SQLite store may wait on another process's lock).
 * Owners: the credential the request carried (``llm_api.service.owners.owner_of`` of its Authorization
   header): another key gets 404 for an id it did not create, exactly as for an id that never existed.
 """
@@ -49,7 +50,7 @@ async def create(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answe
                                          service.limits)
     owner = _owner(call)
     if encoder.previous_response_id is not None:
-        stored = service.responses.store.get(encoder.previous_response_id, owner)
+        stored = await asyncio.to_thread(service.responses.store.get, encoder.previous_response_id, owner)
         if stored is None:
             raise _not_found(encoder.previous_response_id, "previous_response_id")
         encoder.continue_from(json.loads(stored.conversation_json), request)
@@ -66,8 +67,9 @@ async def _tracked(service: ModelService, request: GenerateRequest, encoder: Res
         async with aclosing(encoded_parts(service, request, encoder, request_id)) as parts:
             async for part in parts:
                 if isinstance(part, Final) and encoder.store:
-                    stored = service.responses.store.put(encoder.id, owner, json.dumps(encoder.response_json()),
-                                                         json.dumps(encoder.conversation()))
+                    stored = await asyncio.to_thread(service.responses.store.put, encoder.id, owner,
+                                                     json.dumps(encoder.response_json()),
+                                                     json.dumps(encoder.conversation()))
                     if not stored:
                         logger.info("response %s was not stored (over RESPONSES_STORE_MAX_BYTES)", encoder.id)
                 yield part
@@ -82,7 +84,7 @@ async def retrieve(ctx: RouteContext, call: Call, params: dict[str, str]) -> Ans
     live = responses.in_flight.get(response_id)
     if live is not None and live.owner == owner:
         return Whole(200, json.dumps(live.encoder.response_json()))
-    stored = responses.store.get(response_id, owner)
+    stored = await asyncio.to_thread(responses.store.get, response_id, owner)
     if stored is None:
         raise _not_found(response_id)
     return Whole(200, stored.response_json)
@@ -90,7 +92,7 @@ async def retrieve(ctx: RouteContext, call: Call, params: dict[str, str]) -> Ans
 
 async def delete(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:
     response_id = params["id"]
-    if not ctx.loaded().responses.store.delete(response_id, _owner(call)):
+    if not await asyncio.to_thread(ctx.loaded().responses.store.delete, response_id, _owner(call)):
         raise _not_found(response_id)
     return Whole(200, json.dumps({"id": response_id, "object": "response.deleted", "deleted": True}))
 
@@ -100,7 +102,7 @@ async def cancel(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answe
     response_id, owner = params["id"], _owner(call)
     live = service.responses.in_flight.get(response_id)
     if live is None or live.owner != owner:
-        if service.responses.store.get(response_id, owner) is None:
+        if await asyncio.to_thread(service.responses.store.get, response_id, owner) is None:
             raise _not_found(response_id)
         raise ApiError(400, "invalid_request", f"the response {echo(response_id)} has finished; only a response "
                        "being generated can be cancelled")
