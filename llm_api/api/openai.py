@@ -628,18 +628,27 @@ def _structured_output(call: ChatBody, limits: Limits) -> Constraint | ToolPlan 
     return plan_tools(tools, choice, call.parallel_tool_calls is not False, limits)
 
 
+def tool_choice_keyword(value: Any, has_tools: bool, named_form: str) -> str | None:
+    """The keyword a ``tool_choice`` is (None: no value given, "none", "auto", "required"), or None when it is
+    not a string (the format's named choice, which its caller reads); ``named_form`` spells that named
+    choice in the refusal. Shared by chat and the Responses API, whose named choices differ."""
+    if value is None:
+        return "auto" if has_tools else "none"
+    if not isinstance(value, str):
+        return None
+    if value not in TOOL_CHOICES:
+        raise ApiError(400, "invalid_value", f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or "
+                       f"{named_form}, got {echo(value)}", "tool_choice")
+    if value != "none" and not has_tools:
+        raise ApiError(400, "invalid_value", f"'tool_choice' {value} needs 'tools'", "tool_choice")
+    return value
+
+
 def _tool_choice(value: Any, tools: list[ToolDefinition] | None) -> str:
     """tool_choice -> "none" | "auto" | "required" | the name of the function to call."""
-    if value is None:
-        return "auto" if tools else "none"
-    if isinstance(value, str):
-        if value not in TOOL_CHOICES:
-            raise ApiError(400, "invalid_value", f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or "
-                           f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {echo(value)}",
-                           "tool_choice")
-        if value != "none" and not tools:
-            raise ApiError(400, "invalid_value", f"'tool_choice' {value} needs 'tools'", "tool_choice")
-        return value
+    keyword = tool_choice_keyword(value, bool(tools), '{"type": "function", "function": {"name": ...}}')
+    if keyword is not None:
+        return keyword
     function = value.get("function") if isinstance(value, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if (not isinstance(value, dict) or set(value) != {"type", "function"} or value["type"] != "function"

@@ -68,7 +68,8 @@ from llm_api.api.errors import ApiError, echo
 from llm_api.api.fields import (Number, StrictFlag, StrictWholeNumber, Text, check_text, fail, field_path, first_error,
                                 is_type_error, message_of, unknown_fields)
 from llm_api.api.logprobs import LogprobItem
-from llm_api.api.openai import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, ToolName, api_error
+from llm_api.api.openai import (JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, TOOL_CHOICES, ToolName, api_error,
+                            tool_choice_keyword)
 from llm_api.api.reasoning import (REASONING_EFFORTS, AnswerText, ReasoningFormat, ReasoningParser, ReasoningText,
                                    answer_only, template_variables)
 from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, Constraint, GenerateRequest, Limits, WorkFields
@@ -86,7 +87,6 @@ MAX_TOOLS = 128  # OpenAI allows 128 function tools
 MAX_CHARS_PER_INPUT_TOKEN = 64
 MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds
 MAX_ID_CHARS = 256  # ids and labels the client sends (call_id, user, prompt_cache_key, ...)
-TOOL_CHOICES = ("none", "auto", "required")
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 SERVICE_TIERS = ("auto", "default")  # one tier here: these two mean it; flex/priority/scale are refused
 
@@ -543,15 +543,9 @@ def _responses_names(error: ApiError) -> ApiError:
 
 def _tool_choice(value: Any, tools: list[FunctionTool] | None) -> str:
     """tool_choice -> "none" | "auto" | "required" | the name of the function to call."""
-    if value is None:
-        return "auto" if tools else "none"
-    if isinstance(value, str):
-        if value not in TOOL_CHOICES:
-            raise ApiError(400, "invalid_value", f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or "
-                           f"{{\"type\": \"function\", \"name\": ...}}, got {echo(value)}", "tool_choice")
-        if value != "none" and not tools:
-            raise ApiError(400, "invalid_value", f"'tool_choice' {value} needs 'tools'", "tool_choice")
-        return value
+    keyword = tool_choice_keyword(value, bool(tools), '{"type": "function", "name": ...}')
+    if keyword is not None:
+        return keyword
     kind = value.get("type") if isinstance(value, dict) else None
     if isinstance(value, dict) and kind != "function":
         raise ApiError(400, "unsupported_parameter", f"'tool_choice.type' {echo(kind)} is not served here: only "
