@@ -20,6 +20,7 @@ is allocated, from the share the utilization fraction leaves free.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -83,7 +84,7 @@ def layout_for_model(model: nn.Module) -> KVCacheLayout:
     devices: list[torch.device] = []
     dtypes: list[torch.dtype] = []
     for i in range(num_layers):
-        weight = next(modules[i].parameters())
+        weight = next(itertools.chain(modules[i].parameters(), modules[i].buffers()))
         devices.append(execution_device(model, modules[i]))
         # Quantized weights are integers; the activations (and so K/V) are in the model's float dtype.
         # (An offloaded weight on "meta" keeps its dtype.)

@@ -1,7 +1,8 @@
 """Load the tokenizer and causal LM that ``Settings`` describe.
 
 Turns DTYPE, DEVICE_MAP, QUANTIZATION (with BNB_4BIT_QUANT_TYPE) and OFFLOAD_FOLDER into
-``from_pretrained`` arguments, and fails with a ``ConfigError`` naming the variables when a combination
+``from_pretrained`` arguments (and, on a CPU, CPU_PACKED_WEIGHTS into oneDNN-packed linear layers:
+``llm_api.model.packed_linear``), and fails with a ``ConfigError`` naming the variables when a combination
 cannot work on this machine (checked before loading, by trying the operation where that is the only
 honest test). The tokenizer gets a pad token (falling back to EOS) and left padding, which batched
 ``generate()`` needs. ``LoadedModel.device`` is where input ids go: the input embedding's execution
@@ -18,6 +19,7 @@ from typing import Any, cast
 import torch
 
 from llm_api.model import cpu
+from llm_api.model.packed_linear import pack_linear_weights, wants_packing
 from llm_api.model.settings import ConfigError, Settings, parse_device_map
 from llm_api.model.placement import execution_device
 
@@ -127,6 +129,10 @@ def load(settings: Settings) -> LoadedModel:
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model.eval()
+    if quant is None and wants_packing(settings.cpu_packed_weights, dtype, on_cpu=not on_gpu):
+        packed = pack_linear_weights(model)
+        if packed:
+            logger.info("CPU_PACKED_WEIGHTS=%s: %d linear layers packed for oneDNN", settings.cpu_packed_weights, packed)
     logger.info(
         "loaded %s: dtype=%s device_map=%s quantization=%s%s", path.name, dtype, settings.device_map,
         settings.quantization, f" ({settings.bnb_4bit_quant_type})" if settings.quantization == "4bit" else "",

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 DTYPES = ("bfloat16", "float16", "float32", "auto")
 QUANTIZATIONS = ("none", "8bit", "4bit")
 BNB_4BIT_QUANT_TYPES = ("nf4", "fp4")
+CPU_PACKED_WEIGHTS_MODES = ("auto", "true", "false")  # llm_api.model.packed_linear
 ENGINES = ("paged", "generate")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 REASONING_PARSERS = ("none", "auto", "deepseek_r1", "qwen3")  # llm_api.api.reasoning
@@ -48,6 +49,9 @@ class Settings:
     dtype_from_env: bool = False  # DTYPE was set: always honoured (else a CPU may run float32, see loader)
     quantization: str = "none"
     bnb_4bit_quant_type: str = "nf4"  # the 4-bit data type of QUANTIZATION=4bit
+    # CPU only: linear weights reordered once at load into oneDNN's blocked layout (llm_api.model.packed_linear);
+    # auto: bfloat16 models only (where it was measured to win), true: float32 too, false: never.
+    cpu_packed_weights: str = "auto"
     offload_folder: str = ""  # where DEVICE_MAP "disk" entries put weights; empty: <cache dir>/offload/<model>
     end_of_stream_token: str = "<|endoftext|>"
     # How a reasoning model's <think> block is split from its answer (llm_api.api.reasoning); auto: from
@@ -108,6 +112,7 @@ class Settings:
             "dtype_from_env": bool(env.get("DTYPE", "").strip()),
             "quantization": _choice(env, "QUANTIZATION", cls.quantization, QUANTIZATIONS),
             "bnb_4bit_quant_type": _choice(env, "BNB_4BIT_QUANT_TYPE", cls.bnb_4bit_quant_type, BNB_4BIT_QUANT_TYPES),
+            "cpu_packed_weights": _choice(env, "CPU_PACKED_WEIGHTS", cls.cpu_packed_weights, CPU_PACKED_WEIGHTS_MODES),
             "offload_folder": env.get("OFFLOAD_FOLDER", "")
             or str(default_cache_dir(env) / "offload" / _nonempty(env, "MODEL_NAME", cls.model_name)),
             "end_of_stream_token": _marker(env.get("END_OF_STREAM_TOKEN", cls.end_of_stream_token)),

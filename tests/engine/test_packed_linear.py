@@ -1,0 +1,93 @@
+"""CPU_PACKED_WEIGHTS (llm_api.model.packed_linear): which models are packed, that a packed layer computes
+what ``F.linear`` does in both precisions, that the engine's greedy tokens on packed tiny models equal
+generate()'s on unpacked copies, and that the embedded model loaded through the loader answers the same
+packed and unpacked."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from llm_api.model.loader import load
+from llm_api.model.packed_linear import PackedLinear, pack_linear_weights, wants_packing
+from llm_api.model.settings import ConfigError, Settings
+
+from engine_helpers import greedy, make_engine, random_prompt, reference_greedy, run_engine, tiny_model
+
+
+def test_which_models_are_packed():
+    assert wants_packing("auto", torch.bfloat16, on_cpu=True)
+    assert not wants_packing("auto", torch.float32, on_cpu=True)
+    assert wants_packing("true", torch.float32, on_cpu=True)
+    assert not wants_packing("true", torch.float16, on_cpu=True)
+    assert not wants_packing("false", torch.bfloat16, on_cpu=True)
+    assert not wants_packing("true", torch.bfloat16, on_cpu=False)  # a GPU's weights stay as they are
+    assert Settings.from_env({"CPU_PACKED_WEIGHTS": "TRUE"}).cpu_packed_weights == "true"
+    with pytest.raises(ConfigError, match="CPU_PACKED_WEIGHTS"):
+        Settings.from_env({"CPU_PACKED_WEIGHTS": "yes please"})
+
+
+def _bf16_packs() -> bool:
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8, dtype=torch.bfloat16), 1)
+        return True
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_layer_computes_the_linear(dtype, bias):
+    if dtype == torch.bfloat16 and not _bf16_packs():
+        pytest.skip("oneDNN packs bfloat16 only on CPUs with avx512/AMX bf16 support (the refusal: next test)")
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 40, bias=bias).to(dtype)
+    packed = PackedLinear(linear)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    for shape in [(1, 96), (5, 96), (1, 7, 96), (2, 3, 96)]:  # decode rows, prefill chunks, batched
+        x = torch.randn(shape).to(dtype)
+        with torch.no_grad():
+            torch.testing.assert_close(packed(x).float(), linear(x).float(), rtol=tolerance, atol=tolerance)
+    assert packed.out_features == 40 and packed.packed_weight.dtype == dtype
+
+
+def test_a_model_this_cpu_cannot_pack_is_left_as_it_is(caplog):
+    """Where oneDNN refuses (bfloat16 without the instructions), nothing is swapped and the log says why;
+    where it packs, every linear layer is swapped."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    num_linears = sum(type(m) is nn.Linear for m in model.modules())
+    with caplog.at_level(logging.INFO, logger="llm_api.model.packed_linear"):
+        swapped = pack_linear_weights(model)
+    if _bf16_packs():
+        assert swapped == num_linears and not any(type(m) is nn.Linear for m in model.modules())
+    else:
+        assert swapped == 0 and "not packing" in caplog.text
+        assert sum(type(m) is nn.Linear for m in model.modules()) == num_linears
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
+def test_engine_on_packed_float32_weights_matches_generate(arch):
+    """float32 packed weights sum in another order than F.linear: the greedy tokens must not change."""
+    model, reference_model = tiny_model(arch), tiny_model(arch)
+    assert pack_linear_weights(model) > 0
+    assert isinstance(model.get_output_embeddings(), PackedLinear)
+    generator = torch.Generator().manual_seed(5)
+    arrivals = {0: [(f"r{i}", random_prompt(generator, n), greedy(12)) for i, n in enumerate((4, 19, 33))]}
+    results = run_engine(make_engine(model), arrivals)
+    for request_id, prompt, params in arrivals[0]:
+        assert results[request_id][0] == reference_greedy(reference_model, prompt, params.max_new_tokens)
+
+
+def test_the_loader_packs_as_the_setting_says(embedded_model_path):
+    """Through the loader (the servers' path): bfloat16 packed where this CPU can, float32 only when asked.
+    (The packed embedded model's answers: tests/engine/test_bf16.py, against generate().)"""
+    for dtype, mode, expect_packed in [("bfloat16", "auto", _bf16_packs()), ("bfloat16", "false", False),
+                                       ("float32", "auto", False), ("float32", "true", True)]:
+        settings = Settings.from_env({"MODEL_PATH": str(embedded_model_path), "DTYPE": dtype,
+                                      "CPU_PACKED_WEIGHTS": mode})
+        model = load(settings).model
+        assert (type(model.lm_head) is PackedLinear) == expect_packed, (dtype, mode)
+        assert not expect_packed or not any(type(m) is nn.Linear for m in model.modules())
