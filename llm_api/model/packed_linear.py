@@ -17,7 +17,8 @@ compiling the model. Measured on the hosts we have (docs/benchmarks.md, "Where a
 ``PackedLinear`` holding only the packed copy (the row-major weight is dropped, so memory stays the same),
 except where a weight is shared: a tied ``lm_head`` keeps the embedding's weight alive, and its packed copy
 costs ``vocab x hidden`` elements more (113 MB for the embedded model in float32, 56 MB in bfloat16).
-Quantized (bitsandbytes) and offloaded layers are not ``nn.Linear`` on the CPU and stay as they are.
+Quantized (bitsandbytes) layers are not ``nn.Linear`` and stay as they are; a model with offloaded weights is
+not packed at all.
 
 oneDNN packs bfloat16 only where the CPU has the instructions for it (avx512bw/vl/dq, avx_ne_convert or
 AMX): elsewhere the first reorder raises, ``pack_linear_weights`` logs why and leaves the model unchanged.
@@ -90,6 +91,11 @@ def _check_packed_product(linear: nn.Linear) -> str | None:
 def pack_linear_weights(model: nn.Module) -> int:
     """Swap every plain ``nn.Linear`` with a CPU weight in ``model`` for a ``PackedLinear``; return how many.
     Swaps nothing (and logs why) when this CPU or torch build cannot pack the model's dtype."""
+    if any(p.device.type == "meta" for p in model.parameters()):
+        # Offloaded (DEVICE_MAP "disk" entries): accelerate's hooks swap weights in per forward, and a
+        # swapped-out module would lose its hook. Offloading is for memory, not speed: leave it alone.
+        logger.info("CPU_PACKED_WEIGHTS: not packing a model with offloaded weights")
+        return 0
     linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if type(child) is nn.Linear and child.weight.device.type == "cpu"]
     if not linears:
