@@ -23,7 +23,7 @@ Prints the CPU flags that decide the kernels (avx2, avx512*, amx*), a markdown t
 ratio llm_api/llama.cpp; for TTFT lower is better, so a ratio above 1 means llm_api is slower) and
 writes every sample as JSON (``--out``, default ``bench/results/peer_llamacpp-<time>.json``).
 
-    .venv/bin/python bench/peer_llamacpp.py --smoke          # < 2 min: tiny sizes, one round
+    .venv/bin/python bench/peer_llamacpp.py --smoke          # < 1 min: tiny sizes, one round
     flock /work/notes/bench.lock .venv/bin/python bench/peer_llamacpp.py --rounds 3
 """
 
@@ -74,12 +74,11 @@ def parse_args():
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--parts", default="kernels,serving")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round, one precision (< 2 min)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round (< 2 min)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.smoke:
         args.rounds, args.pp, args.tg, args.requests, args.concurrency, args.max_tokens = 1, 32, 8, 4, 2, 8
-        args.dtypes = "bfloat16" if "avx512_bf16" in cpu_flags() or "amx_bf16" in cpu_flags() else "float32"
     return args
 
 
@@ -133,7 +132,7 @@ def llamacpp_kernels(info: dict, dtype: str, args) -> dict[str, float]:
     for row in rows:
         kind = "pp" if row["n_prompt"] > 0 and row["n_gen"] == 0 else "tg"
         out[kind] = float(row["avg_ts"])
-    out["build_commit"] = rows[0].get("build_commit")
+    out["settings"] = {k: v for k, v in rows[0].items() if not k.startswith(("avg_", "stddev_", "samples_", "test_"))}
     return out
 
 
@@ -189,13 +188,13 @@ def kernels(info: dict, dtype: str, args) -> dict:
           f"prefilled in {-(-args.pp // bench.chunk)} step(s)), attention {bench.engine.attention.name}", flush=True)
     bench.round(args)  # warm-up (llama-bench warms up by itself)
     samples: dict[str, dict[str, list[float]]] = {"llama.cpp": {"pp": [], "tg": []}, "llm_api": {"pp": [], "tg": []}}
-    commit = None
+    settings = None
     for round_ in range(args.rounds):
         order = ("llama.cpp", "llm_api") if round_ % 2 == 0 else ("llm_api", "llama.cpp")
         for who in order:
             if who == "llama.cpp":
                 result = llamacpp_kernels(info, dtype, args)
-                commit = result.pop("build_commit")
+                settings = result.pop("settings")  # llama-bench's own record (build, n_ubatch, KV type, ...)
             else:
                 result = bench.round(args)
             for kind, value in result.items():
@@ -204,7 +203,7 @@ def kernels(info: dict, dtype: str, args) -> dict:
                   f"tg{args.tg} {result['tg']:.1f} tok/s", flush=True)
     bench_chunk = bench.chunk
     del bench
-    return {"samples": samples, "llama_bench_build_commit": commit, "llm_api_tokens_per_step": bench_chunk,
+    return {"samples": samples, "llama_bench": settings, "llm_api_tokens_per_step": bench_chunk,
             "median": {who: {k: statistics.median(v) for k, v in kinds.items()} for who, kinds in samples.items()}}
 
 
