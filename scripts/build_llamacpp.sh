@@ -17,7 +17,8 @@
 #   build-info.txt   the llama.cpp commit, the sdist version and the GGUF paths
 #
 # Settings (environment): JOBS (default 2) build jobs; NICE (default 10) niceness of the build and
-# the conversion; MODEL_PATH the HF checkpoint to convert (default: the embedded model's cache).
+# the conversion; MODEL_PATH the HF checkpoint to convert (default: the embedded model's cache);
+# LLAMA_CPP_PYTHON_SPEC the sdist to take (default: the newest llama-cpp-python; 0.3.36 is llama.cpp 0c1e570).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
