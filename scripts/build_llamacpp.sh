@@ -18,7 +18,8 @@
 #
 # Settings (environment): JOBS (default 2) build jobs; NICE (default 10) niceness of the build and
 # the conversion; MODEL_PATH the HF checkpoint to convert (default: the embedded model's cache);
-# LLAMA_CPP_PYTHON_SPEC the sdist to take (default: the newest llama-cpp-python; 0.3.36 is llama.cpp 0c1e570).
+# LLAMA_CPP_PYTHON_SPEC the sdist to take (default llama-cpp-python==0.3.36: llama.cpp 0c1e570; to
+# change it on a machine that built another, remove .cache/llamacpp first: the steps skip what exists).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
@@ -30,8 +31,9 @@ PY="$root/.venv/bin/python"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 mkdir -p "$out/dl" "$out/src" "$out/gguf"
 
-# 1. The source: the newest llama-cpp-python sdist (pin one with LLAMA_CPP_PYTHON_SPEC).
-spec="${LLAMA_CPP_PYTHON_SPEC:-llama-cpp-python}"
+# 1. The source: the llama-cpp-python sdist, pinned (0.3.36 vendors llama.cpp 0c1e570, the build issue 25
+# measured), so a rebuild measures the same llama.cpp.
+spec="${LLAMA_CPP_PYTHON_SPEC:-llama-cpp-python==0.3.36}"
 if ! ls "$out"/dl/llama_cpp_python-*.tar.gz >/dev/null 2>&1; then
   echo "build_llamacpp: downloading the $spec sdist"
   "$PY" -m pip download -q --no-binary :all: --no-deps -d "$out/dl" "$spec" 2>&1 \
