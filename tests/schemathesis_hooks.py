@@ -9,7 +9,7 @@ temperature, top_p and repetition_penalty values breaking the sampler: tests/tes
 import schemathesis
 
 CAP = 4
-TOKEN_FIELDS = ("max_new_tokens", "max_tokens", "max_completion_tokens")
+TOKEN_FIELDS = ("max_new_tokens", "max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
 @schemathesis.hook

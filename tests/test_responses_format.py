@@ -306,7 +306,8 @@ def test_sampling_settings():
     assert (p.max_new_tokens, p.do_sample, p.top_p, p.n) == (33, False, 0.5, 1)
     assert request.template_kwargs == {"reasoning_effort": "low"} and not call.store and call.stream
     request, _ = parse({"input": "x"})
-    assert request.params.max_new_tokens == 256 and request.params.do_sample
+    assert request.params.max_new_tokens == 256 and request.params.do_sample and not request.params.ignore_eos
+    assert parse({"input": "x", "ignore_eos": True, "text": {"format": {"type": "text"}}})[0].params.ignore_eos
 
 
 @pytest.mark.parametrize("body, param, code", [
@@ -348,6 +349,9 @@ def test_sampling_settings():
     ({"input": "x", "stream": "yes"}, "stream", "invalid_type"),
     ({"input": "x", "store": 1}, "store", "invalid_type"),
     ({"input": "x", "parallel_tool_calls": "no"}, "parallel_tool_calls", "invalid_type"),
+    ({"input": "x", "ignore_eos": "true"}, "ignore_eos", "invalid_type"),
+    ({"input": "x", "ignore_eos": True, "tools": [WEATHER]}, "ignore_eos", "invalid_value"),
+    ({"input": "x", "ignore_eos": True, "text": {"format": {"type": "json_object"}}}, "ignore_eos", "invalid_value"),
     ({"input": "x", "user": "u" * 300}, "user", "invalid_value"),
     ({}, "input", "missing_required_parameter"),
     ({"input": []}, "input", "invalid_value"),

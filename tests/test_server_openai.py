@@ -174,3 +174,47 @@ def test_tokenize_and_detokenize(async_frontend):
                                 ("detokenize", {"tokens": "\u00e9\r\n<|endoftext|>"}, 400)):
         status, _, body = call(async_frontend, f"{base}/{path}", payload)
         assert status == code and set(json.loads(body)["error"]) == {"message", "type", "param", "code"}, (path, payload)
+
+
+def test_ignore_eos_runs_every_openai_route_to_its_token_limit(async_frontend, base_url):
+    """vLLM's ``ignore_eos`` as benchmark clients send it (``extra_body``): without it the short answer ends
+    at EOS (``stop``), with it the answer runs to the limit (``length``) on chat, streamed chat, completions
+    and the Responses API; a non-boolean value, or a grammar beside it, is a 400 naming it."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key=async_frontend.key(), max_retries=0)
+    flag = {"ignore_eos": True}
+    free = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=40, temperature=0)
+    assert free.choices[0].finish_reason == "stop" and free.usage.completion_tokens < 40
+    held = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=40, temperature=0, extra_body=flag)
+    assert (held.choices[0].finish_reason, held.usage.completion_tokens) == ("length", 40)
+    chunks = list(client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=40, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}, extra_body=flag))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 40
+    prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    free = client.completions.create(model="smollm2", prompt=prompt, max_tokens=40, temperature=0)
+    assert free.choices[0].finish_reason == "stop" and free.usage.completion_tokens < 40
+    held = client.completions.create(model="smollm2", prompt=prompt, max_tokens=40, temperature=0, extra_body=flag)
+    assert (held.choices[0].finish_reason, held.usage.completion_tokens) == ("length", 40)
+    answer = client.responses.create(model="smollm2", input=CHAT[0]["content"], max_output_tokens=40, temperature=0,
+                                     extra_body=flag)
+    assert answer.status == "incomplete" and answer.usage.output_tokens == 40
+
+    routes = ((client.chat.completions.create, {"messages": CHAT, "max_tokens": 4}),
+              (client.completions.create, {"prompt": "Hi", "max_tokens": 4}),
+              (client.responses.create, {"input": "Hi", "max_output_tokens": 4}))
+    for value in ("true", 1, None, [True]):
+        for create, fields in routes:
+            with pytest.raises(openai.BadRequestError) as err:
+                create(model="smollm2", **fields, extra_body={"ignore_eos": value})
+            assert err.value.body["param"] == "ignore_eos" and err.value.body["code"] == "invalid_type", err.value.body
+    with pytest.raises(openai.BadRequestError, match="response_format") as err:
+        client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=4, extra_body=flag,
+                                       response_format={"type": "json_object"})
+    assert err.value.body["param"] == "ignore_eos"
+    with pytest.raises(openai.BadRequestError, match="text.format") as err:
+        client.responses.create(model="smollm2", input="Hi", max_output_tokens=4, extra_body=flag,
+                                text={"format": {"type": "json_object"}})
+    assert err.value.body["param"] == "ignore_eos"
+    assert async_frontend.worker_status() == "READY"

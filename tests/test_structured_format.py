@@ -124,6 +124,11 @@ CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{
      "messages[0].tool_calls[0].function.arguments"),
     ({"messages": [{"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": {}}}]}]},
      "messages[0].tool_calls[0].function.arguments"),
+    ({"ignore_eos": True, "tools": [TOOL]}, "ignore_eos"),
+    ({"ignore_eos": True, "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}},
+     "ignore_eos"),
+    ({"ignore_eos": "false"}, "ignore_eos"),
+    ({"ignore_eos": 0}, "ignore_eos"),
 ])
 def test_bad_values_are_400s_naming_the_field(fields, param):
     error = refused(chat, **fields)
@@ -139,6 +144,14 @@ def test_a_model_without_a_tool_format_serves_forced_calls_only():
     assert request.tools == [TOOL] and request.tool_prompt and call.tool_format is not None
     request, _ = chat(NO_TOOLS, tools=[TOOL], tool_choice="none")  # nothing to parse: fine
     assert request.tools is None and request.tool_prompt is None
+
+
+def test_ignore_eos_reaches_the_sampler_without_a_grammar():
+    assert chat(ignore_eos=True)[0].params.ignore_eos and not chat()[0].params.ignore_eos
+    request, _ = chat(ignore_eos=True, tools=[TOOL], tool_choice="none", response_format={"type": "text"})
+    assert request.params.ignore_eos and request.constraint is None
+    assert parse_call("completions", json.dumps({"model": "smollm2", "prompt": "x", "ignore_eos": True}).encode(),
+                      "smollm2", LIMITS)[0].params.ignore_eos
 
 
 def test_native_constraints():

@@ -16,6 +16,10 @@ carries (``GenerateRequest.tools``), the generic tools block for a template with
 ``required`` and a named function are served in the generic form (``llm_api.api.tools.GENERIC``) and
 ``auto`` is refused, naming ``tool_choice``, and one call is made per answer (see ``llm_api.api.tools``
 for why).
+
+``ignore_eos_conflict(field, code)`` is the one refusal of ``ignore_eos`` together with a constraint, on
+every route that takes both (native, chat completions, the Responses API): a grammar
+decides where the answer ends, so "run past the end" has no meaning there.
 """
 
 from __future__ import annotations
@@ -30,6 +34,13 @@ from llm_api.engine.grammar import GrammarError, GrammarSpec, check_limits
 
 def grammar_refusal(param: str, error: GrammarError | str) -> ApiError:
     return ApiError(400, "invalid_grammar", f"{param!r}: {error}", param)
+
+
+def ignore_eos_conflict(field: str, code: str) -> ApiError:
+    """400 naming ``ignore_eos``: ``field`` (the constraint's top-level field) asked for a grammar; ``code`` is
+    the route's code for a bad value (native ``invalid_parameter``, OpenAI ``invalid_value``)."""
+    return ApiError(400, code, f"'ignore_eos' cannot be combined with {field!r}: the answer ends where its "
+                    "grammar ends", "ignore_eos")
 
 
 def _checked(spec_of, value, param: str) -> GrammarSpec:

@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal, Mapping, cast
 from pydantic import (AllowInfNan, BaseModel, BeforeValidator, ConfigDict, Strict, TypeAdapter, ValidationError,
                       ValidationInfo, field_validator)
 
-from llm_api.api.constraints import ebnf_constraint, json_schema_constraint, regex_constraint
+from llm_api.api.constraints import ebnf_constraint, ignore_eos_conflict, json_schema_constraint, regex_constraint
 from llm_api.api.errors import ApiError, echo
 from llm_api.api.fields import (Flag, Integer, LogitBias, NonEmptyText, Number, StopStrings, Text, WholeNumber, fail,
                                 first_error, from_form_json, message_of, unknown_fields)
@@ -207,8 +207,7 @@ def _constraint(body: NativeBody):
         raise ApiError(400, "invalid_parameter", f"give at most one of 'json_schema', 'regex' and 'grammar', not "
                        f"{' and '.join(map(repr, asked))}", asked[1])
     if asked and body.ignore_eos:
-        raise ApiError(400, "invalid_parameter", f"'ignore_eos' cannot be combined with {asked[0]!r}: the answer "
-                       f"ends where its grammar ends", "ignore_eos")
+        raise ignore_eos_conflict(asked[0], "invalid_parameter")
     if body.json_schema is not None:
         return json_schema_constraint(body.json_schema, "json_schema")
     if body.regex is not None:

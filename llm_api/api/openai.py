@@ -9,7 +9,9 @@ header; ``route()`` maps it to one of the calls below. Contract:
   ``messages``, ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``n`` (1 to
   MAX_NUM_SEQS), ``presence_penalty`` / ``frequency_penalty`` (-2 to 2), ``logit_bias`` (token id ->
   -100 to 100, ids below the vocabulary size), ``logprobs`` (chat: true/false with ``top_logprobs`` 0 to
-  20; completions: 0 to 5), ``stop``, ``seed``, ``stream``, ``stream_options.include_usage``, ``user``);
+  20; completions: 0 to 5), ``stop``, ``seed``, ``stream``, ``stream_options.include_usage``, ``user``,
+  and vLLM's extra ``ignore_eos``: true/false, clients send it in ``extra_body``; the answer then runs to
+  the token limit, finish reason ``length``; refused with ``response_format`` or a tool grammar, as natively);
   parameters we cannot honour are refused by name rather than silently ignored. ``best_of`` (completions)
   and ``echo`` are taken only at their neutral values (null or 1, null or false). What ``n``, the
   token limit, the logprobs and the prompt may cost together is bounded by MAX_REQUEST_WORK
@@ -62,7 +64,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from llm_api.api.constraints import ToolPlan, json_object_constraint, json_schema_constraint, plan_tools
+from llm_api.api.constraints import (ToolPlan, ignore_eos_conflict, json_object_constraint, json_schema_constraint,
+                                    plan_tools)
 from llm_api.api.errors import ApiError, echo
 from llm_api.api.fields import (Integer, LogitBias, Number, StopStrings, StrictFlag, StrictWholeNumber, Text,
                                 field_path, first_error, is_type_error, message_of, unknown_fields)
@@ -481,6 +484,8 @@ class _CallBody(BaseModel):
     presence_penalty: Number(-2.0, 2.0, text_ok=False) | None = None
     frequency_penalty: Number(-2.0, 2.0, text_ok=False) | None = None
     logit_bias: LogitBias(text_ok=False) | None = None
+    # vLLM's extension (benchmark clients send it to get outputs of a fixed length): generate past EOS
+    ignore_eos: StrictFlag = False
 
 
 class ChatBody(_CallBody):
@@ -544,6 +549,8 @@ def parse_call(kind: str, body: Any, model_name: str, limits: Limits) -> tuple[G
             tool_format = output.format
         else:
             request.constraint = output
+        if call.ignore_eos and request.constraint is not None:
+            raise ignore_eos_conflict("tools" if tool_format is not None else "response_format", "invalid_value")
         if limits.reasoning_format is not None and request.constraint is not None:
             request.constraint = answer_only(limits.reasoning_format, request.constraint)
         max_default = min(DEFAULT_MAX_NEW_TOKENS, limits.max_new_tokens)
@@ -568,6 +575,7 @@ def parse_call(kind: str, body: Any, model_name: str, limits: Limits) -> tuple[G
         do_sample=temperature > 0.0,
         seed=call.seed,
         stop=call.stop or (),
+        ignore_eos=call.ignore_eos,
         logprobs=logprobs,
         n=call.n,
     )

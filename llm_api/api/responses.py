@@ -34,6 +34,8 @@ Contract (docs/responses.md has the user's view):
   ``response.completed`` (``response.incomplete`` when cut). A failure after the stream began sends
   ``error`` (our code, message, param) and then ``response.failed`` (the Response with its ``error``):
   the openai package yields both as typed events (it raises on neither in a Responses stream).
+* ``ignore_eos`` (vLLM's extension, as on chat; true/false): the answer runs to ``max_output_tokens``
+  (status incomplete, reason ``max_output_tokens``); refused with ``text.format`` json or tools' grammar.
 * With tools, ``llm_api.api.constraints.plan_tools`` decides how they are served, as on chat (the
   Responses function tools converted to chat's shape, its errors renamed: ``tools[i].parameters``):
   the template renders them, or, on a template without a tool format, the generic tools block
@@ -63,7 +65,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
                       ValidationError)
 
-from llm_api.api.constraints import ToolPlan, json_object_constraint, json_schema_constraint, plan_tools
+from llm_api.api.constraints import (ToolPlan, ignore_eos_conflict, json_object_constraint, json_schema_constraint,
+                                    plan_tools)
 from llm_api.api.errors import ApiError, echo
 from llm_api.api.fields import (Number, StrictFlag, StrictWholeNumber, Text, check_text, fail, field_path, first_error,
                                 is_type_error, message_of, unknown_fields)
@@ -282,6 +285,7 @@ class ResponsesBody(_Strict):
     service_tier: Literal[SERVICE_TIERS] | None = None
     prompt_cache_key: Label | None = None  # a routing hint; the prefix cache here needs none
     safety_identifier: Label | None = None  # like user: a label for abuse reports; nothing here uses it
+    ignore_eos: StrictFlag = False  # vLLM's extension, as on chat: generate past EOS up to max_output_tokens
 
 
 # -------------------------------------------------------------------------------------------------
@@ -322,6 +326,7 @@ def parse_responses(body: Any, model_name: str, limits: Limits) -> tuple[Generat
         temperature=temperature,
         top_p=1.0 if call.top_p is None else call.top_p,
         do_sample=temperature > 0.0,
+        ignore_eos=call.ignore_eos,
     )
     request.work_fields = WorkFields("n", "max_output_tokens", "include")
     request.constraint, plan, choice = _structured_output(call, limits)
@@ -329,6 +334,8 @@ def parse_responses(body: Any, model_name: str, limits: Limits) -> tuple[Generat
     if plan is not None:
         request.constraint, request.tools, request.tool_prompt = plan.constraint, plan.tools, plan.tool_prompt
         tool_format = plan.format
+    if call.ignore_eos and request.constraint is not None:
+        raise ignore_eos_conflict("tools" if plan is not None else "text.format", "invalid_value")
     effort = call.reasoning.effort if call.reasoning else None
     request.template_kwargs = template_variables(None, effort, "reasoning.effort")
     if limits.reasoning_format is not None and request.constraint is not None:

@@ -1,0 +1,415 @@
+"""Side by side with llama.cpp on a CPU: the same model, precision, host and thread count.
+
+Needs ``scripts/build_llamacpp.sh`` first (llama-bench, llama-server and the embedded model's GGUF files
+under ``.cache/llamacpp/``). For each ``--dtypes`` precision (float32 <-> GGUF f32, bfloat16 <-> GGUF
+bf16), two parts:
+
+1. Kernels, llama-bench style (batch 1): prefill of ``--pp`` prompt tokens (pp512) and decode of ``--tg``
+   tokens (tg128), tokens/s. llama.cpp: ``llama-bench -p PP -n TG -r 1 -t THREADS`` per round. llm_api:
+   ``LLMEngine`` in this process, built exactly as the server builds it (``Settings.from_env``,
+   ``llm_api.model.loader.load``, ``EngineConfig.from_settings``: the same prefill chunk size, KV pool and
+   attention), driven by ``step()``: prefill is one request of PP random tokens and one output token
+   (fresh tokens every round, so the prefix cache never hits), decode one request of one random prompt
+   token generating TG tokens with ``ignore_eos`` (TG forwards of one token, as llama-bench's tg).
+   ``--rounds`` rounds alternate the two; medians of the rounds.
+2. Serving: ``llama-server`` and ``llm_api serve``, each alone on the host in turn (started, warmed up,
+   measured, stopped; the order alternates per round), under the same load from the same client code:
+   ``--requests`` streamed chats (``/v1/chat/completions``, aiohttp, SSE), ``--concurrency`` at a time,
+   ``--max-tokens`` tokens each with ``ignore_eos``, greedy, distinct prompts (no shared prefix beyond the
+   chat template's). Output tokens/s over the load's wall time and the p95 (and p50) time to first
+   token; medians of the rounds.
+
+Prints the CPU flags that decide the kernels (avx2, avx512*, amx*), a markdown table (llama.cpp | llm_api |
+ratio llm_api/llama.cpp; for TTFT lower is better, so a ratio above 1 means llm_api is slower) and
+writes every sample as JSON (``--out``, default ``bench/results/peer_llamacpp-<time>.json``).
+
+    .venv/bin/python bench/peer_llamacpp.py --smoke          # < 1 min: tiny sizes, one round
+    flock /work/notes/bench.lock .venv/bin/python bench/peer_llamacpp.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))  # the `llm_api serve` launcher the other benches use
+
+from standalone_server import StandaloneServer  # noqa: E402
+
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+TOPICS = ("a lighthouse keeper", "a river town", "a clockmaker", "a mountain pass", "a lost letter", "a winter market",
+          "an old library", "a ship's cook", "a desert well", "a night train", "a glass blower", "a beekeeper")
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llamacpp-dir", default=str(REPO / ".cache" / "llamacpp"),
+                        help="what scripts/build_llamacpp.sh built (build/bin, gguf/)")
+    parser.add_argument("--model", default=None, help="HF checkpoint llm_api loads (default: the embedded model)")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of each part")
+    parser.add_argument("--pp", type=int, default=512, help="prefill tokens (llama-bench -p)")
+    parser.add_argument("--tg", type=int, default=128, help="decoded tokens (llama-bench -n)")
+    parser.add_argument("--requests", type=int, default=32, help="streamed chats per serving round")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--parts", default="kernels,serving")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round (< 2 min)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.pp, args.tg, args.requests, args.concurrency, args.max_tokens = 1, 32, 8, 4, 2, 8
+    return args
+
+
+# -------------------------------------------------------------------------------------------------
+# the host and the build
+
+
+def cpu_flags() -> list[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return [flag for flag in CPU_FLAGS if flag in flags]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build_info(llamacpp_dir: Path) -> dict[str, str]:
+    path = llamacpp_dir / "build-info.txt"
+    if not path.is_file():
+        sys.exit(f"no {path}: run scripts/build_llamacpp.sh first")
+    return dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# -------------------------------------------------------------------------------------------------
+# part 1: kernels, batch 1
+
+
+def llamacpp_kernels(info: dict, dtype: str, args) -> dict[str, float]:
+    """One llama-bench round: pp and tg tokens/s."""
+    cmd = [info["llama_bench"], "-m", info[f"gguf_{GGUF_TYPES[dtype]}"], "-p", str(args.pp), "-n", str(args.tg),
+           "-r", "1", "-t", str(args.threads), "-o", "json"]
+    run = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
+    rows = json.loads(run.stdout)
+    out = {}
+    for row in rows:
+        kind = "pp" if row["n_prompt"] > 0 and row["n_gen"] == 0 else "tg"
+        out[kind] = float(row["avg_ts"])
+    out["settings"] = {k: v for k, v in rows[0].items() if not k.startswith(("avg_", "stddev_", "samples_", "test_"))}
+    return out
+
+
+class EngineBench:
+    """llm_api's engine in this process, built as ``llm_api.service.service.ModelService`` builds it."""
+
+    def __init__(self, dtype: str, args):
+        from llm_api.engine.engine import EngineConfig, LLMEngine
+        from llm_api.model.loader import load
+        from llm_api.model.settings import Settings
+
+        env = {**os.environ, "DTYPE": dtype}
+        if args.model:
+            env["MODEL_PATH"] = args.model
+        settings = Settings.from_env(env)
+        torch.set_num_threads(args.threads)
+        self.lm = load(settings)
+        self.engine = LLMEngine(self.lm.model, EngineConfig.from_settings(settings), set(self.lm.eos_token_ids))
+        self.vocab = len(self.lm.tokenizer)
+        self.random = random.Random(0)
+        self.count = 0
+        self.chunk = self.engine.config.max_num_batched_tokens
+
+    def _run(self, prompt: list[int], max_new_tokens: int) -> tuple[float, int]:
+        from llm_api.engine.sampler import SamplingParams
+
+        self.count += 1
+        request_id = f"bench{self.count}"
+        params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=False, ignore_eos=True)
+        start = time.perf_counter()
+        self.engine.add_request(request_id, prompt, params)
+        tokens, finished = 0, False
+        while not finished:
+            for output in self.engine.step():
+                tokens += len(output.new_token_ids)
+                finished = finished or output.finished
+        return time.perf_counter() - start, tokens
+
+    def _prompt(self, length: int) -> list[int]:
+        return [self.random.randrange(1000, self.vocab) for _ in range(length)]  # fresh: no prefix-cache hit
+
+    def round(self, args) -> dict[str, float]:
+        seconds, _ = self._run(self._prompt(args.pp), 1)
+        pp = args.pp / seconds
+        seconds, tokens = self._run(self._prompt(1), args.tg)
+        assert tokens == args.tg, tokens
+        return {"pp": pp, "tg": tokens / seconds}
+
+
+def kernels(info: dict, dtype: str, args) -> dict:
+    bench = EngineBench(dtype, args)
+    print(f"  {dtype}: llm_api engine as served: {bench.chunk} tokens per step (a {args.pp}-token prompt is "
+          f"prefilled in {-(-args.pp // bench.chunk)} step(s)), attention {bench.engine.attention.name}", flush=True)
+    bench.round(args)  # warm-up (llama-bench warms up by itself)
+    samples: dict[str, dict[str, list[float]]] = {"llama.cpp": {"pp": [], "tg": []}, "llm_api": {"pp": [], "tg": []}}
+    settings = None
+    for round_ in range(args.rounds):
+        order = ("llama.cpp", "llm_api") if round_ % 2 == 0 else ("llm_api", "llama.cpp")
+        for who in order:
+            if who == "llama.cpp":
+                result = llamacpp_kernels(info, dtype, args)
+                settings = result.pop("settings")  # llama-bench's own record (build, n_ubatch, KV type, ...)
+            else:
+                result = bench.round(args)
+            for kind, value in result.items():
+                samples[who][kind].append(value)
+            print(f"  {dtype} kernels round {round_ + 1} {who}: pp{args.pp} {result['pp']:.1f} tok/s, "
+                  f"tg{args.tg} {result['tg']:.1f} tok/s", flush=True)
+    bench_chunk = bench.chunk
+    del bench
+    return {"samples": samples, "llama_bench": settings, "llm_api_tokens_per_step": bench_chunk,
+            "median": {who: {k: statistics.median(v) for k, v in kinds.items()} for who, kinds in samples.items()}}
+
+
+# -------------------------------------------------------------------------------------------------
+# part 2: serving
+
+
+class LlamaServer:
+    """``llama-server`` on a free loopback port, in its own process group (stopped by its pid)."""
+
+    def __init__(self, info: dict, dtype: str, args, workdir: Path):
+        self.port = free_port()
+        ctx_per_slot = 512 + args.max_tokens
+        self.cmd = [info["llama_server"], "-m", info[f"gguf_{GGUF_TYPES[dtype]}"], "--host", "127.0.0.1",
+                    "--port", str(self.port), "-t", str(args.threads), "-tb", str(args.threads),
+                    "-np", str(args.concurrency), "-c", str(ctx_per_slot * args.concurrency), "-a", "smollm2",
+                    "--no-webui"]
+        self.workdir = workdir
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def key(self) -> str:
+        return "none"
+
+    def start(self, timeout: float = 120) -> "LlamaServer":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log = open(self.workdir / "llama-server.log", "wb")
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited: {(self.workdir / 'llama-server.log').read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError("llama-server not ready")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+class LlmApiServer:
+    def __init__(self, dtype: str, args, workdir: Path):
+        env = {"DTYPE": dtype, "OMP_NUM_THREADS": str(args.threads)}
+        if args.model:
+            env["MODEL_PATH"] = args.model
+        self.server = StandaloneServer(workdir, env=env)
+
+    @property
+    def base(self) -> str:
+        return self.server.openai_base
+
+    def key(self) -> str:
+        return self.server.key()
+
+    def start(self) -> "LlmApiServer":
+        self.server.start(timeout=300)
+        return self
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+async def one_chat(session: aiohttp.ClientSession, base: str, key: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed chat: time to the first content, tokens (usage when sent, else content chunks), end."""
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    start = time.perf_counter()
+    first, chunks, usage, buffer = None, 0, None, b""
+    async with session.post(f"{base}/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{resp.status}: {(await resp.text())[:500]}")
+        async for piece in resp.content.iter_any():
+            buffer += piece
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                data = event.decode().removeprefix("data: ").strip()
+                if not data or data == "[DONE]":
+                    continue
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise RuntimeError(str(chunk["error"])[:500])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices") or ():
+                    if (choice.get("delta") or {}).get("content"):
+                        chunks += 1
+                        if first is None:
+                            first = time.perf_counter() - start
+    tokens = usage["completion_tokens"] if usage else chunks
+    return {"ttft": first, "tokens": tokens, "seconds": time.perf_counter() - start}
+
+
+async def load(base: str, key: str, args, tag: int) -> dict:
+    prompts = [f"Request {tag}-{i}. Write a long story about {TOPICS[i % len(TOPICS)]}, with many details."
+               for i in range(args.requests)]
+    gate = asyncio.Semaphore(args.concurrency)
+    timeout = aiohttp.ClientTimeout(total=1800)
+
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async def limited(prompt):
+            async with gate:
+                return await one_chat(session, base, key, prompt, args.max_tokens)
+
+        start = time.perf_counter()
+        records = await asyncio.gather(*(limited(p) for p in prompts))
+        wall = time.perf_counter() - start
+    ttfts = sorted(r["ttft"] for r in records if r["ttft"] is not None)
+    tokens = sum(r["tokens"] for r in records)
+    return {"throughput": tokens / wall, "ttft_p95": percentile(ttfts, 95), "ttft_p50": percentile(ttfts, 50),
+            "tokens": tokens, "wall_s": wall, "short_answers": sum(r["tokens"] < args.max_tokens for r in records)}
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, max(0, round(q / 100 * len(values) + 0.5) - 1))]  # nearest rank
+
+
+def serving(info: dict, dtype: str, args, workdir: Path) -> dict:
+    samples: dict[str, list[dict]] = {"llama.cpp": [], "llm_api": []}
+    warm = argparse.Namespace(**{**vars(args), "requests": min(4, args.requests), "max_tokens": 8})
+    for round_ in range(args.rounds):
+        order = ("llama.cpp", "llm_api") if round_ % 2 == 0 else ("llm_api", "llama.cpp")
+        for who in order:
+            server = (LlamaServer(info, dtype, args, workdir / f"llamacpp-{dtype}-{round_}") if who == "llama.cpp"
+                      else LlmApiServer(dtype, args, workdir / f"llm_api-{dtype}-{round_}"))
+            server.start()
+            try:
+                asyncio.run(load(server.base, server.key(), warm, tag=-1))
+                result = asyncio.run(load(server.base, server.key(), args, tag=round_))
+            finally:
+                server.stop()
+            samples[who].append(result)
+            print(f"  {dtype} serving round {round_ + 1} {who}: {result['throughput']:.1f} tok/s, TTFT p95 "
+                  f"{result['ttft_p95']:.2f} s (p50 {result['ttft_p50']:.2f} s), {result['tokens']} tokens, "
+                  f"{result['short_answers']} short", flush=True)
+    median = {who: {k: statistics.median(r[k] for r in rs) for k in ("throughput", "ttft_p95", "ttft_p50")}
+              for who, rs in samples.items()}
+    return {"samples": samples, "median": median}
+
+
+# -------------------------------------------------------------------------------------------------
+
+
+def table(results: dict, args) -> str:
+    lines = ["| precision | measure | llama.cpp | llm_api | llm_api / llama.cpp |", "|---|---|---|---|---|"]
+    for dtype, parts in results.items():
+        rows = []
+        if "kernels" in parts:
+            m = parts["kernels"]["median"]
+            rows += [(f"pp{args.pp} tok/s (batch 1)", m["llama.cpp"]["pp"], m["llm_api"]["pp"]),
+                     (f"tg{args.tg} tok/s (batch 1)", m["llama.cpp"]["tg"], m["llm_api"]["tg"])]
+        if "serving" in parts:
+            m = parts["serving"]["median"]
+            load_ = f"{args.requests} chats, {args.concurrency} concurrent, {args.max_tokens} tokens"
+            rows += [(f"serving tok/s ({load_})", m["llama.cpp"]["throughput"], m["llm_api"]["throughput"]),
+                     ("serving TTFT p95 s", m["llama.cpp"]["ttft_p95"], m["llm_api"]["ttft_p95"])]
+        for name, peer, ours in rows:
+            lines.append(f"| {dtype} | {name} | {peer:.2f} | {ours:.2f} | {ours / peer:.2f} |")
+    return "\n".join(lines)
+
+
+def main():
+    args = parse_args()
+    llamacpp_dir = Path(args.llamacpp_dir)
+    info = build_info(llamacpp_dir)
+    flags = cpu_flags()
+    print(f"CPU {cpu_model()}, {os.cpu_count()} cores, flags: {' '.join(flags) or 'none of ' + ' '.join(CPU_FLAGS)}")
+    print(f"llama.cpp {info.get('llama_cpp_commit')} ({info.get('sdist')}), torch {torch.__version__}, "
+          f"{args.threads} threads, {args.rounds} round(s)", flush=True)
+    parts = args.parts.split(",")
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="peer-llamacpp-") as work:
+        for dtype in args.dtypes.split(","):
+            results[dtype] = {}
+            if "kernels" in parts:
+                results[dtype]["kernels"] = kernels(info, dtype, args)
+            if "serving" in parts:
+                results[dtype]["serving"] = serving(info, dtype, args, Path(work))
+    print()
+    print(table(results, args))
+    out = Path(args.out) if args.out else (
+        REPO / "bench" / "results" / f"peer_llamacpp-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "cpu": cpu_model(), "cpu_flags": flags, "cpu_count": os.cpu_count(), "threads": args.threads,
+        "llama_cpp": info, "torch": torch.__version__, "smoke": args.smoke, "rounds": args.rounds,
+        "pp": args.pp, "tg": args.tg, "requests": args.requests, "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens, "results": results,
+    }, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
