@@ -16,6 +16,13 @@ no slower than the small one), the difference says nothing about the cost per to
 as "tokens are free" (the largest budget: steps of seconds), ``budget_from_timings`` then charges the
 large chunk's whole time to its tokens, which overstates their cost and errs toward short steps.
 
+The budget is then rounded down to a power of two (in blocks): the estimate moves with the host's load
+(the same server measured 16 tokens on one start and 112 on the next while a neighbour started, and
+208-656 on a host shared with test runs), and a budget that moves moves throughput by a third and time to
+first token threefold. With powers of two, timings 30% apart land on the same budget or the next one down,
+never further; and the start-up log names the budget, so MAX_NUM_BATCHED_TOKENS can pin what a benchmark
+or a deployment wants.
+
 The budget is never below ``max_num_seqs``: the scheduler gives running requests their tokens first, so
 a budget smaller than the number of running requests would starve the newest.
 """
@@ -38,7 +45,7 @@ CUDA_TOKEN_BUDGET = 2048
 MAX_TOKEN_BUDGET = 2048
 STEP_TARGET_S = 0.4  # a step's target length on CPU: streams' inter-token gaps stay well under a second
 PROBE_TOKENS = (16, 80)  # two chunk sizes: the difference gives the cost per token, without fixed costs
-PROBE_REPEATS = 3  # timed runs per size, after one warm-up run each; the fastest counts
+PROBE_REPEATS = 5  # timed runs per size, after one warm-up run each; the fastest counts
 
 
 def _timed_prefill(runner: ModelRunner, num_tokens: int, block_size: int, tag: str) -> float:
@@ -65,7 +72,8 @@ def budget_from_timings(small: int, t_small: float, large: int, t_large: float, 
         per_token, fixed = t_large / large, 0.0
     per_token = max(per_token, 1e-6)
     fitting = int((STEP_TARGET_S - fixed) / per_token) if STEP_TARGET_S > fixed else block_size
-    budget = max(block_size, fitting // block_size * block_size)
+    blocks = max(1, fitting // block_size)
+    budget = block_size * (1 << (blocks.bit_length() - 1))  # a power of two blocks (module docstring)
     return min(max(budget, max_num_seqs), MAX_TOKEN_BUDGET), per_token, fixed
 
 

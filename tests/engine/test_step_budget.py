@@ -29,9 +29,10 @@ def test_budget_is_measured_on_cpu_and_bounded(tiny_models, caplog):
 
 
 def test_budget_from_timings_fits_the_step_target():
-    # 3 ms per token and 100 ms per step: (0.4 - 0.1) / 0.003 = 100 tokens, rounded down to the block size.
+    # 3 ms per token and 100 ms per step: (0.4 - 0.1) / 0.003 = 100 tokens = 6 blocks, rounded down to a
+    # power of two blocks: 4 blocks.
     budget, per_token, fixed = budget_from_timings(16, 0.148, 80, 0.340, block_size=16, max_num_seqs=8)
-    assert budget == 96 and abs(per_token - 0.003) < 1e-9 and abs(fixed - 0.1) < 1e-9
+    assert budget == 64 and abs(per_token - 0.003) < 1e-9 and abs(fixed - 0.1) < 1e-9
     assert budget_from_timings(16, 0.148, 80, 0.340, block_size=16, max_num_seqs=128)[0] == 128  # never below
     # A step whose fixed cost alone exceeds the target: one block (then max_num_seqs).
     assert budget_from_timings(16, 0.5, 80, 0.564, block_size=16, max_num_seqs=8)[0] == 16
@@ -44,4 +45,13 @@ def test_noise_that_swamps_the_difference_errs_toward_short_steps():
     # (read as one, tokens would look free and the budget would be the cap, steps of seconds).
     budget, per_token, fixed = budget_from_timings(16, 0.30, 80, 0.25, block_size=16, max_num_seqs=8)
     assert per_token == 0.25 / 80 and fixed == 0.0
-    assert budget == 128  # 0.4 s / 3.125 ms per token
+    assert budget == 128  # 0.4 s / 3.125 ms per token = 128 tokens = 8 blocks, a power of two
+
+
+def test_timings_a_third_apart_give_the_same_budget_or_the_next_one_down():
+    """A busy host slows the probe: the budget may halve, never less, and quiet starts agree exactly."""
+    quiet = budget_from_timings(16, 0.040, 80, 0.088, block_size=16, max_num_seqs=8)[0]
+    for slowdown in (1.0, 1.1, 1.2, 1.33):
+        busy = budget_from_timings(16, 0.040 * slowdown, 80, 0.088 * slowdown, block_size=16, max_num_seqs=8)[0]
+        assert busy in (quiet, quiet // 2), (slowdown, busy, quiet)
+        assert (busy // 16) & (busy // 16 - 1) == 0  # a power of two blocks
