@@ -12,6 +12,9 @@ embedded SmolLM2-135M prefilled 40 tokens in 615 ms in bfloat16 against 166 ms i
 decode step took 137 ms against 93 ms. So DTYPE unset is bfloat16 where the flags are present and float32
 elsewhere (``llm_api.model.loader.resolve_dtype``).
 
+``cpu_vendor()`` reads the vendor (``llm_api.model.packed_linear`` packs float32 weights on AMD CPUs, where
+torch's float32 products, MKL's, read memory at half the speed oneDNN's do).
+
 The rule reads flags rather than timing a product at start-up (what it did before): a timing on a busy
 machine can land either side of any threshold, and then the same host serves in one precision on one
 start and in the other on the next, with different answers at near-ties. A flag read gives every start
@@ -36,6 +39,21 @@ def cpu_features(cpuinfo: str) -> frozenset[str]:
         if sep and name.strip() in ("flags", "Features"):
             return frozenset(value.split())
     return frozenset()
+
+
+def cpu_vendor(cpuinfo: str | None = None) -> str:
+    """The ``vendor_id`` of this CPU (or of the one ``cpuinfo`` describes): ``GenuineIntel``, ``AuthenticAMD``,
+    or "" where there is none (arm, or no ``/proc/cpuinfo``)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = CPUINFO.read_text(errors="replace")
+        except OSError:
+            return ""
+    for line in cpuinfo.splitlines():
+        name, sep, value = line.partition(":")
+        if sep and name.strip() == "vendor_id":
+            return value.strip()
+    return ""
 
 
 def has_native_bf16(cpuinfo: str | None = None) -> bool:

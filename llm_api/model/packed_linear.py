@@ -10,8 +10,10 @@ compiling the model. Measured on the hosts we have (docs/benchmarks.md, "Where a
 
 * bfloat16 on an Intel Xeon with AMX and avx512_bf16: the 211 linears of one SmolLM2-135M decode step took
   26 ms as ``F.linear`` and 19 ms packed (1 thread, CPU time, 2026-11-26);
-* float32: packing wins on some CPUs (2x on a 2-core AMD EPYC with avx2 only) and loses a little on others
-  (the Xeon above, -15% at one row), so float32 is packed only when asked (``CPU_PACKED_WEIGHTS=true``).
+* float32: torch's own products are MKL's, and MKL reads memory well on Intel CPUs only: on a 2-core AMD EPYC
+  (avx2, no avx512) one row against the model's weight shapes read 9.6 GB/s through ``F.linear`` and 20.6 GB/s
+  packed (2026-11-25), while on the Xeon above packing lost 15% at one row. So ``auto`` packs float32 on AMD
+  CPUs only (``llm_api.model.cpu.cpu_vendor``); ``true`` packs it everywhere, ``false`` nowhere.
 
 ``pack_linear_weights(model, dtype, mode)`` swaps every plain ``nn.Linear`` of a model on the CPU for a
 ``PackedLinear`` holding only the packed copy (the row-major weight is dropped, so memory stays the same),
@@ -32,6 +34,8 @@ import logging
 
 import torch
 from torch import nn
+
+from llm_api.model import cpu
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +66,15 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def wants_packing(mode: str, dtype: torch.dtype, on_cpu: bool) -> bool:
-    """CPU_PACKED_WEIGHTS -> whether to pack: ``auto`` packs bfloat16 (module docstring: measured),
-    ``true`` any float dtype, ``false`` nothing; never off the CPU."""
-    if not on_cpu or mode == "false":
+def wants_packing(mode: str, dtype: torch.dtype, on_cpu: bool, vendor: str | None = None) -> bool:
+    """CPU_PACKED_WEIGHTS -> whether to pack: ``auto`` packs bfloat16, and float32 on AMD CPUs (module
+    docstring: measured), ``true`` both, ``false`` nothing; never off the CPU. ``vendor``: the CPU's
+    ``vendor_id`` (default: this one's)."""
+    if not on_cpu or mode == "false" or dtype not in (torch.float32, torch.bfloat16):
         return False
-    if mode == "true":
-        return dtype in (torch.float32, torch.bfloat16)
-    return dtype == torch.bfloat16
+    if mode == "true" or dtype == torch.bfloat16:
+        return True
+    return (cpu.cpu_vendor() if vendor is None else vendor) == "AuthenticAMD"
 
 
 def _check_packed_product(linear: nn.Linear) -> str | None:

@@ -50,7 +50,7 @@ class Settings:
     quantization: str = "none"
     bnb_4bit_quant_type: str = "nf4"  # the 4-bit data type of QUANTIZATION=4bit
     # CPU only: linear weights reordered once at load into oneDNN's blocked layout (llm_api.model.packed_linear);
-    # auto: bfloat16 models only (where it was measured to win), true: float32 too, false: never.
+    # auto: bfloat16 models, and float32 ones on AMD CPUs (where it was measured to win), true: float32 too.
     cpu_packed_weights: str = "auto"
     offload_folder: str = ""  # where DEVICE_MAP "disk" entries put weights; empty: <cache dir>/offload/<model>
     end_of_stream_token: str = "<|endoftext|>"

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from llm_api.model import cpu
 from llm_api.model.loader import load
 from llm_api.model.packed_linear import PackedLinear, pack_linear_weights, wants_packing
 from llm_api.model.settings import ConfigError, Settings
@@ -19,9 +20,12 @@ from engine_helpers import greedy, make_engine, random_prompt, reference_greedy,
 
 
 def test_which_models_are_packed():
-    assert wants_packing("auto", torch.bfloat16, on_cpu=True)
-    assert not wants_packing("auto", torch.float32, on_cpu=True)
-    assert wants_packing("true", torch.float32, on_cpu=True)
+    for vendor in ("GenuineIntel", "AuthenticAMD", ""):
+        assert wants_packing("auto", torch.bfloat16, on_cpu=True, vendor=vendor)
+        assert wants_packing("auto", torch.float32, on_cpu=True, vendor=vendor) == (vendor == "AuthenticAMD")
+        assert wants_packing("true", torch.float32, on_cpu=True, vendor=vendor)
+    assert cpu.cpu_vendor("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t: avx2\n") == "AuthenticAMD"
+    assert cpu.cpu_vendor("processor\t: 0\nFeatures\t: fp asimd bf16\n") == ""
     assert not wants_packing("true", torch.float16, on_cpu=True)
     assert not wants_packing("false", torch.bfloat16, on_cpu=True)
     assert not wants_packing("true", torch.bfloat16, on_cpu=False)  # a GPU's weights stay as they are
@@ -84,8 +88,9 @@ def test_engine_on_packed_float32_weights_matches_generate(arch):
 def test_the_loader_packs_as_the_setting_says(embedded_model_path):
     """Through the loader (the servers' path): bfloat16 packed where this CPU can, float32 only when asked.
     (The packed embedded model's answers: tests/engine/test_bf16.py, against generate().)"""
+    amd = cpu.cpu_vendor() == "AuthenticAMD"
     for dtype, mode, expect_packed in [("bfloat16", "auto", _bf16_packs()), ("bfloat16", "false", False),
-                                       ("float32", "auto", False), ("float32", "true", True)]:
+                                       ("float32", "auto", amd), ("float32", "true", True)]:
         settings = Settings.from_env({"MODEL_PATH": str(embedded_model_path), "DTYPE": dtype,
                                       "CPU_PACKED_WEIGHTS": mode})
         model = load(settings).model
