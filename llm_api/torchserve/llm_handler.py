@@ -52,6 +52,9 @@ class LLMHandler(BaseHandler):
 
     def initialize(self, context):
         settings = Settings.from_env()  # a bad value raises here and the model does not load
+        model_dir = context.system_properties.get("model_dir")
+        if model_dir:  # adapters packaged into the archive (--extra-files) are named relative to it
+            settings = settings.with_lora_base(model_dir)
         # Parse request bodies ourselves: TorchServe's own JSON decoding accepts NaN, duplicate keys
         # and invalid UTF-8 silently (it falls back to bytes), and we want one clear error per case.
         # The worker reads this variable for every incoming message.
