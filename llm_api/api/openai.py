@@ -58,7 +58,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Container, Iterable, Literal
+from typing import Annotated, Any, Collection, Iterable, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
@@ -347,7 +347,7 @@ def models_list(model_name: str, created: int, adapters: Iterable[str] = ()) -> 
          "parent": model_name} for name in sorted(adapters)]})
 
 
-def check_model(model: str, model_name: str, adapters: Container[str] = ()) -> None:
+def check_model(model: str, model_name: str, adapters: Collection[str] = ()) -> None:
     """404 ``model_not_found`` unless ``model`` is the base model or a served LoRA adapter."""
     if model != model_name and model not in adapters:
         served = ", ".join(repr(n) for n in [model_name, *sorted(adapters)])
@@ -517,7 +517,7 @@ class CompletionBody(_CallBody):
 
 
 def parse_call(kind: str, body: Any, model_name: str, limits: Limits,
-               adapters: Container[str] = ()) -> tuple[GenerateRequest, OpenAICall]:
+               adapters: Collection[str] = ()) -> tuple[GenerateRequest, OpenAICall]:
     """A completions/chat body (bytes or an already decoded object) -> our request and its encoder.
     ``model`` is the base model's name or one of the LoRA ``adapters`` (the answer names the one asked)."""
     data = _decode(body)

@@ -58,7 +58,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Any, Container, Literal, Union
+from typing import Annotated, Any, Collection, Literal, Union
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
                       ValidationError)
@@ -289,7 +289,7 @@ class ResponsesBody(_Strict):
 
 
 def parse_responses(body: Any, model_name: str, limits: Limits,
-                    adapters: Container[str] = ()) -> tuple[GenerateRequest, ResponsesCall]:
+                    adapters: Collection[str] = ()) -> tuple[GenerateRequest, ResponsesCall]:
     """A ``/v1/responses`` body (bytes or an already decoded object) -> our request and its encoder
     (``model``: the base model or one of the LoRA ``adapters``)."""
     data = body

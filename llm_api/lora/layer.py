@@ -36,7 +36,7 @@ class LoraLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         step = current_step()
-        if step is None or not step.groups:
+        if step is None:
             return y
         return self.slots.add_delta(x, y, step)
 

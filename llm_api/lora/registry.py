@@ -75,6 +75,8 @@ class LoraRegistry:
         self._ids = itertools.count(1)
         self._slot_owner = [0] * (max_loras + 1)  # slot -> lora_id (0: free; slot 0 is the base model)
         self._slot_used = [0] * (max_loras + 1)  # slot -> step counter of its last use (LRU)
+        self._resident: list[LoraAdapter | None] = [None] * (max_loras + 1)  # slot -> the adapter in it
+        self._layout_version = 0
         self._num_steps = 0
         self._num_swaps = 0
         self._swap_seconds = 0.0
@@ -136,8 +138,21 @@ class LoraRegistry:
         with self._lock:
             self._num_steps += 1
             slot_of = self._assign({lora_id for lora_id, _, _ in ranges if lora_id})
+            columns, scalings, version = self._columns()
         return LoraStep.build([(slot_of.get(lora_id, 0), start, end) for lora_id, start, end in ranges],
-                              num_tokens, device)
+                              num_tokens, device, self.dtype, columns, scalings, version)
+
+    def _columns(self) -> tuple[list[tuple[int, int]], list[float], int]:
+        """Each slot's (offset, width) in the concatenated rank columns, the slots' scalings, and the
+        layout's version (it changes whenever a slot is refilled)."""
+        columns, scalings, offset = [(0, 0)], [0.0], 0
+        for slot in range(1, self.max_loras + 1):
+            adapter = self._resident[slot]
+            width = adapter.rank if adapter is not None else 0
+            columns.append((offset, width))
+            scalings.append(adapter.scaling if adapter is not None else 0.0)
+            offset += width
+        return columns, scalings, self._layout_version
 
     def _assign(self, wanted: set[int]) -> dict[int, int]:
         owners = self._slot_owner
@@ -170,6 +185,8 @@ class LoraRegistry:
                 module.slots.set(slot, weights.a.to(device, non_blocking=True), weights.b.to(device, non_blocking=True),
                                  adapter.scaling if adapter is not None else 0.0)
         self._slot_owner[slot] = adapter.lora_id if adapter is not None else 0
+        self._resident[slot] = adapter
+        self._layout_version += 1
         if adapter is not None:
             self._num_swaps += 1
             self._swap_seconds += time.perf_counter() - started

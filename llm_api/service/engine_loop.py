@@ -181,8 +181,10 @@ class EngineLoop:
                 self.core.abort_request(command.request_id, command.index)
             return
         try:
+            # (lora_id only when set: a core that serves no adapters need not take the argument)
+            extra = {"lora_id": command.lora_id} if command.lora_id else {}
             self.core.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                  command.prompt_embeds, lora_id=command.lora_id)
+                                  command.prompt_embeds, **extra)
         except Exception as error:  # bad input: this caller's problem only
             _resolve(command.stream.loop, command.added, error)
             return

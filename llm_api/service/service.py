@@ -312,7 +312,7 @@ class ModelService:
         generation = Generation(self, request_id, request, prompt_ids, prompt_embeds, num_prompt_tokens,
                                 cost, marker, arrival, arrival + timeout)
         generation.lora_id = lora_id
-        if lora_id:
+        if lora_id and request.adapter is not None:
             generation.adapter = request.adapter
             self.lora_requests[request.adapter] += 1
             self._lora_live[request.adapter] += 1

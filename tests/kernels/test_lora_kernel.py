@@ -1,5 +1,5 @@
-"""lora_bgmv (Triton; the CPU interpreter without a GPU) against its torch reference and against the grouped
-matmuls of the CPU path (llm_api.lora.ops), on a packed batch mixing base rows and several adapters of
+"""lora_bgmv (Triton; the CPU interpreter without a GPU) against its torch reference and against the masked
+shrink/expand matmuls of the CPU path (llm_api.lora.ops), on a packed batch mixing base rows and several adapters of
 different ranks, rows of one adapter scattered through the batch."""
 
 from __future__ import annotations
@@ -40,7 +40,12 @@ def _case(case):
         ranges.append((slot, start, start + count))
         start += count
     assert start == num_tokens
-    return x, y, slots, LoraStep.build(ranges, num_tokens, DEVICE), dtype
+    columns, offset = [(0, 0)], 0
+    for r in ranks:
+        columns.append((offset, r))
+        offset += r
+    step = LoraStep.build(ranges, num_tokens, DEVICE, dtype, columns, slots.scaling, layout_version=1)
+    return x, y, slots, step, dtype
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -54,13 +59,15 @@ def test_kernel_matches_reference_and_grouped_path(case):
     torch.testing.assert_close(got, expected, **TOLERANCES[dtype])
     base_rows = step.token_slots == 0
     assert torch.equal(got[base_rows], y[base_rows])  # slot 0: untouched, bit for bit
-    # The CPU path (grouped matmuls per adapter) gives the same deltas.
-    grouped = y.clone().cpu()
+    # The CPU path (one shrink and one expand matmul over the masked, concatenated ranks) gives the same
+    # deltas, and leaves the base rows bit for bit too.
+    dense = y.clone().cpu()
     for slot in range(1, len(slots.a)):
-        slots.a[slot], slots.b[slot] = slots.a[slot].cpu(), slots.b[slot].cpu()
-    step_cpu = LoraStep(step.token_slots.cpu(), tuple(type(g)(g.slot, g.rows.cpu(), g.span) for g in step.groups))
-    slots.add_delta(x.cpu(), grouped, step_cpu)
-    torch.testing.assert_close(grouped.to(got.device), expected, **TOLERANCES[dtype])
+        slots.set(slot, slots.a[slot].cpu(), slots.b[slot].cpu(), slots.scaling[slot])
+    step_cpu = LoraStep(step.token_slots.cpu(), step.column_mask.cpu(), step.row_scaling.cpu(), step.columns, 1)
+    slots.add_delta(x.cpu(), dense, step_cpu)
+    torch.testing.assert_close(dense.to(got.device), expected, **TOLERANCES[dtype])
+    assert torch.equal(dense[base_rows.cpu()], y.cpu()[base_rows.cpu()])
 
 
 def test_bad_shapes_are_refused():
