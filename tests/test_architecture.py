@@ -1,7 +1,7 @@
 """The package's layers, read from the import statements: no module imports from a layer above it.
 
 Layers, top to bottom (docs/architecture.md): the edges (``torchserve``, ``server``, ``client``) ->
-``service`` -> ``api`` -> ``engine`` -> ``model`` -> ``kernels`` (and the generated ``proto`` stubs).
+``service`` -> ``api`` -> ``engine`` -> ``lora`` -> ``model`` -> ``kernels`` (and the generated ``proto`` stubs).
 A module may import its own layer and the layers below. Besides: only ``llm_api.torchserve`` imports
 TorchServe (``ts``); the scheduler, block pool and request state import no torch; the kernels import
 nothing from the engine.
