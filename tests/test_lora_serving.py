@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
+import time
 import urllib.request
 
 import pytest
@@ -193,3 +194,44 @@ def test_runtime_loading_is_off_by_default(standalone_server):
     answer = post_json(standalone_server, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "x"})
     assert not refusal_problems("load when off", answer, openai=True, statuses=(403,))
     assert answer.json()["error"]["code"] == "lora_runtime_loading_disabled"
+
+
+def test_grpc_adapter_field(lora_server):
+    """gRPC takes the native body in its input map: ``adapter`` selects the adapter; an unknown one is refused
+    with 404 ``model_not_found`` (a refusal travels as a message holding the native error object)."""
+    from llm_api.client import GRPCClient, HTTPClient, RequestRefused
+
+    inputs = {"text": PROMPT, "max_new_tokens": "6", "do_sample": "false"}
+    http = HTTPClient(lora_server.http, lora_server.model_name, lora_server.key())
+    with GRPCClient(lora_server.grpc, lora_server.model_name, key=lora_server.key()) as client:
+        assert client.generate({**inputs, "adapter": "alpha"}) == http.generate({**inputs, "adapter": "alpha"})
+        assert client.generate({**inputs, "adapter": "alpha"}) != client.generate(inputs)
+        with pytest.raises(RequestRefused) as refused:
+            client.generate({**inputs, "adapter": "nope"})
+        assert refused.value.status == 404 and refused.value.error["type"] == "model_not_found"
+
+
+def _metrics(server) -> str:
+    with urllib.request.urlopen(server.metrics_url, timeout=30) as response:
+        return response.read().decode()
+
+
+def test_unload_refuses_while_in_use_and_the_gauge_shows_it(lora_server):
+    """An adapter with a live request is not unloaded (409 adapter_in_use); meanwhile
+    vllm:lora_requests_info lists it as running; once the request ended it unloads."""
+    assert _load(lora_server, {"lora_name": "gamma2", "lora_path": "gamma"}).status == 200
+    stream = _client(lora_server).completions.create(model="gamma2", prompt=PROMPT, max_tokens=400, temperature=0,
+                                                     stream=True)
+    try:
+        next(iter(stream))
+        busy = post_json(lora_server, "/v1/unload_lora_adapter", {"lora_name": "gamma2"})
+        assert busy.status == 409 and busy.json()["error"]["code"] == "adapter_in_use", busy.body[:300]
+        info = next(line for line in _metrics(lora_server).splitlines() if line.startswith("vllm:lora_requests_info{"))
+        assert re.search(r'running_lora_adapters="([^"]*,)?gamma2(,[^"]*)?"', info), info
+    finally:
+        stream.close()
+    deadline = time.monotonic() + 30
+    while (answer := post_json(lora_server, "/v1/unload_lora_adapter", {"lora_name": "gamma2"})).status == 409:
+        assert time.monotonic() < deadline, "the closed stream's request never ended"
+        time.sleep(0.2)
+    assert answer.status == 200, answer.body[:300]

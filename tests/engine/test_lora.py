@@ -220,3 +220,21 @@ def test_runtime_paths_stay_under_the_root(tmp_path):
     with pytest.raises(AdapterPathError):
         confined_path("good", "")
     assert os.path.isdir(root / "good")
+
+
+def test_settings(tmp_path):
+    from llm_api.model.settings import ConfigError, Settings
+
+    settings = Settings.from_env({"LORA_ADAPTERS": " a=/x/a , b.2=rel/b ", "MAX_LORAS": "3", "MAX_LORA_RANK": "32"})
+    assert settings.lora_adapters == (("a", "/x/a"), ("b.2", "rel/b")) and settings.max_loras == 3
+    assert settings.lora_enabled and settings.max_lora_rank == 32
+    assert settings.with_lora_base("/archive").lora_adapters == (("a", "/x/a"), ("b.2", "/archive/rel/b"))
+    assert not Settings.from_env({}).lora_enabled
+    for env, needle in [({"LORA_ADAPTERS": "a"}, "LORA_ADAPTERS"), ({"LORA_ADAPTERS": "a=/x,a=/y"}, "twice"),
+                        ({"LORA_ADAPTERS": "../a=/x"}, "LORA_ADAPTERS"), ({"LORA_ADAPTERS": "a b=/x"}, "LORA_ADAPTERS"),
+                        ({"MAX_LORAS": "0"}, "MAX_LORAS"), ({"MAX_LORA_RANK": "x"}, "MAX_LORA_RANK"),
+                        ({"LORA_RUNTIME_LOADING": "true"}, "LORA_ADAPTER_ROOT"),
+                        ({"LORA_ADAPTER_ROOT": str(tmp_path / "missing")}, "LORA_ADAPTER_ROOT"),
+                        ({"LORA_ADAPTERS": "a=/x", "ENGINE": "generate"}, "ENGINE=paged")]:
+        with pytest.raises(ConfigError, match=needle):
+            Settings.from_env(env)
