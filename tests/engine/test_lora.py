@@ -80,10 +80,9 @@ def _prompt(tokenizer, text: str) -> list[int]:
                                          tokenize=True, return_dict=False)
 
 
-@pytest.mark.parametrize("max_loras", [2, 1], ids=["all-resident", "swapped"])
-def test_mixed_batch_matches_peft(embedded, adapters, embedded_model_path, max_loras):
-    """Base, alpha and beta requests in the same steps: each answer is PEFT's, token for token. With
-    MAX_LORAS=1 the scheduler runs one adapter at a time beside the base and the slot is swapped."""
+@pytest.fixture(scope="module")
+def peft_answers(embedded, adapters):
+    """The prompts and PEFT's greedy answers: request id ("<adapter or base>-<prompt index>") -> tokens."""
     tokenizer, oracle = embedded
     prompts = [_prompt(tokenizer, text) for text in EMBEDDED_CHATS[:3]]
     expected = {}
@@ -96,6 +95,14 @@ def test_mixed_batch_matches_peft(embedded, adapters, embedded_model_path, max_l
         expected[f"base-{i}"] = out[0, len(prompt):].tolist()
     for i in range(len(prompts)):  # the adapters change the answers, or the test proves nothing
         assert expected[f"alpha-{i}"] != expected[f"base-{i}"] and expected[f"beta-{i}"] != expected[f"base-{i}"]
+    return prompts, expected
+
+
+@pytest.mark.parametrize("max_loras", [2, 1], ids=["all-resident", "swapped"])
+def test_mixed_batch_matches_peft(peft_answers, adapters, embedded_model_path, max_loras):
+    """Base, alpha and beta requests in the same steps: each answer is PEFT's, token for token. With
+    MAX_LORAS=1 the scheduler runs one adapter at a time beside the base and the slot is swapped."""
+    prompts, expected = peft_answers
     engine, registry, ids = _served_engine(embedded_model_path, adapters, max_loras)
     requests = [(f"{name}-{i}", prompt, ids.get(name, 0)) for i, prompt in enumerate(prompts)
                 for name in ("base", "alpha", "beta")]
