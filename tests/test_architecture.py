@@ -1,7 +1,7 @@
 """The package's layers, read from the import statements: no module imports from a layer above it.
 
 Layers, top to bottom (docs/architecture.md): the edges (``torchserve``, ``server``, ``client``) ->
-``service`` -> ``api`` -> ``engine`` -> ``model`` -> ``kernels`` (and the generated ``proto`` stubs).
+``service`` -> ``api`` -> ``engine`` -> ``lora`` -> ``model`` -> ``kernels`` (and the generated ``proto`` stubs).
 A module may import its own layer and the layers below. Besides: only ``llm_api.torchserve`` imports
 TorchServe (``ts``); the scheduler, block pool and request state import no torch; the kernels import
 nothing from the engine.
@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "llm_api"
-RANK = {"torchserve": 0, "server": 0, "client": 0, "service": 1, "api": 2, "engine": 3, "model": 4,
+RANK = {"torchserve": 0, "server": 0, "client": 0, "service": 1, "api": 2, "engine": 3, "lora": 3.5, "model": 4,
         "kernels": 5, "proto": 5}
 TORCH_FREE = {"llm_api.engine.scheduler", "llm_api.engine.block_pool", "llm_api.engine.request"}
 

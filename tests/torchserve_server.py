@@ -25,7 +25,8 @@ from server_process import REPO, ServerProcess
 BIN = Path(sys.executable).parent
 
 
-def build_archive(workdir: Path, model_name: str, model_config: str | None, mar: bool = False) -> Path:
+def build_archive(workdir: Path, model_name: str, model_config: str | None, mar: bool = False,
+                  extra_files: tuple[Path, ...] = ()) -> Path:
     store = workdir / "model-store"
     store.mkdir(parents=True, exist_ok=True)
     cmd = [
@@ -35,6 +36,8 @@ def build_archive(workdir: Path, model_name: str, model_config: str | None, mar:
     ]
     if not mar:
         cmd += ["--archive-format", "no-archive"]
+    if extra_files:  # (a folder's contents land at the archive's root)
+        cmd += ["--extra-files", ",".join(str(p) for p in extra_files)]
     if model_config is not None:
         cfg = workdir / "model-config.yaml"
         cfg.write_text(model_config)
@@ -48,6 +51,7 @@ class TorchServe(ServerProcess):
     model_config: str | None = None
     mar: bool = False
     extra_properties: str = ""  # appended to the shipped config.properties (a user's own settings)
+    extra_files: tuple[Path, ...] = ()  # torch-model-archiver --extra-files
     _store: Path | None = field(default=None, init=False, repr=False)  # the model store start() built
 
     kind = "torchserve"
@@ -63,7 +67,7 @@ class TorchServe(ServerProcess):
 
     def start(self, wait_ready: bool = True, timeout: float = 240) -> Self:
         # The archive before the ports are taken: they are free only until someone binds them.
-        self._store = build_archive(self.workdir, self.model_name, self.model_config, self.mar)
+        self._store = build_archive(self.workdir, self.model_name, self.model_config, self.mar, self.extra_files)
         return super().start(wait_ready, timeout)
 
     def _command(self) -> list[str]:

@@ -116,6 +116,7 @@ class NativeBody(BaseModel):
     ignore_eos: Flag = False
     stream: Flag | None = None
     request_id: Text | None = None
+    adapter: Text | None = None  # a LoRA adapter's name (the service answers 404 for an unknown one)
     timeout: Number(0.0, 86400.0, low_open=True) | None = None
     n: WholeNumber = 1  # range: 1 .. MAX_NUM_SEQS (a setting), checked below
     logprobs: Integer(0, MAX_TOP_LOGPROBS) | None = None
@@ -198,6 +199,7 @@ def parse_request(row: Mapping[str, Any], limits: Limits, default_stream: bool =
         client_request_id=body.request_id,
         timeout_s=body.timeout,
         output=body.output,
+        adapter=body.adapter,
     )
 
 

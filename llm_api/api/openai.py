@@ -60,7 +60,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Collection, Iterable, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
@@ -341,9 +341,21 @@ def _nonempty_list(value: Any) -> Any:
     return value
 
 
-def models_list(model_name: str, created: int) -> str:
-    return json.dumps({"object": "list", "data": [
-        {"id": model_name, "object": "model", "created": created, "owned_by": "llm_api"}]})
+def models_list(model_name: str, created: int, adapters: Iterable[str] = ()) -> str:
+    """The base model, then each LoRA adapter with ``parent`` (and ``root``) naming the base, as vLLM lists them."""
+    base = {"id": model_name, "object": "model", "created": created, "owned_by": "llm_api", "root": model_name,
+            "parent": None}
+    return json.dumps({"object": "list", "data": [base] + [
+        {"id": name, "object": "model", "created": created, "owned_by": "llm_api", "root": model_name,
+         "parent": model_name} for name in sorted(adapters)]})
+
+
+def check_model(model: str, model_name: str, adapters: Collection[str] = ()) -> None:
+    """404 ``model_not_found`` unless ``model`` is the base model or a served LoRA adapter."""
+    if model != model_name and model not in adapters:
+        served = ", ".join(repr(n) for n in [model_name, *sorted(adapters)])
+        raise ApiError(404, "model_not_found", f"The model {echo(model)} does not exist; this server serves {served}",
+                       "model")
 
 
 # -------------------------------------------------------------------------------------------------
@@ -509,8 +521,10 @@ class CompletionBody(_CallBody):
     suffix: Any = None
 
 
-def parse_call(kind: str, body: Any, model_name: str, limits: Limits) -> tuple[GenerateRequest, OpenAICall]:
-    """A completions/chat body (bytes or an already decoded object) -> our request and its encoder."""
+def parse_call(kind: str, body: Any, model_name: str, limits: Limits,
+               adapters: Collection[str] = ()) -> tuple[GenerateRequest, OpenAICall]:
+    """A completions/chat body (bytes or an already decoded object) -> our request and its encoder.
+    ``model`` is the base model's name or one of the LoRA ``adapters`` (the answer names the one asked)."""
     data = _decode(body)
     model_class = ChatBody if kind == "chat" else CompletionBody
     try:
@@ -521,9 +535,7 @@ def parse_call(kind: str, body: Any, model_name: str, limits: Limits) -> tuple[G
         if name in data and not any(_same(data[name], v) for v in neutral):
             raise ApiError(400, "unsupported_parameter", f"'{name}' is not supported by this server (only {neutral[0]!r})",
                            name)
-    if call.model != model_name:
-        raise ApiError(404, "model_not_found", f"The model {echo(call.model)} does not exist; this server serves "
-                       f"{model_name!r}", "model")
+    check_model(call.model, model_name, adapters)
     if call.n > limits.max_n:
         raise ApiError(400, "invalid_value", f"'n' must be between 1 and {limits.max_n} (the server's MAX_NUM_SEQS: "
                        "all choices run together)", "n")
@@ -580,8 +592,9 @@ def parse_call(kind: str, body: Any, model_name: str, limits: Limits) -> tuple[G
         n=call.n,
     )
     request.work_fields = WorkFields("n", param, "top_logprobs" if kind == "chat" else "logprobs")
+    request.adapter, request.adapter_param = (None if call.model == model_name else call.model), "model"
     include_usage = call.stream_options is not None and call.stream_options.include_usage
-    return request, OpenAICall(kind=kind, model=model_name, stream=call.stream, include_usage=include_usage, n=call.n,
+    return request, OpenAICall(kind=kind, model=call.model, stream=call.stream, include_usage=include_usage, n=call.n,
                                with_logprobs=logprobs is not None, tool_format=tool_format,
                                reasoning_format=limits.reasoning_format if kind == "chat" else None)
 

@@ -92,6 +92,9 @@ class GenerateRequest:
     # turn; the template is then not given ``tools`` (they are checked for control text all the same).
     tool_prompt: str | None = None
     work_fields: WorkFields = field(default_factory=WorkFields)  # (the format's names, for work_refusal)
+    # The LoRA adapter to answer with (None: the base model), and the field that named it (errors name it).
+    adapter: str | None = None
+    adapter_param: str = "adapter"
 
     @property
     def input_kind(self) -> str:

@@ -60,7 +60,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Collection, Literal, Union
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
                       ValidationError)
@@ -71,7 +71,7 @@ from llm_api.api.errors import ApiError, echo
 from llm_api.api.fields import (Number, StrictFlag, StrictWholeNumber, Text, check_text, fail, field_path, first_error,
                                 is_type_error, message_of, unknown_fields)
 from llm_api.api.logprobs import LogprobItem
-from llm_api.api.openai import (JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, TOOL_CHOICES, ToolName, api_error,
+from llm_api.api.openai import (JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, TOOL_CHOICES, ToolName, api_error, check_model,
                             tool_choice_keyword)
 from llm_api.api.reasoning import (REASONING_EFFORTS, AnswerText, ReasoningFormat, ReasoningParser, ReasoningText,
                                    answer_only, template_variables)
@@ -292,8 +292,10 @@ class ResponsesBody(_Strict):
 # parse
 
 
-def parse_responses(body: Any, model_name: str, limits: Limits) -> tuple[GenerateRequest, ResponsesCall]:
-    """A ``/v1/responses`` body (bytes or an already decoded object) -> our request and its encoder."""
+def parse_responses(body: Any, model_name: str, limits: Limits,
+                    adapters: Collection[str] = ()) -> tuple[GenerateRequest, ResponsesCall]:
+    """A ``/v1/responses`` body (bytes or an already decoded object) -> our request and its encoder
+    (``model``: the base model or one of the LoRA ``adapters``)."""
     data = body
     if isinstance(data, (bytes, bytearray)):
         data = decode_json(bytes(data))
@@ -304,9 +306,7 @@ def parse_responses(body: Any, model_name: str, limits: Limits) -> tuple[Generat
         call = ResponsesBody.model_validate(data, context={"limits": limits})
     except ValidationError as error:
         raise _refusal(error, data) from None
-    if call.model != model_name:
-        raise ApiError(404, "model_not_found", f"The model {echo(call.model)} does not exist; this server serves "
-                       f"{model_name!r}", "model")
+    check_model(call.model, model_name, adapters)
     items: list = [MessageItem(role="user", content=call.input)] if isinstance(call.input, str) else call.input
     _check_size(call, items, limits)
     input_turns = _turns(items)
@@ -364,8 +364,9 @@ def parse_responses(body: Any, model_name: str, limits: Limits) -> tuple[Generat
         "prompt_cache_key": call.prompt_cache_key,
         "safety_identifier": call.safety_identifier,
     }
+    request.adapter, request.adapter_param = (None if call.model == model_name else call.model), "model"
     responses_call = ResponsesCall(
-        model=model_name, stream=call.stream, store=call.store, tool_format=tool_format,
+        model=call.model, stream=call.stream, store=call.store, tool_format=tool_format,
         reasoning_format=limits.reasoning_format, previous_response_id=call.previous_response_id,
         instructions=call.instructions, input_turns=input_turns, input_items=items, settings=settings)
     return request, responses_call

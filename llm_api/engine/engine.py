@@ -10,7 +10,10 @@ token from that one logits row (the row is repeated in the sampler's batch) and 
 others onto the prompt's blocks. Outputs carry the sequence's ``index``; ``abort_request`` ends all n.
 With ``params.logprobs`` set, each output carries the sampled token's ``TokenLogprob``.
 On CUDA the KV pool is sized from a profiled worst-case step (``memory_profile``) and pure decode steps
-replay CUDA graphs (``cuda_graphs``, Triton attention only).
+replay CUDA graphs (``cuda_graphs``, Triton attention only; not while LoRA adapters are served: the
+graphs would need the per-row adapter slots as a static input, so the decode step then runs eagerly).
+With a ``LoraRegistry``, ``add_request(..., lora_id=)`` runs a request under an adapter: requests of
+different adapters and of the base model share every step (``llm_api.lora``).
 
 Not thread-safe, by design: one owner calls ``add_request``, ``abort_request`` and ``step`` (in the
 server, ``llm_api.service.engine_loop.EngineLoop``'s thread, fed by messages), so an abort always lands
@@ -90,10 +93,14 @@ class EngineStats:
     num_prefill_tokens_computed: int
     num_decode_tokens_computed: int
     num_steps: int
+    running_lora_ids: tuple[int, ...] = ()  # the LoRA adapters (load ids) of running / waiting requests
+    waiting_lora_ids: tuple[int, ...] = ()
 
 
 class LLMEngine:
-    def __init__(self, model: nn.Module, config: EngineConfig, eos_token_ids: set[int]):
+    def __init__(self, model: nn.Module, config: EngineConfig, eos_token_ids: set[int], lora: Any = None):
+        """``lora``: the ``llm_api.lora.registry.LoraRegistry`` that wrapped ``model``'s linears, when
+        adapters are served (requests then name one by ``lora_id``)."""
         check_supported(model)  # UnsupportedModelError before any memory is taken
         self.config = config
         self.model = model
@@ -128,14 +135,16 @@ class LLMEngine:
         self.kv_cache = PagedKVCache(layout, num_blocks, config.block_size)
         # One request never needs more than the whole pool, so it can always run alone.
         self.max_model_len = min(wanted_max_len, self.kv_cache.max_num_tokens)
-        self.runner = ModelRunner(model, self.kv_cache, self.attention)
+        self.lora = lora
+        self.runner = ModelRunner(model, self.kv_cache, self.attention, lora)
         if config.max_num_batched_tokens is None:  # a CPU: size the step to it (chunked prefill)
             budget = cpu_token_budget(self.runner, config.block_size, num_blocks, config.max_num_seqs, self.max_model_len)
             config = self.config = dataclasses.replace(config, max_num_batched_tokens=budget)
         self._enable_decode_graphs(config)
         assert config.max_num_batched_tokens is not None  # set above: CUDA_TOKEN_BUDGET, or the CPU's budget
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                            lora.max_loras if lora is not None else 0),
             BlockPool(num_blocks, config.block_size, config.enable_prefix_caching),
             set(eos_token_ids),
         )
@@ -151,7 +160,9 @@ class LLMEngine:
         if not config.cuda_graphs or self.runner.input_device.type != "cuda":
             return
         reason = None
-        if not self.attention.supports_cuda_graphs:
+        if self.lora is not None:  # (the slot tensor is no static input of the captured graphs)
+            reason = "LoRA adapters are served"
+        elif not self.attention.supports_cuda_graphs:
             reason = f"the {self.attention.name} attention backend does not support them"
         elif getattr(self.model.config, "quantization_config", None) is not None:
             reason = "quantized weights are not captured"
@@ -176,15 +187,18 @@ class LLMEngine:
     # ----------------------------------------------------------------- requests
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None, params: SamplingParams,
-                    prompt_embeds: torch.Tensor | None = None) -> None:
+                    prompt_embeds: torch.Tensor | None = None, lora_id: int = 0) -> None:
+        if lora_id and self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters")
         request = self._build_request(request_id, prompt_token_ids, params, prompt_embeds)
+        request.lora_id = lora_id
         if params.n < 1:
             raise ValueError(f"n must be >= 1, got {params.n}")
         siblings = [Request(request_id=request_id, prompt_token_ids=request.prompt_token_ids, params=params,
                             sampling_state=SamplingState.for_params(params, self.runner.logits_device, index),
                             # each choice follows the grammar on its own (a matcher holds one sequence's state)
                             grammar_matcher=GrammarMatcher(params.grammar) if params.grammar is not None else None,
-                            prompt_embeds=request.prompt_embeds, index=index)
+                            prompt_embeds=request.prompt_embeds, index=index, lora_id=lora_id)
                     for index in range(1, params.n)]
         self.scheduler.add(request, siblings)
         logger.debug("request %s added: %d prompt tokens, n=%d", request_id, request.num_prompt_tokens, params.n)
@@ -319,6 +333,8 @@ class LLMEngine:
             num_prefill_tokens_computed=counters.num_prefill_tokens_computed,
             num_decode_tokens_computed=counters.num_decode_tokens_computed,
             num_steps=self._num_steps,
+            running_lora_ids=tuple(sorted({r.lora_id for r in self.scheduler.running if r.lora_id})),
+            waiting_lora_ids=tuple(sorted({r.lora_id for r in self.scheduler.waiting if r.lora_id})),
         )
 
 

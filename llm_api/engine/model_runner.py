@@ -19,6 +19,9 @@ generated tokens being recomputed after a preemption, from the embedding table).
 With ``enable_decode_graphs`` (a backend that ``supports_cuda_graphs``), a step where every request
 feeds one token id and samples, and which fits the largest captured size, goes through
 ``DecodeGraphRunner``.
+
+With a LoRA registry, each request's packed tokens are tagged with its adapter (``Request.lora_id``) and
+the forward runs inside ``llm_api.lora.context.lora_step``: the wrapped linears add each row's delta.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from llm_api.engine.cuda_graphs import DecodeGraphRunner, DecodeRow
 from llm_api.engine.kv_cache import PagedKVCache
 from llm_api.engine.request import Request
 from llm_api.engine.scheduler import ScheduledRequest, SchedulerOutput
+from llm_api.lora.context import lora_step
 from llm_api.model.placement import execution_device
 
 
@@ -74,8 +78,9 @@ class BlockTables:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv_cache: PagedKVCache, backend: AttentionBackend):
+    def __init__(self, model: nn.Module, kv_cache: PagedKVCache, backend: AttentionBackend, lora: Any = None):
         self.model = model
+        self.lora = lora  # llm_api.lora.registry.LoraRegistry, or None
         self.kv_cache = kv_cache
         self.backend = backend
         self.decode_graphs: DecodeGraphRunner | None = None
@@ -133,6 +138,7 @@ class ModelRunner:
         logit_indices: list[int] = []
         sampled_requests: list[Request] = []
         embeds_segments = []  # (packed offset, request, first position, end position) fed from embeddings
+        lora_ranges = []  # (lora id, first packed token, end) of each request
         for item in ordered:
             request = item.request
             start = request.num_computed_tokens
@@ -148,6 +154,8 @@ class ModelRunner:
                 slot_mapping.extend(_slot_of(block_ids, p, block_size) for p in range(start, end))
             if request.prompt_embeds is not None and start < request.num_prompt_tokens:
                 embeds_segments.append((query_start_loc[-1], request, start, min(end, request.num_prompt_tokens)))
+            if self.lora is not None:
+                lora_ranges.append((request.lora_id, query_start_loc[-1], query_start_loc[-1] + item.num_new_tokens))
             query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
             context_lens.append(end)
             block_table_rows.append(block_ids)
@@ -177,11 +185,13 @@ class ModelRunner:
             model_inputs["inputs_embeds"] = self._embeddings_with_prompts(token_ids, embeds_segments)
         else:
             model_inputs["input_ids"] = token_ids
-        if self.takes_logits_to_keep:
-            model_inputs["logits_to_keep"] = torch.tensor(logit_indices, dtype=torch.long, device=device)
-            logits = self.model(**model_inputs).logits[0]  # [num_sampled, V]
-        else:
-            logits = self.model(**model_inputs).logits[0, logit_indices]
+        lora = self.lora.step(lora_ranges, len(input_ids), device) if self.lora is not None else None
+        with lora_step(lora):
+            if self.takes_logits_to_keep:
+                model_inputs["logits_to_keep"] = torch.tensor(logit_indices, dtype=torch.long, device=device)
+                logits = self.model(**model_inputs).logits[0]  # [num_sampled, V]
+            else:
+                logits = self.model(**model_inputs).logits[0, logit_indices]
         return logits, sampled_requests
 
     def _graph_decode_rows(self, scheduled: list[ScheduledRequest]) -> list[DecodeRow] | None:

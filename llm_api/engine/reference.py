@@ -70,7 +70,9 @@ class ReferenceCore:
         self._reporter: StepReporter | None = None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None, params: SamplingParams,
-                    prompt_embeds: torch.Tensor | None = None) -> None:
+                    prompt_embeds: torch.Tensor | None = None, lora_id: int = 0) -> None:
+        if lora_id:
+            raise ValueError("the generate() reference path serves no LoRA adapters")
         if (prompt_token_ids is None) == (prompt_embeds is None):
             raise ValueError("give prompt_token_ids or prompt_embeds")
         if any(r.request_id == request_id for r in self._waiting):

@@ -2,7 +2,8 @@
 
 A ``Request`` is one sequence and holds token ids only (never text): the prompt, the tokens generated
 so far, how many of them already have K/V in the paged cache (``num_computed_tokens``), the KV blocks it
-holds, its status and, once finished, why. A request built from ``prompt_embeds`` carries placeholder
+holds, its status and, once finished, why, and the LoRA adapter it runs under (``lora_id``; the prefix
+cache keys its blocks by it). A request built from ``prompt_embeds`` carries placeholder
 prompt ids (its length is what counts) and never takes part in prefix caching.
 
 A request asking for ``n`` > 1 answers is ``n`` sequences sharing one ``request_id``: choice ``index`` 0
@@ -86,10 +87,16 @@ class Request:
     num_preemptions: int = 0
     index: int = 0  # choice index among the request's n sequences
     seq_id: str = ""  # unique among live sequences: request_id for index 0, set in __post_init__
+    lora_id: int = 0  # the LoRA adapter's load id (llm_api.lora.registry); 0: the base model
 
     def __post_init__(self):
         if not self.seq_id:
             self.seq_id = self.request_id if self.index == 0 else f"{self.request_id}/{self.index}"
+
+    @property
+    def prefix_salt(self) -> bytes | None:
+        """What the first block's hash chains from: K/V computed under one adapter are never another's."""
+        return f"lora:{self.lora_id}".encode() if self.lora_id else None
 
     @property
     def num_prompt_tokens(self) -> int:

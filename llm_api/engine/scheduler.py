@@ -5,7 +5,9 @@ its ``num_tokens`` (prompt + output). Each step ``schedule()`` first gives every
 tokens (one for a decode, a chunk for an unfinished prefill), then admits waiting requests in arrival
 order while the token budget (``max_num_batched_tokens``) and ``max_num_seqs`` allow; a long prompt is
 prefilled in chunks over several steps. Full blocks whose tokens are already cached are reused instead
-of recomputed (prefix caching). When a request needs a block and none is free, the NEWEST running
+of recomputed (prefix caching; a request under a LoRA adapter only reuses blocks of that adapter, the
+hash chain starting from its ``prefix_salt``). At most ``max_loras`` adapters run at once: a waiting
+request of another adapter lets the requests behind it go first. When a request needs a block and none is free, the NEWEST running
 request is preempted: its blocks are freed, it goes back to the front of the waiting queue and its
 prompt + output tokens are recomputed later, so its output is the same as without preemption.
 
@@ -51,6 +53,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int  # most tokens (prompt + output) one request may reach; fits in the block pool
+    max_loras: int = 0  # LoRA adapters running at once (MAX_LORAS); 0: no adapters are served
 
 
 @dataclass
@@ -185,8 +188,13 @@ class Scheduler:
         # Then admit waiting requests, unless memory was just short enough to preempt. A running choice 0
         # still prefilling keeps room for the siblings it will fork.
         num_seqs = len(self.running) + sum(len(self._unforked.get(r.seq_id, ())) for r in self.running)
-        while self.waiting and budget > 0 and not output.preempted_request_ids:
-            request = self.waiting[0]
+        running_loras = {r.lora_id for r in self.running if r.lora_id}
+        position = 0  # requests of an adapter that cannot join (MAX_LORAS others run) wait; the next may go
+        while position < len(self.waiting) and budget > 0 and not output.preempted_request_ids:
+            request = self.waiting[position]
+            if request.lora_id and request.lora_id not in running_loras and len(running_loras) >= self.config.max_loras:
+                position += 1
+                continue
             num_siblings = len(self._unforked.get(request.seq_id, ()))
             if num_seqs + 1 + num_siblings > self.config.max_num_seqs:
                 break  # its n sequences will run together: wait until they fit
@@ -195,7 +203,9 @@ class Scheduler:
             num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
             if not self._allocate_slots(request, num_new_tokens, hit_block_ids):
                 break
-            self.waiting.popleft()
+            del self.waiting[position]
+            if request.lora_id:
+                running_loras.add(request.lora_id)
             if request.uses_prefix_cache:
                 self.counters.prefix_cache_queries += request.num_tokens
                 self.counters.prefix_cache_hits += num_hit_tokens
@@ -317,7 +327,7 @@ class Scheduler:
         bs = self.block_size
         while len(hashes) < request.num_tokens // bs:
             start = len(hashes) * bs
-            hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids(start, start + bs)))
+            hashes.append(hash_block(hashes[-1] if hashes else request.prefix_salt, request.token_ids(start, start + bs)))
 
     def _cache_full_blocks(self, request: Request) -> None:
         num_full_blocks = request.num_computed_tokens // self.block_size

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -98,6 +99,24 @@ class Settings:
     responses_store_max_bytes: int = 64 * 1024 * 1024
     responses_store_ttl_s: float = 86_400.0
     responses_store_path: str = ""
+    # LoRA adapters (llm_api.lora, docs/lora.md): PEFT adapter folders served beside the base model, by name.
+    lora_adapters: tuple[tuple[str, str], ...] = ()  # LORA_ADAPTERS=name=path,name2=path2
+    max_lora_rank: int = 64
+    max_loras: int = 4  # adapters resident in one step; more are kept on the host and swapped in
+    lora_runtime_loading: bool = False  # POST v1/load_lora_adapter / v1/unload_lora_adapter
+    lora_adapter_root: str = ""  # the only folder runtime loading reads from
+
+    @property
+    def lora_enabled(self) -> bool:
+        return bool(self.lora_adapters) or self.lora_runtime_loading
+
+    def with_lora_base(self, folder: str) -> "Settings":
+        """LORA_ADAPTERS' relative paths read below ``folder`` (TorchServe: the archive's extracted folder,
+        where ``torch-model-archiver --extra-files`` puts packaged adapters)."""
+        from dataclasses import replace
+
+        return replace(self, lora_adapters=tuple((name, path if os.path.isabs(path) else os.path.join(folder, path))
+                                                 for name, path in self.lora_adapters))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -150,7 +169,19 @@ class Settings:
                                               minimum=MIN_RESPONSES_STORE_BYTES),
             "responses_store_ttl_s": _float(env, "RESPONSES_STORE_TTL_S", cls.responses_store_ttl_s, 0.0, None),
             "responses_store_path": _store_path(env.get("RESPONSES_STORE_PATH", "")),
+            "lora_adapters": _lora_adapters(env.get("LORA_ADAPTERS", "")),
+            "max_lora_rank": _int(env, "MAX_LORA_RANK", cls.max_lora_rank, minimum=1),
+            "max_loras": _int(env, "MAX_LORAS", cls.max_loras, minimum=1),
+            "lora_runtime_loading": _bool(env, "LORA_RUNTIME_LOADING", cls.lora_runtime_loading),
+            "lora_adapter_root": env.get("LORA_ADAPTER_ROOT", "").strip(),
         }
+        if values["lora_runtime_loading"] and not values["lora_adapter_root"]:
+            raise ConfigError("LORA_RUNTIME_LOADING=true needs LORA_ADAPTER_ROOT: the folder runtime loads may read "
+                              "adapters from")
+        if values["lora_adapter_root"] and not Path(values["lora_adapter_root"]).is_dir():
+            raise ConfigError(f"LORA_ADAPTER_ROOT={values['lora_adapter_root']!r} is not a folder")
+        if (values["lora_adapters"] or values["lora_runtime_loading"]) and values["engine"] != "paged":
+            raise ConfigError("LoRA adapters (LORA_ADAPTERS, LORA_RUNTIME_LOADING) need ENGINE=paged")
         if 0 < values["max_num_batched_tokens"] < values["max_num_seqs"]:
             # The scheduler serves running requests first: a smaller budget would starve the newest.
             raise ConfigError(f"MAX_NUM_BATCHED_TOKENS={values['max_num_batched_tokens']} is below MAX_NUM_SEQS="
@@ -220,6 +251,27 @@ def _store_path(raw: str) -> str:
         raise ConfigError(f"RESPONSES_STORE_PATH={raw!r} is not supported; allowed values: empty (memory) or a "
                           "file path without leading or trailing spaces")
     return raw
+
+
+def _lora_adapters(raw: str) -> tuple[tuple[str, str], ...]:
+    """LORA_ADAPTERS: ``name=path,...``; names as llm_api.lora.config.ADAPTER_NAME allows (checked there too,
+    where the adapters are read)."""
+    pairs: list[tuple[str, str]] = []
+    for item in (part.strip() for part in raw.split(",")):
+        if not item:
+            continue
+        name, sep, path = item.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not path or not _ADAPTER_NAME.fullmatch(name):
+            raise ConfigError(f"LORA_ADAPTERS entry {item!r} is not supported; allowed values: name=path pairs "
+                              f"separated by commas, names of 1-64 characters A-Z a-z 0-9 . _ - (a letter or digit first)")
+        if any(name == n for n, _ in pairs):
+            raise ConfigError(f"LORA_ADAPTERS names adapter {name!r} twice")
+        pairs.append((name, path))
+    return tuple(pairs)
+
+
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...]) -> str:

@@ -18,6 +18,7 @@ Two sources, one registry (``ServerMetrics.registry``; ``render()`` writes the t
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -67,10 +68,11 @@ class ServerMetrics:
             series.observe(value)
 
     def watch_engine(self, stats_fn: Callable[[], Any], num_live: Callable[[], int],
-                     refresh: Callable[[], None]) -> None:
+                     refresh: Callable[[], None], lora_fn: Callable[[], Any] | None = None) -> None:
         """Once the model is loaded: the vLLM-named series, and ``refresh`` (the service's gauges) before
-        each scrape, so gauges pushed at a request's end show the engine after it, not before."""
-        self.registry.register(EngineCollector(self.model_name, stats_fn, num_live))
+        each scrape, so gauges pushed at a request's end show the engine after it, not before. ``lora_fn``:
+        () -> ((running adapters, waiting adapters, MAX_LORAS) or None, {adapter: requests since start})."""
+        self.registry.register(EngineCollector(self.model_name, stats_fn, num_live, lora_fn))
         self._before_scrape = refresh
 
     def render(self) -> bytes:
@@ -82,10 +84,12 @@ class ServerMetrics:
 
 
 class EngineCollector:
-    def __init__(self, model_name: str, stats_fn: Callable[[], Any], num_live: Callable[[], int]):
+    def __init__(self, model_name: str, stats_fn: Callable[[], Any], num_live: Callable[[], int],
+                 lora_fn: Callable[[], Any] | None = None):
         self.labels = {"model_name": model_name, "engine": "0"}
         self.stats_fn = stats_fn
         self.num_live = num_live
+        self.lora_fn = lora_fn
 
     def describe(self):
         return []  # (nothing is collected at registration)
@@ -108,6 +112,7 @@ class EngineCollector:
             yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", self.num_live())
             yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", 0)
             return
+        yield from self._lora()
         total = max(1, stats.num_total_blocks)
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", stats.num_running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting)
@@ -119,3 +124,23 @@ class EngineCollector:
                       stats.prefix_cache_hits)
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                       stats.num_preemptions)
+
+    def _lora(self):
+        """vLLM's ``vllm:lora_requests_info`` (the Gateway API Inference Extension routes by it): one series
+        whose labels list the adapters running and waiting (comma-separated) and MAX_LORAS, its value the
+        time of this reading; and requests per adapter since start."""
+        if self.lora_fn is None:
+            return
+        info, counts = self.lora_fn()
+        if info is None:
+            return
+        running, waiting, max_loras = info
+        family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                   labels=["running_lora_adapters", "max_lora", "waiting_lora_adapters"])
+        family.add_metric([",".join(running), str(max_loras), ",".join(waiting)], time.time())
+        yield family
+        requests = CounterMetricFamily("llm_lora_requests", "Requests admitted per LoRA adapter since start.",
+                                       labels=["model_name", "lora_name"])
+        for name, count in sorted(counts.items()):
+            requests.add_metric([self.labels["model_name"], name], count)
+        yield requests

@@ -85,7 +85,8 @@ async def serve(settings: Settings, options: ServeOptions) -> int:
             return 1
         state.service = service
         state.metrics.watch_engine(lambda: service.loop.stats, lambda: service.num_live_requests,
-                                   lambda: service.metrics.publish_gauges(force=True))
+                                   lambda: service.metrics.publish_gauges(force=True),
+                                   lambda: (service.lora_info(), dict(service.lora_requests)))
         service.metrics.announce()
         if options.grpc_port:
             grpc_server = build_grpc_server(state, f"{options.host}:{options.grpc_port}")

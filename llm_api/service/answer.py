@@ -78,8 +78,9 @@ async def parse_native(service: ModelService, row: Mapping[str, Any], default_st
 
 async def parse_openai(service: ModelService, api: str, body: bytes) -> tuple[GenerateRequest, openai.OpenAICall]:
     if len(body) > LARGE_BODY_BYTES:
-        return await service.offload(openai.parse_call, api, body, service.model_name, service.limits)
-    return openai.parse_call(api, body, service.model_name, service.limits)
+        return await service.offload(openai.parse_call, api, body, service.model_name, service.limits,
+                                     service.adapter_names())
+    return openai.parse_call(api, body, service.model_name, service.limits, service.adapter_names())
 
 
 async def parse_large(service: ModelService, parse: Callable[..., T], body: bytes, *args: Any) -> T:

@@ -48,6 +48,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -69,7 +70,9 @@ from llm_api.engine.request import FinishReason
 from llm_api.engine.scheduler import PromptTooLongError
 from llm_api.engine.support import unsupported_reason
 from llm_api.model.loader import LoadedModel, load
-from llm_api.model.settings import Settings
+from llm_api.lora.config import AdapterError
+from llm_api.lora.registry import AdapterInUseError, AdapterPathError, LoraRegistry
+from llm_api.model.settings import ConfigError, Settings
 from llm_api.service.engine_loop import EngineLoop
 from llm_api.service.grammars import GrammarCompilation
 from llm_api.service.live_responses import Responses
@@ -123,6 +126,7 @@ class ModelService:
                              _vocab_size(lm.model), settings.max_num_seqs, detect_tool_format(lm.tokenizer),
                              settings.max_request_work,
                              reasoning_format(settings.reasoning_parser, lm.tokenizer))
+        self.lora: LoraRegistry | None = self._build_lora() if settings.lora_enabled else None
         self.engine: LLMEngine | None = self._build_engine() if settings.engine == "paged" else None
         core = self.engine if self.engine is not None else ReferenceCore(lm.model, lm.eos_token_ids,
                                                                          lm.tokenizer.pad_token_id)
@@ -136,6 +140,8 @@ class ModelService:
         self._live: dict[str, Generation] = {}  # request id -> admitted request
         self._labels: set[str] = set()  # client request_id labels of live requests
         self._tokens_in_flight = 0
+        self.lora_requests: Counter[str] = Counter()  # adapter name -> requests admitted since start
+        self._lora_live: Counter[str] = Counter()  # adapter name -> live requests (an unload waits for 0)
 
     @classmethod
     def load(cls, settings: Settings, metrics_sink: Sink | None = None) -> "ModelService":
@@ -157,10 +163,13 @@ class ModelService:
         # Decided from the model before building (llm_api.engine.support); any other error building the
         # engine for a model it supports is a bug to surface, not a reason to serve silently slower.
         reason = unsupported_reason(self.lm.model)
+        if reason is not None and self.lora is not None:
+            raise ConfigError(f"LoRA adapters need the paged engine, which cannot drive this model: {reason}")
         if reason is not None:
             logger.warning("the paged engine cannot drive this model: %s; using the generate() reference path", reason)
             return None
-        engine = LLMEngine(self.lm.model, EngineConfig.from_settings(self.settings), set(self.lm.eos_token_ids))
+        engine = LLMEngine(self.lm.model, EngineConfig.from_settings(self.settings), set(self.lm.eos_token_ids),
+                           lora=self.lora)
         stats = engine.stats()
         logger.info(
             "paged engine: %d KV blocks of %d tokens, max concurrent tokens %d, max_model_len %d, attention %s, "
@@ -169,6 +178,75 @@ class ModelService:
             engine.cuda_graph_batch_sizes or "none", engine.config.max_num_batched_tokens,
         )
         return engine
+
+    def _build_lora(self) -> LoraRegistry:
+        """Wrap the model's target linears and load LORA_ADAPTERS; an adapter that does not fit stops the start
+        (ConfigError naming it and why)."""
+        try:
+            # (adapters are checked against the checkpoint's folder name: PEFT records the base's hub id or path)
+            registry = LoraRegistry(self.lm.model, self.settings.max_loras, self.settings.max_lora_rank,
+                                    self.settings.model_path or None)
+            for name, path in self.settings.lora_adapters:
+                if name == self.model_name:
+                    raise AdapterError(f"LoRA adapter {name!r} refused: the name is the base model's (MODEL_NAME)")
+                registry.load(name, path)
+        except AdapterError as err:
+            raise ConfigError(str(err)) from None
+        return registry
+
+    # ------------------------------------------------------------------------------------------
+    # LoRA adapters
+
+    def adapter_names(self) -> frozenset[str]:
+        return frozenset(a.name for a in self.lora.adapters()) if self.lora is not None else frozenset()
+
+    def _lora_id(self, request: GenerateRequest) -> int:
+        """The load id of the request's adapter (0: the base model); 404 model_not_found for an unknown name."""
+        name = request.adapter
+        if name is None or name == self.model_name:
+            return 0
+        adapter = self.lora.get(name) if self.lora is not None else None
+        if adapter is None:
+            served = ", ".join(repr(n) for n in [self.model_name, *sorted(self.adapter_names())])
+            raise ApiError(404, "model_not_found", f"The model {echo(name)} does not exist; this server serves "
+                           f"{served}", request.adapter_param)
+        return adapter.lora_id
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Runtime load (LORA_RUNTIME_LOADING): read below LORA_ADAPTER_ROOT only; ApiError otherwise."""
+        if self.lora is None or not self.settings.lora_runtime_loading:
+            raise ApiError(403, "lora_runtime_loading_disabled", "loading LoRA adapters at run time is off "
+                           "(LORA_RUNTIME_LOADING=true and LORA_ADAPTER_ROOT enable it)")
+        if name == self.model_name:
+            raise ApiError(400, "invalid_value", "lora_name is the base model's name", "lora_name")
+        try:
+            await self.offload(self.lora.load_under_root, name, path, self.settings.lora_adapter_root)
+        except AdapterPathError as err:
+            raise ApiError(400, "invalid_lora_path", str(err), "lora_path") from None
+        except AdapterError as err:
+            code = "adapter_exists" if self.lora.get(name) is not None else "invalid_adapter"
+            raise ApiError(400, code, str(err), "lora_name" if code == "adapter_exists" else "lora_path") from None
+
+    def unload_adapter(self, name: str) -> None:
+        if self.lora is None or not self.settings.lora_runtime_loading:
+            raise ApiError(403, "lora_runtime_loading_disabled", "unloading LoRA adapters at run time is off "
+                           "(LORA_RUNTIME_LOADING=true enables it)")
+        try:
+            self.lora.unload(name, in_use=self._lora_live[name])
+        except KeyError:
+            raise ApiError(404, "model_not_found", f"no LoRA adapter {echo(name)} is loaded", "lora_name") from None
+        except AdapterInUseError as err:
+            raise ApiError(409, "adapter_in_use", str(err), "lora_name") from None
+
+    def lora_info(self) -> tuple[list[str], list[str], int] | None:
+        """(running adapter names, waiting adapter names, MAX_LORAS) for vllm:lora_requests_info; None
+        without LoRA."""
+        if self.lora is None:
+            return None
+        stats = self.loop.stats
+        running = [n for i in getattr(stats, "running_lora_ids", ()) if (n := self.lora.name_of(i))]
+        waiting = [n for i in getattr(stats, "waiting_lora_ids", ()) if (n := self.lora.name_of(i))]
+        return running, waiting, self.lora.max_loras
 
     async def offload(self, fn, *args):
         """Run ``fn(*args)`` on the service's small worker pool (large prompts and bodies): the event loop
@@ -207,6 +285,7 @@ class ModelService:
         refusal = work_refusal(request, 0, self.limits.max_request_work) or self.prompts.too_long(request)
         if refusal is not None:
             raise refusal
+        self._lora_id(request)  # an unknown adapter is refused before the prompt is tokenized
         prompt_ids, prompt_embeds = await self._prepare(request)
         if prompt_ids is not None:
             num_prompt_tokens = len(prompt_ids)
@@ -227,10 +306,16 @@ class ModelService:
         if label is not None and label in self._labels:  # (another request took it while we tokenized)
             raise ApiError(409, "duplicate_request_id", f"a request with request_id {echo(label)} is still running")
         cost = num_prompt_tokens + request.params.n * request.params.max_new_tokens
+        lora_id = self._lora_id(request)  # (again: it may have been unloaded while the prompt was tokenized)
         self._admit(cost)
         timeout = min(request.timeout_s or self.settings.request_timeout_s, self.settings.request_timeout_s)
         generation = Generation(self, request_id, request, prompt_ids, prompt_embeds, num_prompt_tokens,
                                 cost, marker, arrival, arrival + timeout)
+        generation.lora_id = lora_id
+        if lora_id and request.adapter is not None:
+            generation.adapter = request.adapter
+            self.lora_requests[request.adapter] += 1
+            self._lora_live[request.adapter] += 1
         self._live[request_id] = generation
         if label is not None:
             self._labels.add(label)
@@ -278,6 +363,8 @@ class ModelService:
         if self._live.get(generation.request_id) is generation:
             del self._live[generation.request_id]
             self._tokens_in_flight -= generation.cost
+            if generation.adapter is not None:
+                self._lora_live[generation.adapter] -= 1
             if generation.label is not None:
                 self._labels.discard(generation.label)
 
@@ -357,6 +444,8 @@ class Generation:
         self._marker = marker
         self._arrival = arrival
         self._deadline = deadline
+        self.lora_id = 0  # the LoRA adapter's load id (0: the base model) and its name
+        self.adapter: str | None = None
 
     def _log_end(self, end: Finished) -> None:
         if end.error is None:
@@ -375,7 +464,8 @@ class Generation:
         timer = service.metrics.start(self.num_prompt_tokens, self._arrival)
         end: Finished | None = None
         try:
-            outputs = service.loop.generate(self.request_id, self._prompt_ids, self.params, self._prompt_embeds)
+            outputs = service.loop.generate(self.request_id, self._prompt_ids, self.params, self._prompt_embeds,
+                                            self.lora_id)
             async with aclosing(outputs):
                 while end is None:
                     # The deadline bounds each wait on the engine, never the consumer's own awaits.

@@ -22,8 +22,10 @@ error, in its route's shape.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
+import secrets
 from contextlib import aclosing
 from typing import AsyncGenerator
 
@@ -52,6 +54,9 @@ class LLMHandler(BaseHandler):
 
     def initialize(self, context):
         settings = Settings.from_env()  # a bad value raises here and the model does not load
+        model_dir = context.system_properties.get("model_dir")
+        if model_dir:  # adapters packaged into the archive (--extra-files) are named relative to it
+            settings = settings.with_lora_base(model_dir)
         # Parse request bodies ourselves: TorchServe's own JSON decoding accepts NaN, duplicate keys
         # and invalid UTF-8 silently (it falls back to bytes), and we want one clear error per case.
         # The worker reads this variable for every incoming message.
@@ -101,7 +106,7 @@ class LLMHandler(BaseHandler):
             shape = route.errors
             call = Call(reply.request_id, None, row, reply.headers, grpc=reply.is_grpc,
                         grpc_stream=reply.is_grpc and self.grpc_streaming)
-            ctx = RouteContext(self.marker, self._service)
+            ctx = RouteContext(self.marker, self._service, management_key=_management_key)
             result = await answer(route, params, ctx, call)
             if isinstance(result, Whole):
                 if result.status == 200:
@@ -130,3 +135,20 @@ class LLMHandler(BaseHandler):
                 else:
                     return reply.finish(part.payload, part.content_type)
         raise RuntimeError("the request ended without a final part")
+
+
+def _management_key() -> str | None:
+    """TorchServe's current management key, from the key_file.json in the frontend's working directory (the
+    worker runs in the model's folder; its parent process is the frontend). None when there is no key
+    file: token authorization is off."""
+    for folder in (f"/proc/{os.getppid()}/cwd", os.getcwd()):
+        path = os.path.join(folder, "key_file.json")
+        if not os.path.exists(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as file:
+                return str(json.load(file)["management"]["key"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return secrets.token_hex(32)  # a key file we cannot read: no key matches (fail closed)
+    return None
+

@@ -3,7 +3,8 @@
 * ``GET health``: liveness: the process serves and its engine thread lives (200 while the model loads);
 * ``GET ready`` (TorchServe and the standalone server: ``v1/health`` too): readiness: model loaded,
   engine stepping, not draining (``llm_api.service.metrics.Health``);
-* ``GET v1/models``: the served model (OpenAI's list shape);
+* ``GET v1/models``: the served model and its LoRA adapters (OpenAI's list shape; an adapter's ``parent``
+  is the base model, as vLLM lists them);
 * ``GET metrics``: the Prometheus text of the edge that has one (the standalone server; TorchServe
   serves its own on the metrics port).
 
@@ -39,7 +40,7 @@ async def ready(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer
 
 async def models(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:
     service = ctx.loaded()
-    return Whole(200, openai.models_list(service.model_name, service.created))
+    return Whole(200, openai.models_list(service.model_name, service.created, service.adapter_names()))
 
 
 async def metrics(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:

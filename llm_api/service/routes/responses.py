@@ -47,7 +47,7 @@ def _not_found(response_id: str, param: str | None = None) -> ApiError:
 async def create(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:
     service = ctx.serving()
     request, encoder = await parse_large(service, parse_responses, call.json_body(), service.model_name,
-                                         service.limits)
+                                         service.limits, service.adapter_names())
     owner = _owner(call)
     if encoder.previous_response_id is not None:
         stored = await asyncio.to_thread(service.responses.store.get, encoder.previous_response_id, owner)

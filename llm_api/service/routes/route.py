@@ -55,6 +55,9 @@ class RouteContext:
     service: ModelService | None  # None while the model loads
     draining: bool = False
     metrics_text: Callable[[], tuple[str | bytes, str]] | None = None  # () -> (Prometheus text, its content type)
+    # () -> the key management routes need in X-Management-Key (TorchServe's management key; None: token auth
+    # off), where the edge's own auth does not already stand for it (the standalone server's bearer key does).
+    management_key: Callable[[], str | None] | None = None
 
     def loaded(self) -> ModelService:
         """The service, or the 503 a request gets while the model loads."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 
 from llm_api.api.errors import ApiError, echo
-from llm_api.service.routes import native, openai_calls, probes, responses, tokenizer
+from llm_api.service.routes import lora, native, openai_calls, probes, responses, tokenizer
 from llm_api.service.routes.route import Answer, Call, Route, RouteContext
 
 METHOD_OVERRIDE_HEADER = "x-http-method-override"
@@ -39,6 +39,10 @@ ROUTES: tuple[Route, ...] = (
           model_paths=("v1/responses/{id}/cancel",)),
     Route("tokenize", "POST", tokenizer.tokenize, paths=("tokenize",), model_paths=("tokenize",)),
     Route("detokenize", "POST", tokenizer.detokenize, paths=("detokenize",), model_paths=("detokenize",)),
+    Route("load_lora_adapter", "POST", lora.load, paths=("v1/load_lora_adapter",),
+          model_paths=("v1/load_lora_adapter",)),
+    Route("unload_lora_adapter", "POST", lora.unload, paths=("v1/unload_lora_adapter",),
+          model_paths=("v1/unload_lora_adapter",)),
     Route("models", "GET", probes.models, paths=("v1/models",), model_paths=("v1/models",)),
     Route("health", "GET", probes.health, paths=("health",), public=True, needs_model=False),
     Route("ready", "GET", probes.ready, paths=("ready", "v1/health"), model_paths=("v1/health",), public=True,

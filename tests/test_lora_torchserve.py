@@ -1,0 +1,69 @@
+"""LoRA adapters under TorchServe: adapters packaged into the archive with ``torch-model-archiver
+--extra-files`` and named relative to it in LORA_ADAPTERS, served beside the base model, and the runtime
+load/unload routes behind TorchServe's management key (``X-Management-Key``) on top of its inference key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hostile import openai_path, post_json, raw_request, refusal_problems
+from lora_helpers import make_adapter
+
+pytest.importorskip("peft")
+pytestmark = pytest.mark.server
+
+
+@pytest.fixture(scope="module")
+def lora_torchserve(start_server, tmp_path_factory, embedded_model_path):
+    model = AutoModelForCausalLM.from_pretrained(embedded_model_path, dtype=torch.float32)
+    package = tmp_path_factory.mktemp("package")
+    make_adapter(model, package / "lora" / "alpha", seed=21, r=8, scale=1.0)  # -> <archive>/lora/alpha
+    root = tmp_path_factory.mktemp("ts-root")
+    make_adapter(model, root / "delta", seed=22, r=2, targets=["q_proj"])
+    del model
+    server = start_server("lora-ts", (Path(__file__).parent.parent / "model-config.yaml").read_text(),
+                          extra_files=(package,),
+                          env={"DTYPE": "float32", "KV_CACHE_MEMORY_MIB": "64", "LORA_ADAPTERS": "alpha=lora/alpha",
+                               "LORA_RUNTIME_LOADING": "true", "LORA_ADAPTER_ROOT": str(root)})
+    yield server
+    server.stop()
+
+
+def _models(server) -> dict:
+    answer = raw_request(server, "GET", openai_path(server, "models"))
+    assert answer.status == 200, answer.body[:300]
+    return {m["id"]: m for m in answer.json()["data"]}
+
+
+def test_packaged_adapter_is_served(lora_torchserve):
+    models = _models(lora_torchserve)
+    assert models["alpha"]["parent"] == lora_torchserve.model_name
+    body = {"prompt": "The three most useful kitchen tools are", "max_tokens": 8, "temperature": 0}
+    base = post_json(lora_torchserve, openai_path(lora_torchserve, "completions"), {**body, "model": lora_torchserve.model_name})
+    alpha = post_json(lora_torchserve, openai_path(lora_torchserve, "completions"), {**body, "model": "alpha"})
+    assert base.status == alpha.status == 200, (base.body[:300], alpha.body[:300])
+    assert alpha.json()["model"] == "alpha"
+    assert alpha.json()["choices"][0]["text"] != base.json()["choices"][0]["text"]
+
+
+def test_runtime_loading_needs_the_management_key(lora_torchserve):
+    path = openai_path(lora_torchserve, "load_lora_adapter")
+    body = {"lora_name": "delta", "lora_path": "delta"}
+    for key in (None, "not-the-key", lora_torchserve.key("inference")):
+        headers = {"X-Management-Key": key} if key else {}
+        answer = post_json(lora_torchserve, path, body, headers=headers)
+        assert not refusal_problems(f"load with {key!r}", answer, openai=True, statuses=(403,)), answer.body[:300]
+    assert "delta" not in _models(lora_torchserve)
+    management = {"X-Management-Key": lora_torchserve.key("management")}
+    outside = post_json(lora_torchserve, path, {"lora_name": "x", "lora_path": "../x"}, headers=management)
+    assert outside.status == 400 and outside.json()["error"]["code"] == "invalid_lora_path"
+    assert post_json(lora_torchserve, path, body, headers=management).status == 200
+    assert "delta" in _models(lora_torchserve)
+    unload = openai_path(lora_torchserve, "unload_lora_adapter")
+    assert post_json(lora_torchserve, unload, {"lora_name": "delta"}).status == 403
+    assert post_json(lora_torchserve, unload, {"lora_name": "delta"}, headers=management).status == 200
+    assert "delta" not in _models(lora_torchserve)
