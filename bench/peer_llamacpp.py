@@ -24,7 +24,7 @@ ratio llm_api/llama.cpp; for TTFT lower is better, so a ratio above 1 means llm_
 writes every sample as JSON (``--out``, default ``bench/results/peer_llamacpp-<time>.json``).
 
     .venv/bin/python bench/peer_llamacpp.py --smoke          # < 1 min: tiny sizes, one round
-    flock /work/notes/bench.lock .venv/bin/python bench/peer_llamacpp.py --rounds 3
+    .venv/bin/python bench/peer_llamacpp.py --rounds 3
 """
 
 from __future__ import annotations

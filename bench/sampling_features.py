@@ -18,7 +18,7 @@ machine's swings hit both sides alike:
 
 Prints a table; writes JSON (with every round's numbers) to ``--out``. Run it alone on the machine:
 
-    flock /work/notes/bench.lock .venv/bin/python bench/sampling_features.py --out bench/results/sampling.json
+    .venv/bin/python bench/sampling_features.py --out bench/results/sampling.json
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ probe decides it), both warmed up, then ``--rounds`` rounds of the same workload
 alternating order (the idle one costs nothing: its engine thread sleeps); each front end's records are
 pooled over its rounds.
 
-    flock /work/notes/bench.lock .venv/bin/python bench/serving.py --compare reference
-    flock /work/notes/bench.lock .venv/bin/python bench/serving.py --compare frontends --rounds 2
+    .venv/bin/python bench/serving.py --compare reference
+    .venv/bin/python bench/serving.py --compare frontends --rounds 2
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@
     brings a schema that takes seconds to compile (a distinct one each round): the stream's inter-token
     gaps during the compile against the same stream alone.
 
-    flock /work/notes/bench.lock python bench/structured_output.py --rounds 4 --out /tmp/structured.json
+    python bench/structured_output.py --rounds 4 --out /tmp/structured.json
 """
 
 from __future__ import annotations
