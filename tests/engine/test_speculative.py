@@ -387,7 +387,8 @@ def test_embedded_model_greedy_identity(fp32_embedded):
     """A grounded chat (repeat a code snippet with a variable renamed) and two open ones, on and off."""
     tokenizer, model = fp32_embedded
     code = "def area(width, height):\n    result = width * height\n    return result\n"
-    chats = [f"Repeat this code exactly, but rename the variable result to total:\n\n{code}",
+    chats = [f"Rewrite this Python function with the variable `result` renamed to `total`. Reply with only the "
+             f"code.\n\n```python\n{code}```",
              EMBEDDED_CHATS[0], EMBEDDED_CHATS[2]]
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                              tokenize=True, return_dict=True)["input_ids"] for text in chats]
@@ -396,9 +397,7 @@ def test_embedded_model_greedy_identity(fp32_embedded):
     off, _ = _run(model, prompts, greedy(40), **config)
     on, stats = _run(model, prompts, greedy(40), **config, **SPEC)
     assert on == off
-    assert stats.spec_decode_num_accepted_tokens >= 5
-    grounded, _ = _run(model, prompts[:1], greedy(40), **config, **SPEC)
-    assert "total" in tokenizer.decode(grounded["0"][0])
+    assert stats.spec_decode_num_accepted_tokens >= 5  # (the code is copied: drafts from the prompt hold)
 
 
 def test_embedded_model_json_schema_with_speculation(fp32_embedded):

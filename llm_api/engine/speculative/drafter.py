@@ -34,7 +34,7 @@ class SpeculativeConfig:
     max_batch: int = 8  # no drafts on a step with more decoding sequences than this
     min_drafted: int = 16  # tokens drafted before the acceptance rate is judged
     min_acceptance: float = 0.2  # below it, the sequence pauses drafting
-    pause_steps: int = 32
+    pause_steps: int = 8
 
     def __post_init__(self):
         if self.num_tokens < 0:
