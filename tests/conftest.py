@@ -165,8 +165,11 @@ def async_server(tmp_path_factory, embedded_model_path):
 @pytest.fixture(scope="session")
 def standalone_server(tmp_path_factory, embedded_model_path):
     """`llm_api serve` (the standalone front end) for the tests shared by both front ends: float32 like the
-    classic server (greedy answers comparable with generate()), the default KV pool."""
-    server = _serve_standalone(tmp_path_factory, embedded_model_path, "standalone", {"DTYPE": "float32"})
+    classic server (greedy answers comparable with generate()), the default KV pool. Speculative decoding
+    is on (SPECULATIVE_TOKENS=4): greedy answers are the same with it, so every test of this server also
+    checks that, and tests/test_server_speculative.py checks what is particular to it."""
+    server = _serve_standalone(tmp_path_factory, embedded_model_path, "standalone",
+                               {"DTYPE": "float32", "SPECULATIVE_TOKENS": "4"})
     yield server
     server.stop()
 
