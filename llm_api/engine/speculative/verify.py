@@ -108,10 +108,11 @@ def verify(logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[l
         for r, j in enumerate(alive):
             token = picked[r]
             tokens[j].append(token)
-            if out.logprobs is not None and out.logprobs[r] is not None:
+            row_logprob = out.logprobs[r] if out.logprobs is not None else None
+            if row_logprob is not None:
                 lp = logprobs[j]
                 assert lp is not None  # (the row asked for logprobs)
-                lp.append(out.logprobs[r])
+                lp.append(row_logprob)
             draft = drafts[j]
             if position < len(draft) and token == draft[position] and not _stops(token, params[j], stop_token_ids):
                 still.append(j)
