@@ -179,7 +179,8 @@ class Scheduler:
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             num_blocks_before = len(request.block_ids)
             num_copies_before = len(output.block_copies)
-            draft = self._draft(request, budget, output.block_copies) if speculate else []
+            draft = (self._draft(request, budget, len(self.running) - 1 - index, output.block_copies)
+                     if speculate else [])
             num_new_tokens += len(draft)
             while not self._allocate_slots(request, num_new_tokens, copies=output.block_copies):
                 victim = self.running.pop()
@@ -327,8 +328,10 @@ class Scheduler:
         num_decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         return 0 < num_decoding <= drafter.config.max_batch
 
-    def _draft(self, request: Request, budget: int, copies: list[tuple[int, int]]) -> list[int]:
-        """A decoding request's draft, its slots already allocated; [] when it has none or they do not fit."""
+    def _draft(self, request: Request, budget: int, num_behind: int, copies: list[tuple[int, int]]) -> list[int]:
+        """A decoding request's draft, its slots already allocated; [] when it has none or they do not fit.
+        A draft leaves a free block for each of the ``num_behind`` running requests scheduled after it, so
+        drafting never makes one of them preempt another."""
         if request.num_tokens - request.num_computed_tokens != 1:
             return []  # a prefill chunk, or a resumed sequence recomputing its tokens
         assert self.drafter is not None  # (_speculates() said so)
@@ -337,7 +340,12 @@ class Scheduler:
                    self.config.max_model_len - request.num_tokens - 1)
         draft = self.drafter.draft(request, room)
         # Never preempt another sequence for a draft: without free blocks the request decodes plainly.
-        if draft and not self._allocate_slots(request, 1 + len(draft), copies=copies):
+        if not draft:
+            return []
+        num_needed = _cdiv(request.num_computed_tokens + 1 + len(draft), self.block_size) - len(request.block_ids)
+        if num_needed > 0 and self.block_pool.num_free_blocks - num_needed < num_behind:
+            return []
+        if not self._allocate_slots(request, 1 + len(draft), copies=copies):
             return []
         return draft
 

@@ -187,6 +187,17 @@ def test_rejected_drafts_leave_no_blocks_and_no_prefix_cache_entries(tiny_models
     assert from_cache == fresh
 
 
+def test_drafts_take_only_spare_blocks(tiny_models):
+    """A pool too small for every sequence to draft: drafting never costs a preemption, outputs unchanged."""
+    model, _ = get_model(tiny_models, "llama")
+    prompts = _prompts(seed=37, count=4)
+    config = dict(block_size=2, num_blocks=sum(len(p) // 2 for p in prompts) + 12)
+    off, plain = _run(model, prompts, greedy(16), **config)
+    on, stats = _run(model, prompts, greedy(16), **config, **SPEC)
+    assert on == off and stats.spec_decode_num_draft_tokens > 0
+    assert stats.num_preemptions <= plain.num_preemptions
+
+
 def test_abort_during_speculation_frees_everything(tiny_models):
     model, _ = get_model(tiny_models, "llama")
     prompts = _prompts(seed=19, count=4)
