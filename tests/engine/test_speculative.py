@@ -437,3 +437,23 @@ def test_embedded_model_json_schema_with_speculation(fp32_embedded):
     tokens, reason = answers[4]
     if reason is FinishReason.STOP:
         json.loads(tokenizer.decode(tokens, skip_special_tokens=True))
+
+
+def test_pauses_double_while_drafts_keep_failing():
+    from llm_api.engine.request import Request
+    from llm_api.engine.speculative.drafter import Drafter
+
+    drafter = Drafter(SpeculativeConfig(4, min_drafted=4, min_acceptance=0.5, pause_steps=2, max_pause_steps=8))
+    request = Request("r", [1, 2, 3, 1, 2, 3, 1, 2], greedy(100))
+    pauses = []
+    for _ in range(5):
+        assert drafter.draft(request, 4) == [3, 1, 2]  # ("2 3 1 2" matched at 1; the sequence ends 3 later)
+        drafter.record(request, 4, 0)  # all rejected: judged and paused
+        pause = 0
+        while drafter.draft(request, 4) == []:
+            pause += 1
+        pauses.append(pause)
+    assert pauses == [2, 4, 8, 8, 8]
+    drafter.record(request, 4, 4)  # a passed judgement resets the pause
+    drafter.record(request, 4, 0)
+    assert request.draft_state.paused_for == 2

@@ -9,9 +9,10 @@ batch is compute-bound already, where verifying k extra positions per sequence c
 accepted tokens save (the default is measured, see docs/benchmarks.md, "Speculative decoding").
 
 Per-sequence switch-off: a sequence whose drafts are mostly rejected pays for k extra positions per
-step for nothing. Once it has drafted at least ``min_drafted`` tokens since its last reset with fewer
-than ``min_acceptance`` of them accepted, it stops drafting for ``pause_steps`` steps, then starts
+step for nothing. Once it has drafted at least ``min_drafted`` tokens since its last judgement with
+fewer than ``min_acceptance`` of them accepted, it stops drafting for ``pause_steps`` steps, then starts
 counting afresh (the text may turn to copying later: an answer that quotes its prompt after a preamble).
+Each failed judgement in a row doubles the pause, up to ``max_pause_steps``; a passed one resets it.
 
 State lives on the request (``Request.draft_state``): a ``TokenBuffer`` of its ids (appended to, not
 rebuilt) and its counts, so nothing is kept for a sequence after it ends. Embeddings prompts
@@ -35,6 +36,7 @@ class SpeculativeConfig:
     min_drafted: int = 16  # tokens drafted before the acceptance rate is judged
     min_acceptance: float = 0.2  # below it, the sequence pauses drafting
     pause_steps: int = 8
+    max_pause_steps: int = 32
 
     def __post_init__(self):
         if self.num_tokens < 0:
@@ -55,6 +57,7 @@ class DraftState:
     drafted: int = 0  # since the last reset
     accepted: int = 0
     paused_for: int = 0  # steps left without drafting
+    next_pause: int = 0  # the pause a failed judgement gives (0: config.pause_steps)
 
 
 @dataclass
@@ -100,5 +103,8 @@ class Drafter:
         config = self.config
         if state.drafted >= config.min_drafted:
             if state.accepted < config.min_acceptance * state.drafted:
-                state.paused_for = config.pause_steps
+                state.paused_for = state.next_pause or config.pause_steps
+                state.next_pause = min(2 * state.paused_for, max(config.max_pause_steps, config.pause_steps))
+            else:
+                state.next_pause = 0
             state.drafted = state.accepted = 0
