@@ -152,12 +152,14 @@ def async_server(tmp_path_factory, embedded_model_path):
     """The shipped model-config.yaml (async mode, engine) with a small KV pool (64 MiB), and gRPC streaming
     on (its clients here are trusted; the shipped default, off, is tested with a server of its own).
     float32 on every host, like the other shared servers: its tests compare greedy tokens and logprob
-    order (the bfloat16 paths are tested on purpose elsewhere: README, "Testing")."""
+    order (the bfloat16 paths are tested on purpose elsewhere: README, "Testing"). Speculative decoding is
+    on (SPECULATIVE_TOKENS=4), as on standalone_server: greedy answers are the same with it."""
     from torchserve_server import REPO
 
     config = (REPO / "model-config.yaml").read_text()
     server = _serve(tmp_path_factory, embedded_model_path, "async", config,
-                    env={"KV_CACHE_MEMORY_MIB": "64", "GRPC_STREAMING": "true", "DTYPE": "float32"})
+                    env={"KV_CACHE_MEMORY_MIB": "64", "GRPC_STREAMING": "true", "DTYPE": "float32",
+                         "SPECULATIVE_TOKENS": "4"})
     yield server
     server.stop()
 
