@@ -152,12 +152,14 @@ def async_server(tmp_path_factory, embedded_model_path):
     """The shipped model-config.yaml (async mode, engine) with a small KV pool (64 MiB), and gRPC streaming
     on (its clients here are trusted; the shipped default, off, is tested with a server of its own).
     float32 on every host, like the other shared servers: its tests compare greedy tokens and logprob
-    order (the bfloat16 paths are tested on purpose elsewhere: README, "Testing")."""
+    order (the bfloat16 paths are tested on purpose elsewhere: README, "Testing"). Speculative decoding is
+    on (SPECULATIVE_TOKENS=4), as on standalone_server: greedy answers are the same with it."""
     from torchserve_server import REPO
 
     config = (REPO / "model-config.yaml").read_text()
     server = _serve(tmp_path_factory, embedded_model_path, "async", config,
-                    env={"KV_CACHE_MEMORY_MIB": "64", "GRPC_STREAMING": "true", "DTYPE": "float32"})
+                    env={"KV_CACHE_MEMORY_MIB": "64", "GRPC_STREAMING": "true", "DTYPE": "float32",
+                         "SPECULATIVE_TOKENS": "4"})
     yield server
     server.stop()
 
@@ -165,8 +167,11 @@ def async_server(tmp_path_factory, embedded_model_path):
 @pytest.fixture(scope="session")
 def standalone_server(tmp_path_factory, embedded_model_path):
     """`llm_api serve` (the standalone front end) for the tests shared by both front ends: float32 like the
-    classic server (greedy answers comparable with generate()), the default KV pool."""
-    server = _serve_standalone(tmp_path_factory, embedded_model_path, "standalone", {"DTYPE": "float32"})
+    classic server (greedy answers comparable with generate()), the default KV pool. Speculative decoding
+    is on (SPECULATIVE_TOKENS=4): greedy answers are the same with it, so every test of this server also
+    checks that, and tests/test_server_speculative.py checks what is particular to it."""
+    server = _serve_standalone(tmp_path_factory, embedded_model_path, "standalone",
+                               {"DTYPE": "float32", "SPECULATIVE_TOKENS": "4"})
     yield server
     server.stop()
 

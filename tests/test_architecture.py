@@ -16,7 +16,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "llm_api"
 RANK = {"torchserve": 0, "server": 0, "client": 0, "service": 1, "api": 2, "engine": 3, "lora": 3.5, "model": 4,
         "kernels": 5, "proto": 5}
-TORCH_FREE = {"llm_api.engine.scheduler", "llm_api.engine.block_pool", "llm_api.engine.request"}
+TORCH_FREE = {"llm_api.engine.scheduler", "llm_api.engine.block_pool", "llm_api.engine.request",
+              "llm_api.engine.speculative.drafter", "llm_api.engine.speculative.ngram"}
 
 
 def _modules() -> dict[str, Path]:

@@ -22,6 +22,16 @@ def test_values_are_read():
     assert Settings.from_env({"QUANTIZATION": "4bit"}).quantization == "4bit"
 
 
+def test_speculative_settings_reach_the_engine_config():
+    from llm_api.engine.engine import EngineConfig
+
+    off = EngineConfig.from_settings(Settings.from_env({}))
+    assert (off.speculative_tokens, off.ngram_min, off.ngram_max, off.speculative_max_batch) == (0, 1, 4, 8)
+    on = EngineConfig.from_settings(Settings.from_env({"SPECULATIVE_TOKENS": "5", "NGRAM_MIN": "2", "NGRAM_MAX": "3",
+                                                       "SPECULATIVE_MAX_BATCH": "4"}))
+    assert (on.speculative_tokens, on.ngram_min, on.ngram_max, on.speculative_max_batch) == (5, 2, 3, 4)
+
+
 @pytest.mark.parametrize(
     "name, value, needle",
     [
@@ -52,6 +62,11 @@ def test_values_are_read():
         ("WRITE_TIMEOUT_S", "soon", "is not a number"),
         ("SEND_BUFFER_BYTES", "-1", "allowed values: integers >= 0"),
         ("MAX_CONNECTIONS", "0", "allowed values: integers >= 1"),
+        ("SPECULATIVE_TOKENS", "-1", "allowed values: integers >= 0"),
+        ("NGRAM_MIN", "0", "allowed values: integers >= 1"),
+        ("NGRAM_MAX", "two", "is not an integer"),
+        ("NGRAM_MIN", "5", "NGRAM_MIN=5 is above NGRAM_MAX=4"),
+        ("SPECULATIVE_MAX_BATCH", "-2", "allowed values: integers >= 0"),
         ("LLM_API_KEY", "abc", "at least 8 visible ASCII characters"),
         ("LLM_API_KEY", "tab\there-key", "without spaces"),
     ],

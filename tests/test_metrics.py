@@ -14,6 +14,8 @@ class Stats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 class Clock:
@@ -64,8 +66,10 @@ def test_engine_counters_are_published_as_increments():
     metrics.publish_gauges(force=True)
     stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits = 2, 64, 48
     metrics.publish_gauges(force=True)
-    stats.num_preemptions = 3
+    stats.num_preemptions, stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens = 3, 40, 25
     metrics.publish_gauges(force=True)
+    assert sum(values(seen, "llm_spec_decode_num_draft_tokens_total")) == 40
+    assert sum(values(seen, "llm_spec_decode_num_accepted_tokens_total")) == 25
     assert sum(values(seen, "llm_num_preemptions_total")) == 3
     assert sum(values(seen, "llm_prefix_cache_hits_total")) == 48
     assert values(seen, "llm_prefix_cache_hit_rate")[-1] == 0.75

@@ -199,6 +199,8 @@ def test_metrics_parse_and_carry_the_router_series(standalone_server):
     for name, kind in (("vllm:num_requests_waiting", "gauge"), ("vllm:num_requests_running", "gauge"),
                        ("vllm:kv_cache_usage_perc", "gauge"), ("vllm:prefix_cache_queries", "counter"),
                        ("vllm:prefix_cache_hits", "counter"), ("vllm:num_preemptions", "counter"),
+                       ("vllm:spec_decode_num_draft_tokens", "counter"),
+                       ("vllm:spec_decode_num_accepted_tokens", "counter"),
                        ("llm_e2e_request_latency_seconds", "histogram"), ("llm_generation_tokens", "counter")):
         assert families[name].type == kind, name
     e2e = families["llm_e2e_request_latency_seconds"]

@@ -54,6 +54,7 @@ def test_detokenize_requests():
 class Stats:
     num_running, num_waiting, num_free_blocks, num_total_blocks = 2, 3, 30, 40
     num_preemptions, prefix_cache_queries, prefix_cache_hits = 1, 100, 25
+    spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens = 10, 7
 
 
 def test_prometheus_sink_and_engine_series_parse():
@@ -73,6 +74,9 @@ def test_prometheus_sink_and_engine_series_parse():
     assert value["llm_e2e_request_latency_seconds_count"] == 1
     assert value["vllm:num_requests_waiting"] == 3 and value["vllm:num_requests_running"] == 2
     assert value["vllm:kv_cache_usage_perc"] == 0.25 and value["vllm:prefix_cache_hits_total"] == 25
+    assert value["vllm:spec_decode_num_draft_tokens_total"] == 10
+    assert value["vllm:spec_decode_num_accepted_tokens_total"] == 7
+    assert value["llm_spec_decode_num_accepted_tokens_total"] == 7
     assert value["llm_kv_cache_usage_ratio"] == 0.25  # refreshed at the scrape
     second = ServerMetrics("m")  # its own registry: two servers in one process do not collide
     assert b"llm_prompt_tokens_total" in second.render()

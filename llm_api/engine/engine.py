@@ -15,6 +15,11 @@ graphs would need the per-row adapter slots as a static input, so the decode ste
 With a ``LoraRegistry``, ``add_request(..., lora_id=)`` runs a request under an adapter: requests of
 different adapters and of the base model share every step (``llm_api.lora``).
 
+With ``speculative_tokens`` = k > 0 (``llm_api.engine.speculative``), decoding sequences draft up to k
+tokens by n-gram prompt lookup; the runner returns a logits row per drafted position and
+``speculative.verify`` turns them into the accepted tokens plus one, so a step may add several tokens to a
+sequence (one ``RequestOutput`` with all of them). Speculative steps run eagerly (never a decode graph).
+
 Not thread-safe, by design: one owner calls ``add_request``, ``abort_request`` and ``step`` (in the
 server, ``llm_api.service.engine_loop.EngineLoop``'s thread, fed by messages), so an abort always lands
 between two steps and frees the request's blocks at once. ``generate_batch_stream`` drives it
@@ -40,6 +45,8 @@ from llm_api.engine.memory_profile import profile_device_memory, profile_sequenc
 from llm_api.engine.model_runner import ModelRunner
 from llm_api.engine.request import FinishReason, Request, RequestOutput
 from llm_api.engine.scheduler import PromptTooLongError, Scheduler, SchedulerConfig
+from llm_api.engine.speculative.drafter import Drafter, SpeculativeConfig
+from llm_api.engine.speculative.verify import split_drafted_rows, verify
 from llm_api.engine.step_budget import CUDA_TOKEN_BUDGET, cpu_token_budget
 from llm_api.engine.support import check_supported
 from llm_api.engine.sampler import Sampler, SamplerBatch, SamplingParams, SamplingState
@@ -62,6 +69,10 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | triton (llm_api.kernels; auto: triton on CUDA)
     cuda_graphs: bool = True  # capture the decode step on CUDA (ignored elsewhere)
     cuda_graph_max_batch_size: int = 128  # largest captured decode batch (capped by max_num_seqs)
+    speculative_tokens: int = 0  # k draft tokens per step (n-gram prompt lookup); 0: off
+    ngram_min: int = 1
+    ngram_max: int = 4
+    speculative_max_batch: int = 8  # no drafts on steps with more decoding sequences
 
     @classmethod
     def from_settings(cls, settings) -> "EngineConfig":
@@ -76,6 +87,10 @@ class EngineConfig:
             attention_backend=settings.attention_backend,
             cuda_graphs=settings.cuda_graphs,
             cuda_graph_max_batch_size=settings.cuda_graph_max_batch_size,
+            speculative_tokens=settings.speculative_tokens,
+            ngram_min=settings.ngram_min,
+            ngram_max=settings.ngram_max,
+            speculative_max_batch=settings.speculative_max_batch,
         )
 
 
@@ -95,6 +110,11 @@ class EngineStats:
     num_steps: int
     running_lora_ids: tuple[int, ...] = ()  # the LoRA adapters (load ids) of running / waiting requests
     waiting_lora_ids: tuple[int, ...] = ()
+    # Speculative decoding (0 when off): drafted and accepted tokens, and accepted / drafted.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_acceptance_rate: float = 0.0
 
 
 class LLMEngine:
@@ -147,6 +167,8 @@ class LLMEngine:
                             lora.max_loras if lora is not None else 0),
             BlockPool(num_blocks, config.block_size, config.enable_prefix_caching),
             set(eos_token_ids),
+            drafter=Drafter(SpeculativeConfig(config.speculative_tokens, config.ngram_min, config.ngram_max,
+                                              config.speculative_max_batch)) if config.speculative_tokens else None,
         )
         self.sampler = Sampler()
         self._pending_outputs: list[RequestOutput] = []  # abort notices, reported by the next step()
@@ -253,14 +275,26 @@ class LLMEngine:
             return outputs
         self._num_steps += 1
         logits, sampled_requests = self.runner.execute(scheduler_output)  # [num_sampled, V]
-        sampled_token_ids, sampled_logprobs = {}, None
+        sampled_token_ids: dict = {}
+        sampled_logprobs: dict | None = None
+        drafts = {s.request.seq_id: s.draft_token_ids for s in scheduler_output.scheduled if s.draft_token_ids}
+        if drafts:  # drafted sequences are verified; the rest of the step samples as usual
+            logits, sampled_requests, drafted_logits, drafted = split_drafted_rows(logits, sampled_requests, drafts)
+            verified = verify(drafted_logits, drafted, [drafts[r.seq_id] for r in drafted],
+                              self._sampler_batch(drafted), self.scheduler.eos_token_ids)
+            sampled_token_ids = {r.seq_id: v.token_ids for r, v in zip(drafted, verified)}
+            if any(v.logprobs is not None for v in verified):
+                sampled_logprobs = {r.seq_id: tuple(v.logprobs) for r, v in zip(drafted, verified)
+                                    if v.logprobs is not None}
         if sampled_requests:
             logits, sampled_requests = self._with_forks(scheduler_output, logits, sampled_requests)
             sampled = self.sampler(logits, self._sampler_batch(sampled_requests))
             token_ids = sampled.token_ids.tolist()
-            sampled_token_ids = {r.seq_id: t for r, t in zip(sampled_requests, token_ids)}
+            sampled_token_ids.update(zip((r.seq_id for r in sampled_requests), token_ids))
             if sampled.logprobs is not None:
-                sampled_logprobs = {r.seq_id: lp for r, lp in zip(sampled_requests, sampled.logprobs) if lp is not None}
+                sampled_logprobs = sampled_logprobs or {}
+                sampled_logprobs.update((r.seq_id, lp) for r, lp in zip(sampled_requests, sampled.logprobs)
+                                        if lp is not None)
         outputs += self.scheduler.update(scheduler_output, sampled_token_ids, sampled_logprobs)
         return outputs
 
@@ -335,7 +369,18 @@ class LLMEngine:
             num_steps=self._num_steps,
             running_lora_ids=tuple(sorted({r.lora_id for r in self.scheduler.running if r.lora_id})),
             waiting_lora_ids=tuple(sorted({r.lora_id for r in self.scheduler.waiting if r.lora_id})),
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict:
+        drafter = self.scheduler.drafter
+        if drafter is None:
+            return {}
+        counters = drafter.counters
+        return {"spec_decode_num_drafts": counters.num_drafts,
+                "spec_decode_num_draft_tokens": counters.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": counters.num_accepted_tokens,
+                "spec_decode_acceptance_rate": counters.acceptance_rate}
 
 
 def _seen_token_ids(request: Request) -> list[int]:

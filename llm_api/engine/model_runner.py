@@ -6,7 +6,9 @@ every scheduled request's new tokens into one ``[1, num_tokens]`` batch (single-
 the attention backends expect), with per-token positions, the slot mapping and the block tables, runs the
 forward with ``use_cache=False``, and returns logits ``[num_sampled, vocab]`` only at the last token of
 each request that samples this step (``logits_to_keep`` keeps ``lm_head`` off the other positions), with
-those requests in the same order.
+those requests in the same order. A request scheduled with a draft (speculative decoding) feeds its
+last token and the draft ids, and gets a logits row at each of those 1 + k positions (consecutive rows,
+in its place in that order): the verification needs the target distribution after every draft prefix.
 
 Block tables come from the scheduler's deltas (``BlockTables``: new block ids per step, rebuilt when a
 sequence is admitted, resumed, forked or copied on write), never from the scheduler's own lists; they
@@ -149,7 +151,8 @@ class ModelRunner:
                 positions.append(start)
                 slot_mapping.append(_slot_of(block_ids, start, block_size))
             else:
-                input_ids.extend(request.token_ids(start, end))
+                input_ids.extend(request.token_ids(start, end))  # (stops at the last token when drafted)
+                input_ids.extend(item.draft_token_ids)
                 positions.extend(range(start, end))
                 slot_mapping.extend(_slot_of(block_ids, p, block_size) for p in range(start, end))
             if request.prompt_embeds is not None and start < request.num_prompt_tokens:
@@ -160,7 +163,8 @@ class ModelRunner:
             context_lens.append(end)
             block_table_rows.append(block_ids)
             if item.samples:
-                logit_indices.append(query_start_loc[-1] - 1)
+                end_loc = query_start_loc[-1]
+                logit_indices.extend(range(end_loc - 1 - len(item.draft_token_ids), end_loc))
                 sampled_requests.append(request)
 
         device = self.input_device

@@ -76,6 +76,7 @@ class Request:
     # preempted request keeps its output tokens, and its recompute samples only after the last of them.
     grammar_matcher: Any = None
     prompt_embeds: Any = None  # torch.Tensor [num_prompt_tokens, hidden_size] or None
+    draft_state: Any = None  # llm_api.engine.speculative.drafter.DraftState, made by the drafter on first use
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # leading tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)  # the scheduler's; the runner keeps its own copy

@@ -156,22 +156,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplerBatch) -> SamplerOutput:
         # logits: [B, V]
         params = batch.params
-        matchers = batch.grammar_matchers
-        constrained = [row for row, m in enumerate(matchers) if m is not None and not m.is_terminated()]
+        constrained = self.constrained_rows(batch)
         if not constrained and all(p.argmax_only for p in params):
             return SamplerOutput(_argmax(logits))
-        logits = logits.to(torch.float32, copy=True)  # transformed in place below
-        _apply_logit_bias(logits, batch)
-        _apply_penalties(logits, batch)
-        if constrained:
-            _apply_grammar_masks(logits, matchers, constrained)
-        sampling_rows = [row for row, p in enumerate(params) if not p.greedy]
-        if len(sampling_rows) < len(params):
-            token_ids = logits.argmax(dim=-1)
-        else:
-            token_ids = torch.empty(len(params), dtype=torch.long, device=logits.device)
+        logits, greedy_ids, sampling_rows = self.transform(logits, batch, constrained)
+        token_ids = greedy_ids if greedy_ids is not None else torch.empty(len(params), dtype=torch.long,
+                                                                          device=logits.device)
         if sampling_rows:
-            _temper_and_cut(logits, params, sampling_rows)
             probs = logits[sampling_rows].softmax(dim=-1) if len(sampling_rows) < len(params) else logits.softmax(-1)
             # A row with no allowed token at all (a grammar at a dead end, a bias of -inf on every token) has
             # NaN probabilities, on which multinomial raises and would fail the whole step, every other
@@ -183,8 +174,41 @@ class Sampler:
                     token_ids[row] = logits[row].argmax()
                 else:
                     token_ids[row] = torch.multinomial(probs[i], 1, generator=batch.states[row].generator)[0]
+        return self.commit(logits, token_ids, batch, constrained)
+
+    # The two halves of a draw, also used one position at a time by speculative verification
+    # (llm_api.engine.speculative.verify), so that it sees exactly the distributions drawn from here.
+
+    @staticmethod
+    def constrained_rows(batch: SamplerBatch) -> list[int]:
+        """Rows with a live grammar matcher."""
+        return [row for row, m in enumerate(batch.grammar_matchers) if m is not None and not m.is_terminated()]
+
+    @staticmethod
+    def transform(logits: torch.Tensor, batch: SamplerBatch, constrained: list[int]
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        """-> (float32 copy of ``logits`` after bias, penalties, grammar masks and, on sampling rows,
+        temperature / top-k / top-p; the argmax of each row before temperature when some row is greedy,
+        else None; the sampling rows)."""
+        params = batch.params
+        logits = logits.to(torch.float32, copy=True)  # transformed in place below
+        _apply_logit_bias(logits, batch)
+        _apply_penalties(logits, batch)
         if constrained:
-            _accept_tokens(token_ids, matchers, constrained)
+            _apply_grammar_masks(logits, batch.grammar_matchers, constrained)
+        sampling_rows = [row for row, p in enumerate(params) if not p.greedy]
+        greedy_ids = logits.argmax(dim=-1) if len(sampling_rows) < len(params) else None
+        if sampling_rows:
+            _temper_and_cut(logits, params, sampling_rows)
+        return logits, greedy_ids, sampling_rows
+
+    @staticmethod
+    def commit(logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplerBatch, constrained: list[int]) -> SamplerOutput:
+        """Feed the picked tokens to the grammar matchers and the penalty counts; their logprobs from the
+        transformed ``logits``."""
+        params = batch.params
+        if constrained:
+            _accept_tokens(token_ids, batch.grammar_matchers, constrained)
         _count_output_tokens(token_ids, batch)
         logprobs = _logprobs(logits, token_ids, params) if any(p.logprobs is not None for p in params) else None
         return SamplerOutput(token_ids, logprobs)

@@ -32,16 +32,26 @@ block, and ``SchedulerOutput.block_copies`` tells the model runner to copy the K
 (its table is then reported whole again, ``is_new``). The last holder writes in place, so n sequences
 cost the prompt's full blocks once plus at most n - 1 copied partial blocks. A forked sequence is an
 ordinary one afterwards: preempted, it recomputes (re-using the prompt's cached blocks when it can).
+
+Speculative decoding (``drafter``, ``llm_api.engine.speculative``): on a step with at most
+``max_batch`` decoding sequences, a decoding sequence may get a draft of k tokens
+(``ScheduledRequest.draft_token_ids``): it is scheduled 1 + k tokens (its last token and the draft,
+counted against the token budget; blocks for all of them, or no draft when they are not free). ``update()``
+then takes the list of tokens the verification produced for it (accepted draft tokens + one) and
+advances ``num_computed_tokens`` over the last token and the accepted drafts only: the rejected
+positions' K/V slots are overwritten later, the blocks stay with the sequence (freed with it), and the
+prefix cache registers only blocks that are full of accepted tokens.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from llm_api.engine.block_pool import BlockPool, hash_block
 from llm_api.engine.request import FinishReason, Request, RequestOutput, RequestStatus, TokenLogprob
+from llm_api.engine.speculative.drafter import Drafter
 
 
 class PromptTooLongError(ValueError):
@@ -64,6 +74,9 @@ class ScheduledRequest:
     new_block_ids: list[int] = field(default_factory=list)  # blocks it got this step, in table order
     is_new: bool = False  # admitted, resumed, forked or copied on write: new_block_ids is its whole table
     forks: list[Request] = field(default_factory=list)  # siblings that start from this row's logits (n > 1)
+    # Speculative decoding: tokens scheduled after the request's last token (num_new_tokens = 1 + len);
+    # the runner returns a logits row for each of its 1 + len positions.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -92,8 +105,10 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_pool: BlockPool, eos_token_ids: set[int]):
+    def __init__(self, config: SchedulerConfig, block_pool: BlockPool, eos_token_ids: set[int],
+                 drafter: Drafter | None = None):
         self.config = config
+        self.drafter = drafter
         self.block_pool = block_pool
         self.block_size = block_pool.block_size
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -160,12 +175,16 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
 
         # Running requests first: decodes and unfinished chunked prefills.
+        speculate = self._speculates()
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             num_blocks_before = len(request.block_ids)
             num_copies_before = len(output.block_copies)
+            draft = (self._draft(request, budget, len(self.running) - 1 - index, output.block_copies)
+                     if speculate else [])
+            num_new_tokens += len(draft)
             while not self._allocate_slots(request, num_new_tokens, copies=output.block_copies):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -177,9 +196,10 @@ class Scheduler:
                 if request.seq_id in self._untold or len(output.block_copies) > num_copies_before:
                     # Forked, or its last block was copied on write: the runner rebuilds its table.
                     self._untold.discard(request.seq_id)
-                    self._schedule(output, request, num_new_tokens, list(request.block_ids), True)
+                    self._schedule(output, request, num_new_tokens, list(request.block_ids), True, draft)
                 else:
-                    self._schedule(output, request, num_new_tokens, request.block_ids[num_blocks_before:], False)
+                    self._schedule(output, request, num_new_tokens, request.block_ids[num_blocks_before:], False,
+                                   draft)
                 budget -= num_new_tokens
                 index += 1
                 continue
@@ -218,15 +238,20 @@ class Scheduler:
             num_seqs += 1 + num_siblings
         return output
 
-    def update(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int],
-               sampled_logprobs: Mapping[str, TokenLogprob] | None = None) -> list[RequestOutput]:
+    def update(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, Any],
+               sampled_logprobs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
         """Advance every scheduled sequence; ``sampled_token_ids`` maps each sampling sequence (and each
-        sibling it forks) by seq id to its token, ``sampled_logprobs`` to its logprobs when asked for."""
+        sibling it forks) by seq id to its token, ``sampled_logprobs`` to its ``TokenLogprob`` when asked
+        for. A sequence scheduled with a draft maps to the list of tokens its verification produced (and
+        a tuple of their logprobs)."""
         outputs = []
         for scheduled in output.scheduled:
             request = scheduled.request
             if request.is_finished:
                 continue  # aborted after schedule(); its blocks are already free
+            if scheduled.draft_token_ids:
+                outputs.append(self._append_verified(scheduled, sampled_token_ids, sampled_logprobs))
+                continue
             request.num_computed_tokens += scheduled.num_new_tokens
             self._cache_full_blocks(request)
             if not scheduled.samples:
@@ -253,6 +278,32 @@ class Scheduler:
         return RequestOutput(request.request_id, [token_id], reason is not None, reason, request.index,
                              (logprob,) if logprob is not None else None)
 
+    def _append_verified(self, scheduled: ScheduledRequest, sampled_token_ids: Mapping[str, Any],
+                         sampled_logprobs: Mapping[str, Any] | None) -> RequestOutput:
+        """A drafted sequence: K/V are kept for its last token and the accepted drafts (every verified token
+        but the last, which is new), then its tokens are appended up to the first stop."""
+        request = scheduled.request
+        token_ids: list[int] = sampled_token_ids[request.seq_id]
+        num_accepted = len(token_ids) - 1
+        if self.drafter is not None:
+            self.drafter.record(request, len(scheduled.draft_token_ids), num_accepted)
+        request.num_computed_tokens += 1 + num_accepted
+        logprobs = sampled_logprobs.get(request.seq_id) if sampled_logprobs else None
+        reason = None
+        appended = []
+        for token_id in token_ids:
+            request.output_token_ids.append(token_id)
+            appended.append(token_id)
+            reason = self._stop_reason(request, token_id)
+            if reason is not None:
+                break
+        if reason is not None:
+            self._finish(request, reason)  # (frees the blocks: nothing to register)
+        else:
+            self._cache_full_blocks(request)  # (after the append: the hashes need the accepted tokens)
+        return RequestOutput(request.request_id, appended, reason is not None, reason, request.index,
+                             tuple(logprobs[: len(appended)]) if logprobs else None)
+
     def _fork(self, parent: Request, sibling: Request) -> None:
         """Start ``sibling`` from ``parent``'s computed prompt: it shares every block (one reference more)."""
         self.block_pool.touch(parent.block_ids)
@@ -267,16 +318,46 @@ class Scheduler:
     # ----------------------------------------------------------------- helpers
 
     def _schedule(self, output: SchedulerOutput, request: Request, num_new_tokens: int, new_block_ids: list[int],
-                  is_new: bool) -> None:
+                  is_new: bool, draft: list[int] | None = None) -> None:
         start = request.num_computed_tokens
         end = start + num_new_tokens
-        samples = end == request.num_tokens
+        samples = end == request.num_tokens + len(draft or ())
         forks = self._unforked.get(request.seq_id, []) if samples else []
-        output.scheduled.append(ScheduledRequest(request, num_new_tokens, samples, new_block_ids, is_new, forks))
+        output.scheduled.append(ScheduledRequest(request, num_new_tokens, samples, new_block_ids, is_new, forks,
+                                                 draft or []))
         output.num_batched_tokens += num_new_tokens
         num_prompt_positions = max(0, min(end, request.num_prompt_tokens) - start)
         self.counters.num_prefill_tokens_computed += num_prompt_positions
         self.counters.num_decode_tokens_computed += num_new_tokens - num_prompt_positions
+
+    def _speculates(self) -> bool:
+        """Drafts this step: speculation is on and at most ``max_batch`` sequences are decoding."""
+        drafter = self.drafter
+        if drafter is None or not drafter.config.enabled:
+            return False
+        num_decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        return 0 < num_decoding <= drafter.config.max_batch
+
+    def _draft(self, request: Request, budget: int, num_behind: int, copies: list[tuple[int, int]]) -> list[int]:
+        """A decoding request's draft, its slots already allocated; [] when it has none or they do not fit.
+        A draft leaves a free block for each of the ``num_behind`` running requests scheduled after it, so
+        drafting never makes one of them preempt another."""
+        if request.num_tokens - request.num_computed_tokens != 1:
+            return []  # a prefill chunk, or a resumed sequence recomputing its tokens
+        assert self.drafter is not None  # (_speculates() said so)
+        # Room for every draft token and one more: within the budget, max_new_tokens and max_model_len.
+        room = min(budget - 1, request.params.max_new_tokens - len(request.output_token_ids) - 1,
+                   self.config.max_model_len - request.num_tokens - 1)
+        draft = self.drafter.draft(request, room)
+        # Never preempt another sequence for a draft: without free blocks the request decodes plainly.
+        if not draft:
+            return []
+        num_needed = _cdiv(request.num_computed_tokens + 1 + len(draft), self.block_size) - len(request.block_ids)
+        if num_needed > 0 and self.block_pool.num_free_blocks - num_needed < num_behind:
+            return []
+        if not self._allocate_slots(request, 1 + len(draft), copies=copies):
+            return []
+        return draft
 
     def _allocate_slots(self, request: Request, num_new_tokens: int, hit_block_ids: Sequence[int] = (),
                         copies: list[tuple[int, int]] | None = None) -> bool:
@@ -304,7 +385,9 @@ class Scheduler:
         return True
 
     def _writes_shared_block(self, request: Request) -> bool:
-        """The next token's K/V go into the request's last block, and another sequence holds it too."""
+        """The next token's K/V go into the request's last block, and another sequence holds it too. (Only
+        a forked prompt's blocks are shared, and a sequence holds no blocks past them until it decodes,
+        so the block written next is the last one whenever it is shared, drafts included.)"""
         return (request.num_computed_tokens % self.block_size != 0 and bool(request.block_ids)
                 and self.block_pool.ref_counts[request.block_ids[-1]] > 1)
 

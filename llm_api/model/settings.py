@@ -71,6 +71,12 @@ class Settings:
     attention_backend: str = "auto"
     cuda_graphs: bool = True
     cuda_graph_max_batch_size: int = 128
+    # Speculative decoding by n-gram prompt lookup (llm_api.engine.speculative): draft tokens per step
+    # (0: off), the n-gram sizes looked up (longest first) and the largest decoding batch that drafts.
+    speculative_tokens: int = 0
+    ngram_min: int = 1
+    ngram_max: int = 4
+    speculative_max_batch: int = 8
     request_timeout_s: float = 600.0
     # TorchServe only: stream gRPC answers when a request asks ("stream": "true"). TorchServe's backend
     # cannot tell a unary Predictions call from StreamPredictions, and a second message to a unary call
@@ -150,6 +156,10 @@ class Settings:
             "cuda_graphs": _bool(env, "CUDA_GRAPHS", cls.cuda_graphs),
             "cuda_graph_max_batch_size": _int(env, "CUDA_GRAPH_MAX_BATCH_SIZE", cls.cuda_graph_max_batch_size,
                                               minimum=1),
+            "speculative_tokens": _int(env, "SPECULATIVE_TOKENS", cls.speculative_tokens, minimum=0),
+            "ngram_min": _int(env, "NGRAM_MIN", cls.ngram_min, minimum=1),
+            "ngram_max": _int(env, "NGRAM_MAX", cls.ngram_max, minimum=1),
+            "speculative_max_batch": _int(env, "SPECULATIVE_MAX_BATCH", cls.speculative_max_batch, minimum=0),
             "request_timeout_s": _float(env, "REQUEST_TIMEOUT_S", cls.request_timeout_s, 0.0, None),
             "grpc_streaming": _bool(env, "GRPC_STREAMING", cls.grpc_streaming),
             "max_waiting_requests": _int(env, "MAX_WAITING_REQUESTS", cls.max_waiting_requests, minimum=0),
@@ -186,6 +196,9 @@ class Settings:
             # The scheduler serves running requests first: a smaller budget would starve the newest.
             raise ConfigError(f"MAX_NUM_BATCHED_TOKENS={values['max_num_batched_tokens']} is below MAX_NUM_SEQS="
                               f"{values['max_num_seqs']}; allowed values: 0 (sized to the device) or >= MAX_NUM_SEQS")
+        if values["ngram_min"] > values["ngram_max"]:
+            raise ConfigError(f"NGRAM_MIN={values['ngram_min']} is above NGRAM_MAX={values['ngram_max']}; allowed "
+                              "values: 1 <= NGRAM_MIN <= NGRAM_MAX")
         return cls(**values)
 
     @property

@@ -13,7 +13,9 @@ Two sources, one registry (``ServerMetrics.registry``; ``render()`` writes the t
   scrape time, so they are never stale and a scrape never waits on the engine:
   ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (0-1),
   ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` (tokens) and
-  ``vllm:num_preemptions_total``, labelled ``model_name`` and ``engine`` as vLLM does.
+  ``vllm:num_preemptions_total``, and for speculative decoding ``vllm:spec_decode_num_draft_tokens_total``
+  / ``vllm:spec_decode_num_accepted_tokens_total`` (0 while it is off), labelled ``model_name`` and
+  ``engine`` as vLLM does.
 """
 
 from __future__ import annotations
@@ -124,6 +126,10 @@ class EngineCollector:
                       stats.prefix_cache_hits)
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                       stats.num_preemptions)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                      stats.spec_decode_num_draft_tokens)
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                      stats.spec_decode_num_accepted_tokens)
 
     def _lora(self):
         """vLLM's ``vllm:lora_requests_info`` (the Gateway API Inference Extension routes by it): one series

@@ -10,7 +10,7 @@ Latencies are in seconds, so TorchServe's fixed histogram buckets (Prometheus' d
 fit them. Inter-token latency is observed once per request as its mean gap between tokens (a line per
 token would flood the worker's stdout pipe that TorchServe parses). Gauges are published when a
 request starts or ends and at most once per ``gauge_interval_s`` while tokens flow; engine counters
-(preemptions, prefix-cache lookups) are published as increments since the last publication.
+(preemptions, prefix-cache lookups, speculative draft and accepted tokens) are published as increments since the last publication.
 
 ``health()`` is the readiness signal: not ready when the engine loop is gone, or when requests are in
 flight and no token has been produced for ``stall_after_s`` seconds (the engine is not making progress).
@@ -42,6 +42,8 @@ METRICS: dict[str, tuple[str, str, str]] = {
     "llm_prefix_cache_queries_total": ("counter", "Count", "prompt tokens looked up in the prefix cache"),
     "llm_prefix_cache_hits_total": ("counter", "Count", "prompt tokens found in the prefix cache"),
     "llm_num_preemptions_total": ("counter", "Count", "requests preempted (blocks freed, recomputed later)"),
+    "llm_spec_decode_num_draft_tokens_total": ("counter", "Count", "draft tokens proposed (speculative decoding)"),
+    "llm_spec_decode_num_accepted_tokens_total": ("counter", "Count", "draft tokens accepted (speculative decoding)"),
     "llm_generation_tokens_per_second": ("gauge", "Count", "tokens generated per second over the last 10 s"),
 }
 RATE_WINDOW_S = 10.0
@@ -133,7 +135,9 @@ class ServingMetrics:
         queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         self._emit("llm_prefix_cache_hit_rate", hits / queries if queries else 0.0)
         for name, value in (("llm_prefix_cache_queries_total", queries), ("llm_prefix_cache_hits_total", hits),
-                            ("llm_num_preemptions_total", stats.num_preemptions)):
+                            ("llm_num_preemptions_total", stats.num_preemptions),
+                            ("llm_spec_decode_num_draft_tokens_total", stats.spec_decode_num_draft_tokens),
+                            ("llm_spec_decode_num_accepted_tokens_total", stats.spec_decode_num_accepted_tokens)):
             with self._lock:
                 delta = value - self._published.get(name, 0)
                 self._published[name] = value
@@ -171,7 +175,7 @@ class ServingMetrics:
         TorchServe registers a backend metric when it first sees it; histograms appear with the first
         request, since an observation cannot be faked."""
         for name, (kind, _, _) in METRICS.items():
-            if kind == "counter" and not name.startswith(("llm_prefix_cache_", "llm_num_preemptions")):
+            if kind == "counter" and not name.startswith(("llm_prefix_cache_", "llm_num_preemptions", "llm_spec_decode_")):
                 self._emit(name, 0)
         self.publish_gauges(force=True)
 

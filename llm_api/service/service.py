@@ -56,7 +56,7 @@ from typing import Any, AsyncGenerator, Callable, cast
 
 import torch
 
-from llm_api.api.detokenizer import TextStream
+from llm_api.api.detokenizer import TextDelta as StreamDelta, TextStream
 from llm_api.api.errors import ApiError, echo, internal_error
 from llm_api.api.logprobs import LogprobItem, TokenTexts
 from llm_api.api.prompt import PromptBuilder
@@ -480,14 +480,15 @@ class Generation:
                     if out.finished and out.finish_reason is FinishReason.ABORT:
                         end = self._failed(ApiError(499, "cancelled", "the request was cancelled"))
                         break
-                    timer.tokens(len(out.new_token_ids))
-                    choice.num_tokens += len(out.new_token_ids)
-                    self.num_generated_tokens += len(out.new_token_ids)
+                    delta, num_used = _push_tokens(choice.text, out.new_token_ids)
+                    timer.tokens(num_used)
+                    choice.num_tokens += num_used
+                    self.num_generated_tokens += num_used
                     if token_texts is not None and out.logprobs:
                         # The end-of-sequence token that ended the choice is not part of the answer.
-                        kept = out.logprobs[:-1] if out.finish_reason is FinishReason.STOP else out.logprobs
+                        kept = (out.logprobs[:num_used] if num_used < len(out.new_token_ids)
+                                else out.logprobs[:-1] if out.finish_reason is FinishReason.STOP else out.logprobs)
                         choice.logprobs.extend(token_texts.item(lp) for lp in kept)
-                    delta = choice.text.push(out.new_token_ids)
                     if delta.text:
                         yield choice.delta(delta.text, out.index)
                     if delta.stopped or out.finished:
@@ -539,6 +540,21 @@ class _Choice:
     def delta(self, text: str, index: int) -> TextDelta:
         released, self.logprobs = tuple(self.logprobs), []
         return TextDelta(text, index, released)
+
+
+def _push_tokens(text: TextStream, token_ids: list[int]) -> tuple[StreamDelta, int]:
+    """One output's tokens into the choice's text -> (the delta, how many tokens the answer keeps). An output
+    of several tokens (speculative decoding) is pushed one token at a time, so a stop string ends the answer,
+    its usage and its logprobs at the token that completed it, as it does when tokens come one by one."""
+    if len(token_ids) == 1:
+        return text.push(token_ids), 1
+    parts = []
+    for used, token_id in enumerate(token_ids, 1):
+        delta = text.push([token_id])
+        parts.append(delta.text)
+        if delta.stopped:
+            return StreamDelta("".join(parts), True), used
+    return StreamDelta("".join(parts), False), len(token_ids)
 
 
 def _vocab_size(model) -> int | None:

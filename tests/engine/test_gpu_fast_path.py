@@ -83,3 +83,23 @@ def test_profiled_pool_respects_the_utilization():
     total = torch.cuda.mem_get_info()[1]
     assert engine.kv_cache.num_blocks > 1000  # a tiny model leaves most of the GPU to the cache
     assert torch.cuda.memory_allocated() <= utilization * total
+
+
+def test_speculative_steps_beside_graph_decode_steps():
+    """Speculation on a GPU with graphs on: drafted steps run eagerly through the Triton prefill kernel,
+    undrafted decode steps replay graphs, and the greedy tokens are those of speculation off."""
+    model = _cuda_model("llama", torch.float32)
+    generator = torch.Generator().manual_seed(13)
+    prompts = []
+    for i in range(4):
+        passage = random_prompt(generator, 6 + i)
+        prompts.append(passage * 3 + passage[:2])
+        prompts.append(random_prompt(generator, 9 + i))
+    results = {}
+    for k in (0, 4):
+        engine = make_engine(model, num_blocks=256, max_num_seqs=16, cuda_graph_max_batch_size=16,
+                             speculative_tokens=k, speculative_max_batch=16)
+        results[k] = run_engine(engine, {0: [(str(i), p, greedy(24)) for i, p in enumerate(prompts)]})
+        if k:
+            assert engine.stats().spec_decode_num_accepted_tokens > 0
+    assert results[4] == results[0]
