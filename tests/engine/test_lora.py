@@ -98,18 +98,23 @@ def peft_answers(embedded, adapters):
     return prompts, expected
 
 
-@pytest.mark.parametrize("max_loras", [2, 1], ids=["all-resident", "swapped"])
-def test_mixed_batch_matches_peft(peft_answers, adapters, embedded_model_path, max_loras):
+@pytest.mark.parametrize("max_loras, speculative_tokens", [(2, 0), (1, 0), (2, 4)],
+                         ids=["all-resident", "swapped", "speculative"])
+def test_mixed_batch_matches_peft(peft_answers, adapters, embedded_model_path, max_loras, speculative_tokens):
     """Base, alpha and beta requests in the same steps: each answer is PEFT's, token for token. With
-    MAX_LORAS=1 the scheduler runs one adapter at a time beside the base and the slot is swapped."""
+    MAX_LORAS=1 the scheduler runs one adapter at a time beside the base and the slot is swapped; with
+    speculation, each drafted token is verified under its own sequence's adapter."""
     prompts, expected = peft_answers
-    engine, registry, ids = _served_engine(embedded_model_path, adapters, max_loras)
+    engine, registry, ids = _served_engine(embedded_model_path, adapters, max_loras,
+                                           speculative_tokens=speculative_tokens)
     requests = [(f"{name}-{i}", prompt, ids.get(name, 0)) for i, prompt in enumerate(prompts)
                 for name in ("base", "alpha", "beta")]
     got = _run(engine, requests)
     mixed_steps = got.pop("_mixed_steps")[0]
     assert got == expected
     stats = registry.stats()
+    if speculative_tokens:
+        assert engine.stats().spec_decode_num_accepted_tokens > 0, "no draft was accepted: speculation untested"
     if max_loras == 2:
         assert mixed_steps > 0, "base and both adapters never ran in one step"
         assert stats.num_swaps == 2
