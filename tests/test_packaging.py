@@ -21,7 +21,9 @@ def test_archiver_command_as_written(tmp_path):
     (tmp_path / "llm_api" / "torchserve").mkdir(parents=True)
     shutil.copy(REPO / "llm_api" / "torchserve" / "llm_handler.py", tmp_path / "llm_api" / "torchserve")
     (tmp_path / "model-store").mkdir()
-    env = {**os.environ, "MODEL_NAME": "smollm2", "PATH": f"{BIN}:{os.environ['PATH']}"}
+    # TMPDIR: the archiver stages in $TMPDIR/<model name> and deletes it; another build of "smollm2" at
+    # the same time (a server fixture on another xdist worker) would lose its staging folder.
+    env = {**os.environ, "MODEL_NAME": "smollm2", "PATH": f"{BIN}:{os.environ['PATH']}", "TMPDIR": str(tmp_path)}
     subprocess.run(
         "torch-model-archiver --model-name $MODEL_NAME --version 1.0 --handler llm_api/torchserve/llm_handler.py "
         "--archive-format no-archive --export-path model-store",

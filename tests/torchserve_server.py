@@ -42,7 +42,11 @@ def build_archive(workdir: Path, model_name: str, model_config: str | None, mar:
         cfg = workdir / "model-config.yaml"
         cfg.write_text(model_config)
         cmd += ["--config-file", str(cfg)]
-    subprocess.run(cmd, check=True, cwd=workdir)
+    # The archiver stages the archive in $TMPDIR/<model name> and deletes that folder when done: two builds
+    # of one model name at once (xdist workers, another checkout's tests) would delete each other's.
+    staging = workdir / "archiver-tmp"
+    staging.mkdir(exist_ok=True)
+    subprocess.run(cmd, check=True, cwd=workdir, env={**os.environ, "TMPDIR": str(staging)})
     return store
 
 
