@@ -62,7 +62,8 @@ def main() -> None:
     server.start()
     spy = None
     if args.spy:
-        spy = subprocess.Popen(["py-spy", "record", "--gil", "--native", "-r", "200", "-f", "raw", "-o", str(args.spy),
+        program = shutil.which("py-spy", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+        spy = subprocess.Popen([program or "py-spy", "record", "--gil", "--native", "-r", "200", "-f", "raw", "-o", str(args.spy),
                                 "--pid", str(server.worker_pid())], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(2)
     schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 40}

@@ -183,7 +183,8 @@ class ModelService:
     async def offload(self, fn, *args):
         """Run ``fn(*args)`` on the service's small worker pool (large prompts and bodies): the event loop
         keeps serving the other requests meanwhile."""
-        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, functools.partial(fn, *args))
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool,
+                                                                functools.partial(_refusal_let_go, fn, *args))
 
     def shutdown(self) -> None:
         self.loop.shutdown()
@@ -459,6 +460,19 @@ class _Choice:
     def delta(self, text: str, index: int) -> TextDelta:
         released, self.logprobs = tuple(self.logprobs), []
         return TextDelta(text, index, released)
+
+
+def _refusal_let_go(fn, *args):
+    """``fn(*args)``; an ``ApiError`` it raises leaves without its traceback and the exceptions it came from,
+    whose frames hold what the parse made (a decoded 6 MB body: 66,000 objects), so they are freed here on
+    the worker thread and not on the event loop that receives the error, where freeing them took 0.07-0.2 s
+    with the GIL held (docs/reliability.md, "Hostile input, by class"). The edges render an error from its
+    own fields, never from its traceback."""
+    try:
+        return fn(*args)
+    except ApiError as error:
+        error.__context__ = error.__cause__ = None
+        raise error.with_traceback(None) from None
 
 
 def _vocab_size(model) -> int | None:
