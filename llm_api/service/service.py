@@ -145,7 +145,7 @@ class ModelService:
         # The model, tokenizer and libraries loaded by now are some 390,000 Python objects that live as long
         # as the process. Frozen, the cyclic GC no longer scans them: a full collection, which a request
         # that allocates many objects sets off (a 6 MB JSON body of 66,000 objects, about once per such
-        # body), took 0.2-0.26 s of held GIL with them and takes 0.01-0.08 s without (2-core EPYC), time
+        # body), took 0.2-0.26 s of held GIL with them and takes 0.01-0.08 s without (2-core Xeon), time
         # the engine thread and every stream would wait (docs/reliability.md, "Hostile input, by class").
         gc.collect()
         gc.freeze()
