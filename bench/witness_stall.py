@@ -59,13 +59,6 @@ def main() -> None:
     env = {"MODEL_PATH": str(hermes_model(work / "model")), "KV_CACHE_MEMORY_MIB": "64", "DTYPE": "float32"}
     server = (TorchServe(work / "ts", model_config=(REPO / "model-config.yaml").read_text(), env=env)
               if args.front == "torchserve" else StandaloneServer(work / "standalone", env=env))
-    server.start()
-    spy = None
-    if args.spy:
-        program = shutil.which("py-spy", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-        spy = subprocess.Popen([program or "py-spy", "record", "--gil", "--native", "-r", "200", "-f", "raw", "-o", str(args.spy),
-                                "--pid", str(server.worker_pid())], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(2)
     schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 40}
                                                for i in range(args.props)}}
     body = {"model": server.model_name, "messages": [{"role": "user", "content": "What is the weather?"}],
@@ -73,7 +66,15 @@ def main() -> None:
             "tools": [{"type": "function", "function": {"name": "huge", "parameters": schema}}]}
     path = hostile.openai_path(server, "chat/completions")
     gaps, baselines, seconds = [], [], []
+    spy = None
     try:
+        server.start()  # (inside: a start that fails half-way is stopped too)
+        if args.spy:
+            program = shutil.which("py-spy", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+            spy = subprocess.Popen([program or "py-spy", "record", "--gil", "--native", "-r", "200", "-f", "raw", "-o",
+                                    str(args.spy), "--pid", str(server.worker_pid())],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(2)
         for run in range(args.runs):
             with hostile.Witness(server) as witness:
                 time.sleep(1.5)
