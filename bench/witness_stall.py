@@ -64,11 +64,11 @@ def main() -> None:
     body = {"model": server.model_name, "messages": [{"role": "user", "content": "What is the weather?"}],
             "max_tokens": 12, "temperature": 0, "tool_choice": "required",
             "tools": [{"type": "function", "function": {"name": "huge", "parameters": schema}}]}
-    path = hostile.openai_path(server, "chat/completions")
     gaps, baselines, seconds = [], [], []
     spy = None
     try:
         server.start()  # (inside: a start that fails half-way is stopped too)
+        path = hostile.openai_path(server, "chat/completions")
         if args.spy:
             program = shutil.which("py-spy", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
             spy = subprocess.Popen([program or "py-spy", "record", "--gil", "--native", "-r", "200", "-f", "raw", "-o",
