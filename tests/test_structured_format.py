@@ -188,3 +188,97 @@ def test_native_bad_constraints_are_400s_naming_the_field(fields, param):
 def test_long_tool_definitions_count_towards_the_prompt_length():
     request, _ = chat(tools=[{"type": "function", "function": {"name": "f", "description": "d" * 5000}}])
     assert request.num_input_chars() > 5000
+
+
+# A schema of megabytes (the hostile-tools class sends 5.8 MB) is refused by a walk that stops past the
+# grammar's source limit, before any of it is written out as JSON: writing it all held the GIL for 0.2-0.3 s
+# and stalled the running streams (docs/reliability.md, "Hostile input, by class").
+HUGE = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 40} for i in range(66_000)}}
+MANY_TOOLS = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(10_000)]
+
+
+@pytest.fixture
+def nothing_written_out(monkeypatch):
+    """Fails any request that gets as far as writing a schema or a structural tag out as JSON text."""
+    from llm_api.engine.grammar import GrammarSpec
+
+    def written(*args):
+        raise AssertionError("an over-limit schema was written out before it was refused")
+
+    monkeypatch.setattr(GrammarSpec, "json_schema", classmethod(lambda cls, value: written()))
+    monkeypatch.setattr(GrammarSpec, "structural_tag", classmethod(lambda cls, value: written()))
+
+
+@pytest.mark.parametrize("send, param", [
+    (lambda: chat(tools=[{"type": "function", "function": {"name": "huge", "parameters": HUGE}}], tool_choice="required"),
+     "tools[0].function.parameters"),
+    (lambda: chat(limits=NO_TOOLS, tools=[{"type": "function", "function": {"name": "huge", "parameters": HUGE}}],
+                  tool_choice="required"), "tools[0].function.parameters"),
+    (lambda: chat(response_format={"type": "json_schema", "json_schema": {"name": "huge", "schema": HUGE}}),
+     "response_format.json_schema.schema"),
+    (lambda: native(text="x", json_schema=HUGE), "json_schema"),
+    (lambda: chat(tools=MANY_TOOLS, tool_choice="required"), "tools"),
+    (lambda: chat(limits=NO_TOOLS, tools=MANY_TOOLS, tool_choice="required"), "tools"),
+], ids=["tool parameters", "tool parameters, generic form", "response_format", "native json_schema",
+        "10,000 tools", "10,000 tools, generic form"])
+def test_an_oversized_schema_is_refused_before_it_is_written_out(nothing_written_out, send, param):
+    error = refused(send)
+    assert error.code == "invalid_grammar" and error.param == param, error
+    assert "more than 65536 characters" in error.message, error.message
+
+
+def test_the_size_walk_never_counts_more_than_the_schema_writes():
+    """``source_chars`` is a lower bound of the compact JSON's length (so it refuses nothing that fits),
+    and a schema of exactly the limit's length passes it (the written source's own check decides)."""
+    import random
+
+    from llm_api.api.constraints import MAX_SOURCE_CHARS, source_chars
+
+    def compact(value) -> int:
+        return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+
+    rng = random.Random(7)
+
+    def value(depth=0):
+        kind = rng.random()
+        if depth > 4 or kind < 0.3:
+            return rng.choice([0, -1.5e300, True, False, None, "", "é\n\"\\", "x" * rng.randint(0, 9)])
+        if kind < 0.65:
+            return {f"k{rng.randint(0, 99)}ü": value(depth + 1) for _ in range(rng.randint(0, 6))}
+        return [value(depth + 1) for _ in range(rng.randint(0, 6))]
+
+    for _ in range(3000):
+        item = value()
+        assert source_chars(item, 10**9) <= compact(item), item
+    at_limit = {"type": "object", "description": ""}
+    at_limit["description"] = "d" * (MAX_SOURCE_CHARS - compact(at_limit))
+    assert compact(at_limit) == MAX_SOURCE_CHARS and source_chars(at_limit, MAX_SOURCE_CHARS) <= MAX_SOURCE_CHARS
+    request, _ = chat(response_format={"type": "json_schema", "json_schema": {"name": "edge", "schema": at_limit}})
+    assert len(request.constraint.spec.source) == MAX_SOURCE_CHARS
+    assert source_chars(HUGE, MAX_SOURCE_CHARS) > MAX_SOURCE_CHARS
+
+
+def test_a_refused_parse_lets_go_of_what_it_made_on_its_own_thread():
+    """A parse run off the event loop (``ModelService.offload``) that ends in a refusal leaves its error
+    without the traceback whose frames hold the decoded body, so the body is freed on the worker thread,
+    not on the event loop that receives the error (freeing a 5.8 MB schema's objects there held the GIL
+    0.07-0.2 s)."""
+    import weakref
+
+    from llm_api.service.service import _refusal_let_go
+
+    class Held:
+        pass
+
+    held: list = []
+
+    def parse():
+        body = Held()  # (stands for the decoded body the parse's frames hold)
+        held.append(weakref.ref(body))
+        chat(tools=[{"type": "function", "function": {"name": "huge", "parameters": HUGE}}], tool_choice="required")
+
+    with pytest.raises(ApiError) as refusal:
+        _refusal_let_go(parse)
+    assert refusal.value.param == "tools[0].function.parameters"
+    assert held[0]() is None, "the refused parse's objects outlived it"
+    assert refusal.value.__context__ is None and refusal.value.__cause__ is None

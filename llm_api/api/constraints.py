@@ -5,8 +5,12 @@ The request formats call these with a field's validated value: a JSON schema (``
 request's tools (``tools`` / ``tool_choice``, see ``llm_api.api.tools``). Each builds the
 ``GrammarSpec`` and checks it against the compile-cost limits (``llm_api.engine.grammar.check_limits``:
 source size, string-length and repetition bounds) at once, so an over-limit grammar costs a 400 and no
-compile. What the grammar library itself rejects is found when the service compiles the spec (off the
-event loop), and reported the same way: ``ApiError(400, "invalid_grammar", ...)`` with ``param`` naming
+compile. A schema object (a JSON schema, a tool's ``parameters``, a request's tools together) is first
+measured without being written out (``source_chars``: a walk that stops once past the source limit), so a
+schema of megabytes is refused after reading at most the limit's worth of it, not after ``json.dumps`` of
+all of it (0.15-0.3 s of held GIL for 5.8 MB, which stalled the running streams: docs/reliability.md,
+"Hostile input, by class"). What the grammar library itself rejects is found when the service compiles
+the spec (off the event loop), and reported the same way: ``ApiError(400, "invalid_grammar", ...)`` with ``param`` naming
 the field (``response_format``, ``json_schema``, ``regex``, ``grammar``, ``tools[i].function.parameters``).
 
 ``plan_tools(tools, choice, parallel, limits)`` is everything a request's tools decide, for any route that
@@ -25,11 +29,14 @@ decides where the answer ends, so "run past the end" has no meaning there.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from llm_api.api.errors import ApiError
 from llm_api.api.request import Constraint, Limits
 from llm_api.api.tools import GENERIC, ToolFormat, arguments_schema, generic_tool_prompt, tool_grammar
-from llm_api.engine.grammar import GrammarError, GrammarSpec, check_limits
+from llm_api.engine.grammar import GrammarError, GrammarLimits, GrammarSpec, check_limits
+
+MAX_SOURCE_CHARS = GrammarLimits().max_source_chars  # what check_limits allows a grammar's source
 
 
 def grammar_refusal(param: str, error: GrammarError | str) -> ApiError:
@@ -43,7 +50,42 @@ def ignore_eos_conflict(field: str, code: str) -> ApiError:
                     "grammar ends", "ignore_eos")
 
 
+def source_chars(value: Any, limit: int, start: int = 0) -> int:
+    """``start`` plus a lower bound of the characters in the compact JSON text of ``value`` (as
+    ``GrammarSpec`` writes it: no spaces, non-ASCII kept), or any count over ``limit`` once it is past it.
+    Each item counts at least what it writes (a string: its characters and two quotes; a key: those and
+    a colon; an object or array: its brackets and commas; a number, true, false, null: one) and the walk
+    stops as soon as the count is past the limit, so it reads at most ``limit`` items of a value of any
+    size."""
+    total, stack = start, [value]
+    while stack and total <= limit:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item) + 2
+        elif isinstance(item, dict):
+            if len(item) > limit:  # (over the limit by its colons alone)
+                return limit + 1
+            total += 1 + len(item) + sum(len(k) + 3 if isinstance(k, str) else 1 for k in item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            if len(item) > limit:
+                return limit + 1
+            total += 1 + len(item)
+            stack.extend(item)
+        else:
+            total += 1
+    return total
+
+
+def _source_refusal(param: str, what: str = "JSON schema") -> ApiError:
+    return grammar_refusal(param, f"the {what} has more than {MAX_SOURCE_CHARS} characters; the limit is "
+                           f"{MAX_SOURCE_CHARS}")
+
+
 def _checked(spec_of, value, param: str) -> GrammarSpec:
+    if isinstance(value, dict) and MAX_SOURCE_CHARS is not None \
+            and source_chars(value, MAX_SOURCE_CHARS) > MAX_SOURCE_CHARS:
+        raise _source_refusal(param)
     try:
         spec = spec_of(value)
         check_limits(spec)
@@ -72,6 +114,19 @@ def tool_constraint(fmt: ToolFormat, tools: list[dict], choice: str, parallel: b
     """tools: [{"type": "function", "function": {"name", "parameters"?...}}]; choice: auto | required | a
     function's name. Each tool's parameters schema is a part, so a schema the library rejects is named (and
     one that allows arguments that are not an object is refused here, naming it)."""
+    # Sizes first, before anything is written out: each schema (named when it alone is over the limit),
+    # then the structural tag, which holds every tool's call text and schema (10,000 tools, or many
+    # schemas each under the limit). The walks stop once past the limit: at most twice its worth is read.
+    if MAX_SOURCE_CHARS is not None:
+        chars = 0
+        for i, tool in enumerate(tools):
+            function = tool["function"]
+            own = source_chars(function.get("parameters") or {}, MAX_SOURCE_CHARS)
+            if own > MAX_SOURCE_CHARS:
+                raise _source_refusal(f"tools[{i}].function.parameters")
+            chars += len(fmt.call_begin(function["name"])) + len(fmt.end) + own
+            if chars > MAX_SOURCE_CHARS:
+                raise _source_refusal("tools", "structural tag")
     parts = []
     for i, tool in enumerate(tools):
         parameters = tool["function"].get("parameters")

@@ -267,7 +267,7 @@ def _fields_of(row: Mapping[str, Any]) -> dict:
     if body_key is not None:
         value = row[body_key]
         if isinstance(value, (bytes, bytearray)):
-            value = decode_json(bytes(value))
+            value = decode_json(value)
         elif isinstance(value, str):
             value = decode_json(value.encode("utf-8"))
         if not isinstance(value, dict):

@@ -701,7 +701,7 @@ def api_error(error: ValidationError) -> ApiError:
 
 def _decode(body: Any) -> dict:
     if isinstance(body, (bytes, bytearray)):
-        body = decode_json(bytes(body))
+        body = decode_json(body)
     if not isinstance(body, dict):
         raise ApiError(400, "invalid_json", "the body must be a JSON object", None)
     return body

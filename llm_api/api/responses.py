@@ -298,7 +298,7 @@ def parse_responses(body: Any, model_name: str, limits: Limits,
     (``model``: the base model or one of the LoRA ``adapters``)."""
     data = body
     if isinstance(data, (bytes, bytearray)):
-        data = decode_json(bytes(data))
+        data = decode_json(data)
     if not isinstance(data, dict):
         raise ApiError(400, "invalid_json", "the body must be a JSON object", None)
     _refuse_unsupported_kinds(data)

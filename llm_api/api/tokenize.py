@@ -72,7 +72,7 @@ class DetokenizeBody(BaseModel):
     tokens: Annotated[list[int], BeforeValidator(_token_ids)]
 
 
-def parse_tokenize(body: bytes, model_name: str) -> TokenizeRequest:
+def parse_tokenize(body: bytes | bytearray, model_name: str) -> TokenizeRequest:
     data = _object(body)
     try:
         call = TokenizeBody.model_validate(data)
@@ -89,7 +89,7 @@ def parse_tokenize(body: bytes, model_name: str) -> TokenizeRequest:
     return TokenizeRequest(call.prompt, None, True if call.add_special_tokens is None else call.add_special_tokens)
 
 
-def parse_detokenize(body: bytes, model_name: str, vocab_size: int, max_tokens: int) -> list[int]:
+def parse_detokenize(body: bytes | bytearray, model_name: str, vocab_size: int, max_tokens: int) -> list[int]:
     data = _object(body)
     try:
         call = DetokenizeBody.model_validate(data)
@@ -114,7 +114,7 @@ def detokenize_answer(text: str) -> str:
     return json.dumps({"prompt": text}, ensure_ascii=False)
 
 
-def _object(body: bytes) -> dict:
+def _object(body: bytes | bytearray) -> dict:
     data = decode_json(body)
     if not isinstance(data, dict):
         raise ApiError(400, "invalid_json", "the body must be a JSON object")

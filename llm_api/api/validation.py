@@ -19,8 +19,8 @@ MAX_JSON_DEPTH = 32
 _SCALAR_TYPES = frozenset({str, int, float, bool, type(None)})  # what json.loads makes besides list and dict
 
 
-def decode_json(raw: bytes, what: str = "the body", code: str = "invalid_json") -> Any:
-    if not raw.strip():
+def decode_json(raw: bytes | bytearray, what: str = "the body", code: str = "invalid_json") -> Any:
+    if not raw or raw.isspace():  # (the same whitespace as strip(), without a copy of the body)
         raise ApiError(400, "empty_body", f"{what} is empty: send a JSON object")
     try:
         text = raw.decode("utf-8")

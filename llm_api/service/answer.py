@@ -76,27 +76,27 @@ async def parse_native(service: ModelService, row: Mapping[str, Any], default_st
     return parse_request(row, service.limits, default_stream)
 
 
-async def parse_openai(service: ModelService, api: str, body: bytes) -> tuple[GenerateRequest, openai.OpenAICall]:
+async def parse_openai(service: ModelService, api: str, body: bytes | bytearray) -> tuple[GenerateRequest, openai.OpenAICall]:
     if len(body) > LARGE_BODY_BYTES:
         return await service.offload(openai.parse_call, api, body, service.model_name, service.limits,
                                      service.adapter_names())
     return openai.parse_call(api, body, service.model_name, service.limits, service.adapter_names())
 
 
-async def parse_large(service: ModelService, parse: Callable[..., T], body: bytes, *args: Any) -> T:
+async def parse_large(service: ModelService, parse: Callable[..., T], body: bytes | bytearray, *args: Any) -> T:
     """``parse(body, *args)``, on the service's worker threads when the body is large."""
     if len(body) > LARGE_BODY_BYTES:
         return await service.offload(parse, body, *args)
     return parse(body, *args)
 
 
-async def parse_tokenize_call(service: ModelService, body: bytes) -> TokenizeRequest:
+async def parse_tokenize_call(service: ModelService, body: bytes | bytearray) -> TokenizeRequest:
     if len(body) > LARGE_BODY_BYTES:
         return await service.offload(parse_tokenize, body, service.model_name)
     return parse_tokenize(body, service.model_name)
 
 
-async def parse_detokenize_call(service: ModelService, body: bytes) -> list[int]:
+async def parse_detokenize_call(service: ModelService, body: bytes | bytearray) -> list[int]:
     """The ids of a /detokenize body, at most MAX_MODEL_LEN of them (a body of a million ids is parsed off
     the event loop)."""
     args = (body, service.model_name, service.vocab_size, service.max_model_len)

@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import gc
 import logging
 import time
 from collections import Counter
@@ -145,7 +146,16 @@ class ModelService:
 
     @classmethod
     def load(cls, settings: Settings, metrics_sink: Sink | None = None) -> "ModelService":
-        return cls(settings, load(settings), metrics_sink)
+        service = cls(settings, load(settings), metrics_sink)
+        _ = service.prompts  # (built now, not by the first request: 0.3 s of held GIL copying the tokenizer)
+        # The model, tokenizer and libraries loaded by now are some 390,000 Python objects that live as long
+        # as the process. Frozen, the cyclic GC no longer scans them: a full collection, which a request
+        # that allocates many objects sets off (a 6 MB JSON body of 66,000 objects, about once per such
+        # body), took 0.2-0.26 s of held GIL with them and takes 0.01-0.08 s without (2-core Xeon), time
+        # the engine thread and every stream would wait (docs/reliability.md, "Hostile input, by class").
+        gc.collect()
+        gc.freeze()
+        return service
 
     @functools.cached_property
     def prompts(self) -> PromptBuilder:
@@ -251,7 +261,8 @@ class ModelService:
     async def offload(self, fn, *args):
         """Run ``fn(*args)`` on the service's small worker pool (large prompts and bodies): the event loop
         keeps serving the other requests meanwhile."""
-        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, functools.partial(fn, *args))
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool,
+                                                                functools.partial(_refusal_let_go, fn, *args))
 
     def shutdown(self) -> None:
         self.loop.shutdown()
@@ -555,6 +566,19 @@ def _push_tokens(text: TextStream, token_ids: list[int]) -> tuple[StreamDelta, i
         if delta.stopped:
             return StreamDelta("".join(parts), True), used
     return StreamDelta("".join(parts), False), len(token_ids)
+
+
+def _refusal_let_go(fn, *args):
+    """``fn(*args)``; an ``ApiError`` it raises leaves without its traceback and the exceptions it came from,
+    whose frames hold what the parse made (a decoded 6 MB body: 66,000 objects), so they are freed here on
+    the worker thread and not on the event loop that receives the error, where freeing them took 0.07-0.2 s
+    with the GIL held (docs/reliability.md, "Hostile input, by class"). The edges render an error from its
+    own fields, never from its traceback."""
+    try:
+        return fn(*args)
+    except ApiError as error:
+        error.__context__ = error.__cause__ = None
+        raise error.with_traceback(None) from None
 
 
 def _vocab_size(model) -> int | None:
