@@ -248,6 +248,9 @@ class LlamaServer:
             time.sleep(0.3)
         raise TimeoutError("llama-server not ready")
 
+    def log_tail(self) -> str:
+        return (self.workdir / "llama-server.log").read_text(errors="replace")[-2000:]
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -271,6 +274,9 @@ class LlmApiServer:
 
     def key(self) -> str:
         return self.server.key()
+
+    def log_tail(self) -> str:
+        return (self.server.workdir / self.server.out_name).read_text(errors="replace")[-2000:]
 
     def start(self) -> "LlmApiServer":
         self.server.start(timeout=300)
@@ -316,7 +322,9 @@ async def load(base: str, key: str, args, tag: int) -> dict:
     gate = asyncio.Semaphore(args.concurrency)
     timeout = aiohttp.ClientTimeout(total=1800)
 
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    # A fresh connection per chat: llama-server closes a kept-alive connection after its answer, and a
+    # pooled connection it already closed fails the next request ("Server disconnected").
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(force_close=True)) as session:
         async def limited(prompt):
             async with gate:
                 return await one_chat(session, base, key, prompt, args.max_tokens)
@@ -348,6 +356,9 @@ def serving(info: dict, dtype: str, args, workdir: Path) -> dict:
             try:
                 asyncio.run(load(server.base, server.key(), warm, tag=-1))
                 result = asyncio.run(load(server.base, server.key(), args, tag=round_))
+            except Exception as exc:
+                raise RuntimeError(f"{who} ({server.base}) failed under the load: {exc!r}; its log: "
+                                   f"{server.log_tail()}") from exc
             finally:
                 server.stop()
             samples[who].append(result)
