@@ -6,8 +6,11 @@ flips every round) on the same model and engine settings, per dtype (float32 and
             fix a typo in a paragraph, change a JSON field, reformat a list): where drafts get accepted;
   open      batch 1, chats with nothing to copy (explain, write a poem): drafting should cost ~nothing;
   batch     --batch-size sequences at once (grounded and open prompts alternating).
-Greedy decoding (temperature 0) with EOS ignored up to --max-new-tokens, so on and off produce the same
-tokens and the same number of them. Reported per workload and setting: generated tokens/s over the
+Greedy decoding (temperature 0), so on and off produce the same tokens. Grounded answers end where the
+model ends them (EOS, or --max-new-tokens): past its answer a small model, its EOS ignored, starts an
+unrelated conversation, which is open text, not a copy (the embedded model's copies are 30-60 tokens). Open
+and batch answers ignore EOS up to --max-new-tokens. Weights as the servers load them
+(CPU_PACKED_WEIGHTS=auto on a CPU). Reported per workload and setting: generated tokens/s over the
 workload's wall time (best and median over rounds), the on/off ratio of the medians, the acceptance rate
 (accepted / drafted tokens) and the mean time to first token.
 
@@ -90,11 +93,11 @@ def chat_ids(tokenizer, text: str) -> list[int]:
                                          tokenize=True, return_dict=True)["input_ids"]
 
 
-def run_workload(engine, prompts: list[list[int]], max_new_tokens: int) -> dict:
-    """All prompts at once, greedy, to max_new_tokens each -> tokens, seconds, TTFT, draft counters."""
+def run_workload(engine, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = True) -> dict:
+    """All prompts at once, greedy, to max_new_tokens each (or EOS) -> tokens, seconds, TTFT, draft counters."""
     from llm_api.engine.sampler import SamplingParams
 
-    params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=False, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=False, ignore_eos=ignore_eos)
     before = engine.stats()
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
@@ -119,6 +122,7 @@ def main():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from llm_api.engine.engine import EngineConfig, LLMEngine
+    from llm_api.model.packed_linear import pack_linear_weights, wants_packing
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     path = Path(args.model) if args.model else default_model_dir()
@@ -143,6 +147,8 @@ def main():
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        if device == "cpu" and wants_packing("auto", dtype, on_cpu=True):
+            pack_linear_weights(model)  # as the servers load it (CPU_PACKED_WEIGHTS=auto)
         common = dict(block_size=16, num_blocks=1024, max_num_seqs=max(batch_sizes + [16]), max_num_batched_tokens=2048,
                       ngram_min=args.ngram_min, ngram_max=args.ngram_max)
         if args.max_batch is not None:
@@ -155,7 +161,8 @@ def main():
             rounds: dict[str, list[dict]] = {"off": [], "on": []}
             for r in range(args.rounds):
                 for setting in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                    rounds[setting].append(run_workload(engines[setting], prompts, args.max_new_tokens))
+                    rounds[setting].append(run_workload(engines[setting], prompts, args.max_new_tokens,
+                                                        ignore_eos=name != "grounded"))
             row = {"dtype": dtype_name, "workload": name, "batch": size, "rounds": rounds}
             for setting in ("off", "on"):
                 rates = [x["tokens_per_s"] for x in rounds[setting]]
