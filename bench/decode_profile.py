@@ -50,12 +50,9 @@ def parse_args():
 
 
 def cpu_flags() -> list[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return sorted(f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma"))
+    from llm_api.model.cpu import this_cpu_features
+
+    return sorted(this_cpu_features() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma"})
 
 
 def read_bandwidth(gib: float, repeats: int = 5) -> float:

@@ -87,12 +87,10 @@ def parse_args():
 
 
 def cpu_flags() -> list[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return [flag for flag in CPU_FLAGS if flag in flags]
+    from llm_api.model.cpu import this_cpu_features
+
+    features = this_cpu_features()
+    return [flag for flag in CPU_FLAGS if flag in features]
 
 
 def cpu_model() -> str:

@@ -41,6 +41,15 @@ def cpu_features(cpuinfo: str) -> frozenset[str]:
     return frozenset()
 
 
+def this_cpu_features() -> frozenset[str]:
+    """This CPU's feature words (empty where there is no ``/proc/cpuinfo``): what benchmarks print beside
+    their figures."""
+    try:
+        return cpu_features(CPUINFO.read_text(errors="replace"))
+    except OSError:
+        return frozenset()
+
+
 def cpu_vendor(cpuinfo: str | None = None) -> str:
     """The ``vendor_id`` of this CPU (or of the one ``cpuinfo`` describes): ``GenuineIntel``, ``AuthenticAMD``,
     or "" where there is none (arm, or no ``/proc/cpuinfo``)."""
