@@ -8,15 +8,17 @@ the weight inside every call. oneDNN's ``_reorder_linear_weight`` does that bloc
 same pair of operators that inductor's CPU "freezing" pass emits for bfloat16 linears, called here without
 compiling the model. Measured on the hosts we have (docs/benchmarks.md, "Where a CPU decode step goes"):
 
-* bfloat16 on an Intel Xeon with AMX and avx512_bf16: the 211 linears of one SmolLM2-135M decode step took
-  26 ms as ``F.linear`` and 19 ms packed (1 thread, CPU time, 2026-11-26);
+* bfloat16 on a 2-core Intel Xeon with AMX and avx512_bf16: one SmolLM2-135M decode step's 211 products took
+  23.7 ms as ``F.linear`` and 17.9 ms packed, the whole step 35.8 and 29.7 ms (2 threads, 2026-11-26);
 * float32: torch's own products are MKL's, and MKL reads memory well on Intel CPUs only: on a 2-core AMD EPYC
   (avx2, no avx512) one row against the model's weight shapes read 9.6 GB/s through ``F.linear`` and 20.6 GB/s
-  packed (2026-11-25), while on the Xeon above packing lost 15% at one row. So ``auto`` packs float32 on AMD
-  CPUs only (``llm_api.model.cpu.cpu_vendor``); ``true`` packs it everywhere, ``false`` nowhere.
+  packed (2026-11-25), while on the Xeon above a packed float32 step took 47.6 ms against 32.6. So ``auto``
+  packs float32 on AMD CPUs only (``llm_api.model.cpu.cpu_vendor``); ``true`` packs it everywhere, ``false``
+  nowhere.
 
-``pack_linear_weights(model, dtype, mode)`` swaps every plain ``nn.Linear`` of a model on the CPU for a
-``PackedLinear`` holding only the packed copy (the row-major weight is dropped, so memory stays the same),
+``wants_packing(mode, dtype, on_cpu)`` applies that rule; ``pack_linear_weights(model)`` swaps every plain
+``nn.Linear`` of a model on the CPU for a ``PackedLinear`` holding only the packed copy (the row-major weight
+is dropped, so memory stays the same),
 except where a weight is shared: a tied ``lm_head`` keeps the embedding's weight alive, and its packed copy
 costs ``vocab x hidden`` elements more (113 MB for the embedded model in float32, 56 MB in bfloat16).
 Quantized (bitsandbytes) layers are not ``nn.Linear`` and stay as they are; a model with offloaded weights is
@@ -39,7 +41,6 @@ from llm_api.model import cpu
 
 logger = logging.getLogger(__name__)
 
-PACKING_MODES = ("auto", "true", "false")
 # One row: decode at batch 1, the case the layout is tuned for (it serves every other row count too).
 _PACK_HINT_ROWS = 1
 
