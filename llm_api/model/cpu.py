@@ -31,47 +31,44 @@ X86_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 ARM_BF16_FEATURE = "bf16"
 
 
-def cpu_features(cpuinfo: str) -> frozenset[str]:
-    """The feature words of the first processor in a ``/proc/cpuinfo`` text (x86 ``flags``, arm
-    ``Features``); every core of a machine reports the same."""
+def _first_field(cpuinfo: str, names: tuple[str, ...]) -> str:
+    """The value of the first ``name : value`` line of a ``/proc/cpuinfo`` text whose name is one of
+    ``names`` ("" when none is): the first processor's, and every core of a machine reports the same."""
     for line in cpuinfo.splitlines():
         name, sep, value = line.partition(":")
-        if sep and name.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
+        if sep and name.strip() in names:
+            return value.strip()
+    return ""
+
+
+def _this_cpuinfo() -> str:
+    """This machine's ``/proc/cpuinfo`` text ("" where there is none)."""
+    try:
+        return CPUINFO.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def cpu_features(cpuinfo: str) -> frozenset[str]:
+    """The feature words of the first processor in a ``/proc/cpuinfo`` text (x86 ``flags``, arm
+    ``Features``)."""
+    return frozenset(_first_field(cpuinfo, ("flags", "Features")).split())
 
 
 def this_cpu_features() -> frozenset[str]:
     """This CPU's feature words (empty where there is no ``/proc/cpuinfo``): what benchmarks print beside
     their figures."""
-    try:
-        return cpu_features(CPUINFO.read_text(errors="replace"))
-    except OSError:
-        return frozenset()
+    return cpu_features(_this_cpuinfo())
 
 
 def cpu_vendor(cpuinfo: str | None = None) -> str:
     """The ``vendor_id`` of this CPU (or of the one ``cpuinfo`` describes): ``GenuineIntel``, ``AuthenticAMD``,
     or "" where there is none (arm, or no ``/proc/cpuinfo``)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = CPUINFO.read_text(errors="replace")
-        except OSError:
-            return ""
-    for line in cpuinfo.splitlines():
-        name, sep, value = line.partition(":")
-        if sep and name.strip() == "vendor_id":
-            return value.strip()
-    return ""
+    return _first_field(_this_cpuinfo() if cpuinfo is None else cpuinfo, ("vendor_id",))
 
 
 def has_native_bf16(cpuinfo: str | None = None) -> bool:
     """True when this CPU (or the one ``cpuinfo``, a ``/proc/cpuinfo`` text, describes) has bfloat16 matrix
     instructions."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = CPUINFO.read_text(errors="replace")
-        except OSError:
-            return False
-    features = cpu_features(cpuinfo)
+    features = cpu_features(_this_cpuinfo() if cpuinfo is None else cpuinfo)
     return bool(features & X86_BF16_FLAGS) or ARM_BF16_FEATURE in features
