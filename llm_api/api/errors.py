@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 from http import HTTPStatus
+from typing import Iterable
 
 MAX_ECHO_CHARS = 60
 SAFE_PARAM = re.compile(r"[A-Za-z0-9_.\[\]]{1,100}")  # a field path such as messages[0].content
@@ -98,6 +99,15 @@ def hide_marker(json_text: str, marker: str) -> str:
     if not marker or marker not in json_text:
         return json_text
     return json_text.replace(marker, f"\\u{ord(marker[0]):04x}" + marker[1:])
+
+
+def model_not_found(model: object, model_name: str, adapters: Iterable[str] = (), param: str | None = "model"
+                    ) -> ApiError:
+    """404 for a request naming a model this server does not serve, listing the ones it does: the base
+    model, then its LoRA adapters."""
+    served = ", ".join(repr(n) for n in [model_name, *sorted(adapters)])
+    return ApiError(404, "model_not_found", f"The model {echo(model)} does not exist; this server serves {served}",
+                    param)
 
 
 def internal_error(message: str = "generation failed") -> ApiError:

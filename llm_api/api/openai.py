@@ -66,7 +66,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from llm_api.api.constraints import (ToolPlan, ignore_eos_conflict, json_object_constraint, json_schema_constraint,
                                     plan_tools)
-from llm_api.api.errors import ApiError, echo
+from llm_api.api.errors import ApiError, echo, model_not_found
 from llm_api.api.fields import (Integer, LogitBias, Number, StopStrings, StrictFlag, StrictWholeNumber, Text,
                                 field_path, first_error, is_type_error, message_of, unknown_fields)
 from llm_api.api.logprobs import LogprobItem, openai_chat_logprobs, openai_completion_logprobs
@@ -353,9 +353,7 @@ def models_list(model_name: str, created: int, adapters: Iterable[str] = ()) -> 
 def check_model(model: str, model_name: str, adapters: Collection[str] = ()) -> None:
     """404 ``model_not_found`` unless ``model`` is the base model or a served LoRA adapter."""
     if model != model_name and model not in adapters:
-        served = ", ".join(repr(n) for n in [model_name, *sorted(adapters)])
-        raise ApiError(404, "model_not_found", f"The model {echo(model)} does not exist; this server serves {served}",
-                       "model")
+        raise model_not_found(model, model_name, adapters)
 
 
 # -------------------------------------------------------------------------------------------------

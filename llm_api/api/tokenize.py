@@ -23,7 +23,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, StrictInt, TypeAdapter, ValidationError
 
-from llm_api.api.errors import ApiError, echo
+from llm_api.api.errors import ApiError, model_not_found
 from llm_api.api.fields import NonEmptyText, StrictFlag, Text
 from llm_api.api.openai import ChatMessage, api_error
 from llm_api.api.validation import decode_json
@@ -123,5 +123,4 @@ def _object(body: bytes | bytearray) -> dict:
 
 def _check_model(model: str | None, model_name: str) -> None:
     if model is not None and model != model_name:
-        raise ApiError(404, "model_not_found", f"The model {echo(model)} does not exist; this server serves "
-                       f"{model_name!r}", "model")
+        raise model_not_found(model, model_name)

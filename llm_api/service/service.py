@@ -58,7 +58,7 @@ from typing import Any, AsyncGenerator, Callable, cast
 import torch
 
 from llm_api.api.detokenizer import TextDelta as StreamDelta, TextStream
-from llm_api.api.errors import ApiError, echo, internal_error
+from llm_api.api.errors import ApiError, echo, internal_error, model_not_found
 from llm_api.api.logprobs import LogprobItem, TokenTexts
 from llm_api.api.prompt import PromptBuilder
 from llm_api.api.reasoning import reasoning_format
@@ -217,9 +217,7 @@ class ModelService:
             return 0
         adapter = self.lora.get(name) if self.lora is not None else None
         if adapter is None:
-            served = ", ".join(repr(n) for n in [self.model_name, *sorted(self.adapter_names())])
-            raise ApiError(404, "model_not_found", f"The model {echo(name)} does not exist; this server serves "
-                           f"{served}", request.adapter_param)
+            raise model_not_found(name, self.model_name, self.adapter_names(), request.adapter_param)
         return adapter.lora_id
 
     async def load_adapter(self, name: str, path: str) -> None:
