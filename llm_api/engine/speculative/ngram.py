@@ -1,7 +1,7 @@
 """N-gram (prompt lookup) proposer: the draft is what followed the last n-gram's most recent earlier match.
 
-``propose(tokens, length, num_tokens, ngram_min, ngram_max)``: for n from ``ngram_max`` down to
-``ngram_min``, take the last n tokens of ``tokens[:length]`` and find their most recent earlier
+``propose(tokens, num_tokens, ngram_min, ngram_max)``: for n from ``ngram_max`` down to
+``ngram_min``, take the last n tokens of ``tokens`` and find their most recent earlier
 occurrence (one that ends before the last position, so the n-gram does not match itself); the up to
 ``num_tokens`` tokens that follow it are the draft. The longest n-gram with a match wins: a longer
 context makes the continuation likelier to be copied text. No match: an empty draft.
