@@ -119,10 +119,11 @@ def run_workload(engine, prompts: list[list[int]], max_new_tokens: int, ignore_e
 
 def main():
     args = parse_args()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from llm_api.engine.engine import EngineConfig, LLMEngine
-    from llm_api.model.packed_linear import pack_linear_weights, wants_packing
+    from llm_api.model.loader import load
+    from llm_api.model.settings import Settings
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     path = Path(args.model) if args.model else default_model_dir()
@@ -145,10 +146,9 @@ def main():
     print(f"device {device}, k={args.k}, ngram {args.ngram_min}..{args.ngram_max}, {args.max_new_tokens} tokens, "
           f"{args.rounds} rounds; torch {torch.__version__}, {platform.processor() or platform.machine()}")
     for dtype_name in args.dtypes.split(","):
-        dtype = getattr(torch, dtype_name)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-        if device == "cpu" and wants_packing("auto", dtype, on_cpu=True):
-            pack_linear_weights(model)  # as the servers load it (CPU_PACKED_WEIGHTS=auto)
+        # Loaded as the servers load it (on a CPU: CPU_PACKED_WEIGHTS as set, auto by default).
+        model = load(Settings.from_env({**os.environ, "MODEL_PATH": str(path), "DTYPE": dtype_name,
+                                        "DEVICE_MAP": device})).model
         common = dict(block_size=16, num_blocks=1024, max_num_seqs=max(batch_sizes + [16]), max_num_batched_tokens=2048,
                       ngram_min=args.ngram_min, ngram_max=args.ngram_max)
         if args.max_batch is not None:
