@@ -25,6 +25,7 @@ new measurements after that long (they are recorded as skipped). ``--models`` sp
   python bench/gpu_decode.py --out bench/results/gpu_decode.json
   python bench/gpu_decode.py --models llama-3.1-8b --batches 1,64 --out /tmp/llama.json
   python bench/gpu_decode.py --smoke --out /tmp/smoke.json   # tiny fp32 model on CPU, a few seconds
+  python bench/gpu_decode.py --summarize /tmp/llama.json ...   # the tables of earlier runs
 """
 
 from __future__ import annotations
@@ -702,15 +703,16 @@ def print_table(doc: dict) -> None:
         print(f"copy bandwidth {bandwidth['best_bytes_per_s'] / 1e9:.1f} GB/s (read + write, best of "
               f"{len(bandwidth['trial_seconds'])})")
     headers = ("model", "batch", "engine tok/s", "% roofline", "roofline tok/s", "generate tok/s",
-               "engine/gen", "static+compile tok/s", "engine prefill tok/s")
-    widths = (14, 5, 12, 10, 14, 14, 10, 20, 20)
+               "engine/gen", "static+compile tok/s", "engine prefill tok/s", "generate prefill tok/s")
+    widths = (14, 5, 12, 10, 14, 14, 10, 20, 20, 22)
     print(" ".join(h.rjust(w) for h, w in zip(headers, widths)))
     for row in doc["rows"]:
         fraction, ratio = row.get("engine_fraction_of_roofline"), row.get("engine_over_generate")
         cells = (row["model"], str(row["batch_size"]), format_rate(row["engine"]),
                  f"{100 * fraction:.1f}%" if fraction else "-", f"{row['roofline']['tokens_per_s']:.1f}",
                  format_rate(row["generate"]), f"{ratio:.2f}" if ratio else "-",
-                 format_rate(row["static_compile"]), format_rate(row["engine"], "prefill_tokens_per_s"))
+                 format_rate(row["static_compile"]), format_rate(row["engine"], "prefill_tokens_per_s"),
+                 format_rate(row["generate"], "prefill_tokens_per_s"))
         print(" ".join(c.rjust(w) for c, w in zip(cells, widths)))
     graphs = doc["cuda_graphs"]
     if "on" in graphs:
@@ -720,11 +722,28 @@ def print_table(doc: dict) -> None:
     problems = [(row["model"], row["batch_size"], key, row[key]) for row in doc["rows"]
                 for key in ("engine", "generate", "static_compile") if row[key].get("status") == "error"]
     for model, batch_size, key, measurement in problems:
-        print(f"error {model} B={batch_size} {key}: {measurement['error'].splitlines()[0][:200]}")
+        print(f"error {model} B={batch_size} {key}: {measurement['error'].splitlines()[0][:300]}")
+        print("    " + measurement.get("where", "").strip().replace("\n", "\n    ")[-600:])
     print(f"elapsed {doc['elapsed_seconds']:.1f} s")
 
 
+def summarize(paths: list[str]) -> int:
+    """The tables of earlier runs' JSON files (``--summarize FILE...``), a missing or unreadable one named."""
+    for path in paths:
+        try:
+            doc = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as error:
+            print(f"\n{path}: no results ({type(error).__name__}: {error})")
+            continue
+        print(f"\n{path}" + ("" if doc.get("complete") else " (cut off: the run did not finish)"))
+        print_table(doc)
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--summarize"]:
+        return summarize(argv[1:])
     settings, out = parse_settings(argv)
     device = torch.device(settings.device)
     dtype = getattr(torch, settings.dtype)

@@ -1,17 +1,15 @@
 #!/usr/bin/env bash
-# On a GPU machine without network (issue 11): install what scripts/gpu_prepare.sh packed into .gpu/, then check.
-#   bash scripts/gpu_check.sh correctness   # carries .gpu/base .gpu/model .gpu/jre.tar.xz: versions; the kernel,
-#                                           # CUDA-graph, engine-vs-generate(), KV-sizing tests on the GPU;
-#                                           # `llm_api serve` streaming from the GPU
-#   bash scripts/gpu_check.sh torchserve    # carries .gpu/torchserve, on the same machine right after:
-#                                           # TorchServe streaming from the GPU
-#   bash scripts/gpu_check.sh bench ARGS    # bench/gpu_decode.py ARGS, its JSON in $OUT (carries .gpu/base
-#                                           # unless the machine is still warm from a call that did)
+# On a GPU machine without network (issues 11 and 26): install what scripts/gpu_prepare.sh packed into .gpu/,
+# then check. Each call carries .gpu (wheels, model files, Java: about 55 MiB).
+#   bash scripts/gpu_check.sh all           # in one call (~9 minutes on an H100/H200): versions; correctness
+#                                           # (below); then bench/gpu_decode.py for Llama-3.1-8B shapes at
+#                                           # batch 1 and 64, SmolLM2-135M at batch 1 with graphs on and off,
+#                                           # a 4k-token prefill; a summary last
+#   bash scripts/gpu_check.sh correctness   # the kernel, CUDA-graph, engine-vs-generate(), LoRA, grammar,
+#                                           # n > 1, speculation and KV-sizing tests on the GPU; both front
+#                                           # ends (`llm_api serve`, TorchServe) streaming from the GPU
+#   bash scripts/gpu_check.sh bench ARGS    # bench/gpu_decode.py ARGS, its JSON in $OUT/$BENCH_NAME.json
 #   bash scripts/gpu_check.sh setup         # installs what the call carried and prints the versions
-# Everything installs into one environment, /tmp/llm_api-gpu: a venv without pip that sees the machine's own
-# packages (torch, Triton, CUDA) after its own, so the carried versions win and a second call on the same
-# machine finds the first call's installs. Logs and JUnit XML go to $OUT (the device tool brings them back)
-# or /tmp/llm_api-gpu/out. PYTHON names the machine's interpreter (default python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:?usage: scripts/gpu_check.sh correctness|torchserve|bench ARGS|setup}
@@ -30,9 +28,12 @@ install() {  # the machine's pip, run by this environment's python: console scri
   # -I: the machine's own copies (seen through the .pth) are shadowed, never uninstalled
   "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir -I "$@"
 }
-for group in base torchserve; do
-  if [ -d ".gpu/$group" ]; then install .gpu/$group/*.whl || exit; fi
-done
+if [ -f .gpu/wheels.tar.xz ] && [ ! -f "$env_dir/wheels-installed" ]; then
+  wheels=$(mktemp -d)
+  "$machine_python" scripts/gpu_wheels.py unpack .gpu/wheels.tar.xz "$wheels" >/dev/null || exit
+  install "$wheels"/*.whl || exit
+  rm -rf "$wheels" && touch "$env_dir/wheels-installed"
+fi
 if [ -f .gpu/jre.tar.xz ]; then tar -C "$env_dir" -xJf .gpu/jre.tar.xz || exit; fi
 if [ -x "$env_dir/jre/bin/java" ]; then export JAVA_HOME="$env_dir/jre"; fi
 export PATH="$env_dir/bin${JAVA_HOME:+:$JAVA_HOME/bin}:$PATH" PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
@@ -62,24 +63,40 @@ pytest() {  # pytest NAME ARGS...: one run, its log and JUnit XML under $out
     | tee "$out/$name.log"
   return "${PIPESTATUS[0]}"
 }
+correctness() {  # the GPU-marked tests, and the kernel and engine files that run on CUDA when it is there
+  # (the files that need the embedded model's weights are left out: the machine lacks them), 8 at a time
+  pytest correctness -n 8 tests/kernels tests/engine/test_gpu_fast_path.py tests/engine/test_cuda_graphs.py \
+    tests/engine/test_memory_sizing.py tests/test_bench_gpu_decode.py tests/test_gpu_serving.py \
+    "tests/engine/test_model_support.py::test_model_split_over_gpu_and_cpu_matches_model_in_one_piece" \
+    "tests/engine/test_grammar.py::test_apply_bitmask_on_cuda_matches_the_reference"
+}
+bench() {  # bench NAME SECONDS ARGS...: one bench/gpu_decode.py run, killed after SECONDS, its JSON and log in $out
+  local name=$1 seconds=$2; shift 2
+  timeout -k 10 "$seconds" "$python" bench/gpu_decode.py --out "$out/$name.json" "$@" 2>&1 | tee -a "$out/bench.log"
+  return "${PIPESTATUS[0]}"
+}
 case "$what" in
-  correctness)
-    # The GPU-marked tests, and the kernel and engine files that run on CUDA when it is there (within one
-    # call's 10 minutes; the files that need the embedded model's weights are left out: the machine lacks them).
-    pytest correctness tests/kernels tests/engine/test_gpu_fast_path.py tests/engine/test_cuda_graphs.py \
-      tests/engine/test_memory_sizing.py tests/test_bench_gpu_decode.py \
-      "tests/engine/test_model_support.py::test_model_split_over_gpu_and_cpu_matches_model_in_one_piece" \
-      "tests/engine/test_grammar.py::test_apply_bitmask_on_cuda_matches_the_reference" \
-      "tests/test_gpu_serving.py::test_standalone_streams_from_the_gpu"
-    ;;
-  torchserve)
-    pytest torchserve "tests/test_gpu_serving.py::test_torchserve_streams_from_the_gpu"
+  correctness) correctness ;;
+  all)
+    # Within one call's 10 minutes: each stage has its own limit, so a hang costs that stage only; the
+    # benchmarks run after the tests, alone on the GPU. --max-seconds leaves each run time to print its table.
+    timeout -k 10 200 bash -c "$(declare -f pytest correctness); python=$python out=$out; correctness"
+    tests=$?
+    if [ "$tests" = 124 ] && [ -n "${OUT:-}" ]; then  # (on the lent machine only, which runs nothing else:)
+      # servers of a test cut off by the limit run on in their own sessions, holding GPU memory
+      pkill -f "llm_api.server serve|org.pytorch.serve.ModelServer|model_service_worker"
+    fi
+    bench llama-8b 190 --models llama-3.1-8b --batches 1,64 --compile-batches 64 --max-seconds 140
+    bench smollm2 50 --models smollm2-135m --batches 1 --compile-batches "" --max-seconds 30
+    bench prefill-4k 60 --models llama-3.1-8b --batches 1 --context-len 4096 --steps 8 --compile-batches "" \
+      --max-seconds 40
+    echo "== tests: exit $tests; $(grep -E "passed|failed" "$out/correctness.log" | tail -1)"
+    "$python" bench/gpu_decode.py --summarize "$out"/llama-8b.json "$out"/smollm2.json "$out"/prefill-4k.json
     ;;
   bench)
     shift
-    "$python" bench/gpu_decode.py --out "$out/gpu_decode.json" "$@" 2>&1 | tee "$out/bench.log"
-    exit "${PIPESTATUS[0]}"
+    bench "${BENCH_NAME:-gpu_decode}" 590 "$@"
     ;;
   setup) ;;
-  *) echo "unknown check $what: correctness, torchserve, bench or setup" >&2; exit 2 ;;
+  *) echo "unknown check $what: all, correctness, bench or setup" >&2; exit 2 ;;
 esac

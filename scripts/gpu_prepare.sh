@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Pack, here, what a GPU machine without network lacks for the GPU checks (issue 11), into .gpu/ (ignored by
-# git), in groups that each fit one call of 64 MiB (the limit of the device tool that lends such machines):
-#   .gpu/base        wheels (CPython 3.12 or GPU_PYTHON_VERSION, manylinux x86-64) of the versions the
-#                    tests here run with, for what a stock CUDA PyTorch image has in another version or
-#                    not at all: transformers, pydantic (+ pydantic-core, annotated-types,
-#                    typing-inspection), xgrammar (+ apache-tvm-ffi), grpcio and protobuf (the generated
-#                    gRPC code asks for these versions or newer)                                    ~28 MB
-#   .gpu/model       the embedded model's config, tokenizer and chat template, without weights: the GPU
-#                    serving test saves random weights of that shape (tests/test_gpu_serving.py)     ~3.5 MB
-#   .gpu/jre.tar.xz  a Java 17 runtime cut down by jlink to what TorchServe's frontend uses         ~17 MB
-#   .gpu/torchserve  the torchserve and torch-model-archiver wheels (the frontend's jar is 42 MB)     ~41 MB
+# Pack, here, what a GPU machine without network lacks for the GPU checks (issues 11 and 26), into .gpu/
+# (ignored by git), all of it within one call of the device tool that lends such machines (64 MiB carried,
+# the working tree included):
+#   .gpu/wheels.tar.xz  the wheels (CPython 3.12 or GPU_PYTHON_VERSION, manylinux x86-64) of the versions the
+#                       tests here run with, for what a stock CUDA PyTorch image has in another version or
+#                       not at all: transformers, pydantic (+ pydantic-core, annotated-types,
+#                       typing-inspection), xgrammar (+ apache-tvm-ffi), grpcio and protobuf (the generated
+#                       gRPC code asks for these versions or newer), torchserve and torch-model-archiver;
+#                       unzipped and xz-packed by scripts/gpu_wheels.py (70 MB of wheels, about 33 MB packed)
+#   .gpu/model          the embedded model's config, tokenizer and chat template, without weights: the GPU
+#                       tests save random weights of that shape (tests/test_gpu_serving.py)          ~3.5 MB
+#   .gpu/jre.tar.xz     a Java 17 runtime cut down by jlink to what TorchServe's frontend uses        ~17 MB
 # scripts/gpu_check.sh is the other half (run there); docs/benchmarks.md, "On a GPU machine", the calls.
 # Needs: scripts/setup.sh test done (the versions are read from .venv), a JDK 17 with jlink, PyPI.
 # GPU_PYTHON_VERSION: the GPU machine's Python (default 3.12, the CUDA image's).
@@ -36,8 +37,10 @@ for package in transformers pydantic pydantic-core annotated-types typing-inspec
                grpcio protobuf; do
   base+=("$package==$(version "$package")")
 done
-fetch .gpu/base "${base[@]}"
-fetch .gpu/torchserve "torchserve==$(version torchserve)" "torch-model-archiver==$(version torch-model-archiver)"
+wheels=$(mktemp -d)
+trap 'rm -rf "$wheels"' EXIT
+fetch "$wheels" "${base[@]}" "torchserve==$(version torchserve)" "torch-model-archiver==$(version torch-model-archiver)"
+python scripts/gpu_wheels.py pack .gpu/wheels.tar.xz "$wheels"/*.whl
 
 model=$(python -m llm_api.model.embedded)
 mkdir -p .gpu/model
@@ -55,6 +58,5 @@ jdk.unsupported,java.net.http,java.security.jgss,jdk.crypto.ec,java.instrument,j
 tar -C .gpu -cf - jre | xz -9 -T0 > .gpu/jre.tar.xz
 rm -rf .gpu/jre
 
-du -sh .gpu/base .gpu/model .gpu/jre.tar.xz .gpu/torchserve
-echo "call 1 carries .gpu/base .gpu/model .gpu/jre.tar.xz: $(du -cshL .gpu/base .gpu/model .gpu/jre.tar.xz | tail -1 | cut -f1)"
-echo "call 2 carries .gpu/torchserve: $(du -shL .gpu/torchserve | cut -f1) (plus the working tree in each)"
+du -sh .gpu/wheels.tar.xz .gpu/model .gpu/jre.tar.xz
+echo "one call carries .gpu: $(du -shL .gpu | cut -f1) (plus the working tree)"

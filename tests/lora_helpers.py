@@ -37,11 +37,13 @@ def peft_greedy(model, folder: Path, prompt_ids: list[int], max_new_tokens: int)
     """PEFT's own generate() with the adapter in ``folder`` (greedy): the oracle."""
     from peft import PeftModel
 
+    device = next(model.parameters()).device  # (a model on the GPU gets its prompt there)
     peft_model = PeftModel.from_pretrained(model, str(folder))
     try:
         with torch.no_grad():
-            out = peft_model.generate(input_ids=torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
-                                      dtype=torch.long), max_new_tokens=max_new_tokens, do_sample=False)
+            input_ids = torch.tensor([prompt_ids], device=device)
+            out = peft_model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                      max_new_tokens=max_new_tokens, do_sample=False)
         return out[0, len(prompt_ids):].tolist()
     finally:
         peft_model.unload()

@@ -91,10 +91,10 @@ def reference_greedy(model, prompt_token_ids: list[int], max_new_tokens: int, eo
     return output[0, len(prompt_token_ids):].tolist()
 
 
-def make_engine(model, eos_token_ids=(), **config) -> LLMEngine:
+def make_engine(model, eos_token_ids=(), lora=None, **config) -> LLMEngine:
     config.setdefault("block_size", 4)
     config.setdefault("num_blocks", 256)
-    return LLMEngine(model, EngineConfig(**config), eos_token_ids=set(eos_token_ids))
+    return LLMEngine(model, EngineConfig(**config), eos_token_ids=set(eos_token_ids), lora=lora)
 
 
 def run_engine(engine: LLMEngine, arrivals: dict[int, list[tuple]], max_steps: int = 10_000):

@@ -4,11 +4,16 @@
 - The engine with everything on (Triton kernels, graphs, profiled pool) generates greedily what
   ``generate()`` does for random-weight models, in fp32 (in bf16 a one-ulp tie may flip a token).
 - The profiled pool fits: after the engine is built, torch holds no more than the utilization allows.
+- The paths added since, on the GPU: speculative verification beside replayed steps, LoRA deltas in mixed
+  batches (PEFT's answers), grammar masks beside free rows, n > 1 choices (each its own seed's).
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,3 +108,109 @@ def test_speculative_steps_beside_graph_decode_steps():
         if k:
             assert engine.stats().spec_decode_num_accepted_tokens > 0
     assert results[4] == results[0]
+
+
+def test_lora_mixed_batch_on_the_gpu_matches_peft(tmp_path):
+    """Requests of two adapters and of the base model in the same steps, the deltas through the Triton
+    BGMV kernel (graphs are off while adapters are served): PEFT's greedy answers on the same GPU."""
+    pytest.importorskip("peft")
+    from lora_helpers import make_adapter, peft_greedy
+
+    from llm_api.lora.registry import LoraRegistry
+
+    oracle = _cuda_model("llama", torch.float32, seed=3)
+    oracle.generation_config.eos_token_id, oracle.generation_config.pad_token_id = None, 0
+    folders = {"a": make_adapter(oracle, tmp_path / "a", seed=4, r=16, alpha=32, scale=1.0),
+               "b": make_adapter(oracle, tmp_path / "b", seed=5, r=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"],
+                                 scale=1.0)}
+    generator = torch.Generator().manual_seed(17)
+    prompts = [random_prompt(generator, 5 + 6 * i) for i in range(3)]
+    expected = {}
+    for i, prompt in enumerate(prompts):
+        expected[f"base-{i}"] = _generate(oracle, prompt, 12)
+        for name, folder in folders.items():
+            expected[f"{name}-{i}"] = peft_greedy(oracle, folder, prompt, 12)
+            assert expected[f"{name}-{i}"] != expected[f"base-{i}"]  # the adapter matters, or this proves nothing
+    model = copy.deepcopy(oracle)
+    registry = LoraRegistry(model, max_loras=2, max_rank=16)
+    ids = {name: registry.load(name, folder).lora_id for name, folder in folders.items()}
+    engine = make_engine(model, num_blocks=256, max_num_seqs=16, lora=registry)
+    assert engine.attention.name == "triton"
+    for i, prompt in enumerate(prompts):
+        for name in ("base", *folders):
+            engine.add_request(f"{name}-{i}", prompt, greedy(12), lora_id=ids.get(name, 0))
+    got = {request_id: [] for request_id in expected}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            got[output.request_id].extend(output.new_token_ids)
+    assert got == expected
+
+
+def test_grammar_masks_on_the_gpu():
+    """Constrained rows beside free ones with graphs on: the masks (xgrammar's bitmask on CUDA logits) keep
+    every token in the grammar, and the free rows get what they get alone."""
+    pytest.importorskip("xgrammar")
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from llm_api.engine.grammar import GrammarCompiler, GrammarMatcher, GrammarSpec
+    from llm_api.engine.sampler import SamplingParams
+    from llm_api.model.settings import default_model_path
+
+    folder = Path(os.environ.get("GPU_MODEL_FILES") or default_model_path(os.environ))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=len(tokenizer), max_position_embeddings=512), dtype=torch.float32).to("cuda").eval()
+    eos = {tokenizer.eos_token_id}
+    compiler = GrammarCompiler(tokenizer, model.config.vocab_size, eos)
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    specs = {"person": GrammarSpec.json_schema(person), "date": GrammarSpec.regex(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")}
+    generator = torch.Generator().manual_seed(23)
+    prompts = {rid: random_prompt(generator, 6 + i) for i, rid in enumerate(["person", "date", "free1", "free2"])}
+    requests = [(rid, prompts[rid], SamplingParams(max_new_tokens=48, grammar=compiler.compile(specs[rid])))
+                for rid in specs] + [(rid, prompts[rid], greedy(16)) for rid in ("free1", "free2")]
+    engine = make_engine(model, eos, num_blocks=256, max_num_seqs=8, cuda_graph_max_batch_size=8)
+    assert engine.cuda_graph_batch_sizes
+    together = run_engine(engine, {0: requests})
+    for rid, spec in specs.items():
+        tokens, _ = together[rid]
+        matcher = GrammarMatcher(compiler.compile(spec))
+        assert all(matcher.accept_token(t) for t in tokens), (rid, tokenizer.decode(tokens))
+    if together["person"][1] == "stop":
+        person_value = json.loads(tokenizer.decode(together["person"][0], skip_special_tokens=True))
+        assert set(person_value) == {"name", "age"}
+    alone = run_engine(engine, {0: [r for r in requests if r[0].startswith("free")]})
+    assert alone == {rid: together[rid] for rid in ("free1", "free2")}
+    assert sum(engine.runner.decode_graphs.steps_by_size.values()) > 0
+
+
+def test_n_choices_on_the_gpu():
+    """n > 1 with graphs on: each sampled choice is what its own seed gives alone, and greedy choices are
+    generate()'s."""
+    from llm_api.engine.sampler import SamplingParams, sequence_seed
+
+    model = _cuda_model("qwen2", torch.float32, seed=7)
+    reference = copy.deepcopy(model)
+    prompt = random_prompt(torch.Generator().manual_seed(2), 9)
+
+    def collect(params):
+        engine = make_engine(model, num_blocks=256, max_num_seqs=8, cuda_graph_max_batch_size=8)
+        engine.add_request("r", prompt, params)
+        tokens = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                tokens.setdefault(output.index, []).extend(output.new_token_ids)
+        assert sum(engine.runner.decode_graphs.steps_by_size.values()) > 0
+        return [tokens[i] for i in sorted(tokens)]
+
+    def sampled(seed, n=1):
+        return SamplingParams(max_new_tokens=10, do_sample=True, temperature=1.0, top_k=40, seed=seed, n=n)
+
+    choices = collect(sampled(11, n=3))
+    assert len(choices) == 3 and len({tuple(c) for c in choices}) == 3, "the choices must differ"
+    for i, choice in enumerate(choices):
+        assert collect(sampled(sequence_seed(11, i))) == [choice]
+    assert collect(greedy(9, n=2)) == [_generate(reference, prompt, 9)] * 2
