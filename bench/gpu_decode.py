@@ -362,12 +362,14 @@ def run_engine(model, prompts: torch.Tensor, settings: BenchSettings, device: to
     from llm_api.engine.sampler import SamplingParams
 
     batch_size, context_len = prompts.shape
-    max_new_tokens = settings.warmup_steps + settings.decode_steps + 2  # nobody finishes while timed
+    token_budget = max(settings.max_num_batched_tokens, context_len)
+    # Nobody finishes while timed: the prompts first served decode a token in each later prefill step.
+    max_new_tokens = settings.warmup_steps + settings.decode_steps + 2 + cdiv(batch_size * context_len, token_budget)
     tokens_per_seq = context_len + max_new_tokens
     config = EngineConfig(
         block_size=settings.block_size,
         num_blocks=batch_size * cdiv(tokens_per_seq, settings.block_size) + 8,
-        max_num_seqs=batch_size, max_num_batched_tokens=max(settings.max_num_batched_tokens, context_len),
+        max_num_seqs=batch_size, max_num_batched_tokens=token_budget,
         max_model_len=tokens_per_seq + settings.block_size, attention_backend="auto", cuda_graphs=cuda_graphs,
     )
     reset_peak(device)

@@ -5,7 +5,7 @@
 #   .gpu/wheels.tar.xz  the wheels (CPython 3.12 or GPU_PYTHON_VERSION, manylinux x86-64) of the versions the
 #                       tests here run with, for what a stock CUDA PyTorch image has in another version or
 #                       not at all: transformers, pydantic (+ pydantic-core, annotated-types,
-#                       typing-inspection), xgrammar (+ apache-tvm-ffi), grpcio and protobuf (the generated
+#                       typing-inspection), xgrammar (+ apache-tvm-ffi), grpcio, protobuf and googleapis-common-protos (the generated
 #                       gRPC code asks for these versions or newer), torchserve and torch-model-archiver;
 #                       unzipped and xz-packed by scripts/gpu_wheels.py (70 MB of wheels, about 33 MB packed)
 #   .gpu/model          the embedded model's config, tokenizer and chat template, without weights: the GPU
@@ -33,7 +33,7 @@ fetch() {  # fetch DIR SPEC...: wheels for that CPython on x86-64 Linux, without
 
 rm -rf .gpu && mkdir -p .gpu
 base=()
-for package in transformers pydantic pydantic-core annotated-types typing-inspection xgrammar apache-tvm-ffi \
+for package in transformers pydantic pydantic-core annotated-types typing-inspection xgrammar apache-tvm-ffi googleapis-common-protos \
                grpcio protobuf; do
   base+=("$package==$(version "$package")")
 done

@@ -73,6 +73,16 @@ def embedded_model_path() -> Path:
     return prepare(Path(os.environ["MODEL_PATH"]) if os.environ.get("MODEL_PATH") else default_model_path(os.environ))
 
 
+@pytest.fixture(scope="session")
+def tokenizer_folder(request) -> Path:
+    """A folder with the embedded model's tokenizer (for tiny random models over its vocabulary):
+    ``GPU_MODEL_FILES`` where set (a lent GPU machine has those files but no weights, scripts/gpu_check.sh),
+    else the embedded model's own folder."""
+    if os.environ.get("GPU_MODEL_FILES"):
+        return Path(os.environ["GPU_MODEL_FILES"])
+    return request.getfixturevalue("embedded_model_path")
+
+
 def _serve(tmp_path_factory, embedded_model_path, name: str, model_config: str | None, wait_ready: bool = True,
            **kw):
     from torchserve_server import TorchServe

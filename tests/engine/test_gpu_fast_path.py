@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -66,8 +64,9 @@ def test_replay_equals_eager_bit_for_bit():
     for i, length in enumerate([4, 17, 9]):
         engine.add_request(f"s{i}", random_prompt(generator, length), greedy(4))
     engine.step()  # the prompts, eagerly
-    scheduled = engine.scheduler.schedule().scheduled
-    rows = engine.runner._graph_decode_rows(scheduled)
+    scheduler_output = engine.scheduler.schedule()
+    engine.runner.block_tables.update(scheduler_output)  # (what runner.execute does first)
+    rows = engine.runner._graph_decode_rows(scheduler_output.scheduled)
     assert rows is not None and graphs.padded_size(len(rows)) == 4
     replayed = graphs.run(rows).clone()
     graphs.capture_enabled = False  # the same padded step, eagerly (rewrites the same K/V into the same slots)
@@ -146,7 +145,7 @@ def test_lora_mixed_batch_on_the_gpu_matches_peft(tmp_path):
     assert got == expected
 
 
-def test_grammar_masks_on_the_gpu():
+def test_grammar_masks_on_the_gpu(tokenizer_folder):
     """Constrained rows beside free ones with graphs on: the masks (xgrammar's bitmask on CUDA logits) keep
     every token in the grammar, and the free rows get what they get alone."""
     pytest.importorskip("xgrammar")
@@ -154,10 +153,8 @@ def test_grammar_masks_on_the_gpu():
 
     from llm_api.engine.grammar import GrammarCompiler, GrammarMatcher, GrammarSpec
     from llm_api.engine.sampler import SamplingParams
-    from llm_api.model.settings import default_model_path
 
-    folder = Path(os.environ.get("GPU_MODEL_FILES") or default_model_path(os.environ))
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,

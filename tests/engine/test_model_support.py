@@ -90,11 +90,11 @@ NUM_LAYERS = 4
 
 
 @pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory, embedded_model_path):
+def tiny_checkpoint(tmp_path_factory, tokenizer_folder):
     """A tiny random Llama with the embedded model's tokenizer, saved as a checkpoint folder."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(embedded_model_path)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
     config = LlamaConfig(hidden_size=64, num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=128, vocab_size=len(tokenizer), max_position_embeddings=512,
                          tie_word_embeddings=False)
