@@ -109,6 +109,7 @@ class BenchSettings:
     generate_repeats: int  # generate() timings are the best of this many calls
     max_seconds: float | None
     smoke: bool
+    fused_kernels: bool = True  # the engine's fused RMSNorm and rotary kernels (llm_api.engine.fused_ops)
 
 
 def parse_settings(argv=None) -> tuple[BenchSettings, Path | None]:
@@ -126,6 +127,8 @@ def parse_settings(argv=None) -> tuple[BenchSettings, Path | None]:
     parser.add_argument("--smoke", action="store_true",
                         help="tiny fp32 Llama on CPU, batches 1 and 2, context 32, no torch.compile: checks the "
                              "script end to end in seconds")
+    parser.add_argument("--no-fused-kernels", action="store_true",
+                        help="the engine without its fused RMSNorm and rotary kernels (transformers' code)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
 
@@ -157,7 +160,8 @@ def parse_settings(argv=None) -> tuple[BenchSettings, Path | None]:
         context_len=args.context_len, decode_steps=args.steps, warmup_steps=args.warmup, block_size=16,
         max_num_batched_tokens=args.max_num_batched_tokens,
         graphs_model=GRAPHS_MODEL if GRAPHS_MODEL in models else None, graphs_batch_size=1,
-        copy_bytes=1 << 30, copy_trials=10, generate_repeats=1, max_seconds=args.max_seconds, smoke=False), out
+        copy_bytes=1 << 30, copy_trials=10, generate_repeats=1, max_seconds=args.max_seconds, smoke=False,
+        fused_kernels=not args.no_fused_kernels), out
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -371,6 +375,7 @@ def run_engine(model, prompts: torch.Tensor, settings: BenchSettings, device: to
         num_blocks=batch_size * cdiv(tokens_per_seq, settings.block_size) + 8,
         max_num_seqs=batch_size, max_num_batched_tokens=token_budget,
         max_model_len=tokens_per_seq + settings.block_size, attention_backend="auto", cuda_graphs=cuda_graphs,
+        fused_kernels=settings.fused_kernels,
     )
     reset_peak(device)
     begin = time.perf_counter()
@@ -417,7 +422,7 @@ def run_engine(model, prompts: torch.Tensor, settings: BenchSettings, device: to
             "decode_seconds": decode_seconds, "decode_steps": settings.decode_steps,
             "warmup_steps": settings.warmup_steps, "prefill_seconds": prefill_seconds,
             "prefill_steps": prefill_steps, "build_seconds": build_seconds,
-            "cuda_graphs": cuda_graphs, "attention_backend": engine.attention.name,
+            "cuda_graphs": cuda_graphs, "attention_backend": engine.attention.name, "fused": engine.runner.fused,
             "cuda_graph_batch_sizes": sorted(graph_sizes) if graph_sizes is not None else None,
             "num_blocks": stats.num_total_blocks, "num_preemptions": stats.num_preemptions,
             "peak_memory_bytes": peak_memory(device),
@@ -660,7 +665,10 @@ def run_model(name: str, settings: BenchSettings, device: torch.device, dtype: t
         if graphs["on"].get("status") == "ok" and graphs["off"].get("status") == "ok":
             graphs["speedup"] = graphs["on"]["decode_tokens_per_s"] / graphs["off"]["decode_tokens_per_s"]
 
-    # generate(): the stock attention, not the engine's paged one.
+    # generate(): the stock attention and norms, not the engine's paged attention and fused kernels.
+    from llm_api.engine import fused_ops
+
+    fused_ops.disable(model)
     model.set_attn_implementation("sdpa")
     measure(results, clock, model_doc, "generate_warmup", f"{name}: generate warm-up", warm_up_generate, model,
             settings, facts.vocab_size, device)
@@ -700,7 +708,8 @@ def print_table(doc: dict) -> None:
     env = doc["environment"]
     bandwidth = doc["bandwidth"]
     print(f"\n{env['device']} | torch {env['torch']} (CUDA {env['cuda']}) | triton {env['triton']} | "
-          f"transformers {env['transformers']} | {env['date']}")
+          f"transformers {env['transformers']} | {env['date']} | fused kernels "
+          f"{'on' if doc['settings'].get('fused_kernels', True) else 'off'}")
     if bandwidth:
         print(f"copy bandwidth {bandwidth['best_bytes_per_s'] / 1e9:.1f} GB/s (read + write, best of "
               f"{len(bandwidth['trial_seconds'])})")

@@ -69,6 +69,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | triton (llm_api.kernels; auto: triton on CUDA)
     cuda_graphs: bool = True  # capture the decode step on CUDA (ignored elsewhere)
     cuda_graph_max_batch_size: int = 128  # largest captured decode batch (capped by max_num_seqs)
+    fused_kernels: bool = True  # one Triton kernel per RMSNorm and per rotary embedding (CUDA only)
     speculative_tokens: int = 0  # k draft tokens per step (n-gram prompt lookup); 0: off
     ngram_min: int = 1
     ngram_max: int = 4
@@ -87,6 +88,7 @@ class EngineConfig:
             attention_backend=settings.attention_backend,
             cuda_graphs=settings.cuda_graphs,
             cuda_graph_max_batch_size=settings.cuda_graph_max_batch_size,
+            fused_kernels=settings.fused_kernels,
             speculative_tokens=settings.speculative_tokens,
             ngram_min=settings.ngram_min,
             ngram_max=settings.ngram_max,
@@ -156,7 +158,7 @@ class LLMEngine:
         # One request never needs more than the whole pool, so it can always run alone.
         self.max_model_len = min(wanted_max_len, self.kv_cache.max_num_tokens)
         self.lora = lora
-        self.runner = ModelRunner(model, self.kv_cache, self.attention, lora)
+        self.runner = ModelRunner(model, self.kv_cache, self.attention, lora, fused_kernels=config.fused_kernels)
         if config.max_num_batched_tokens is None:  # a CPU: size the step to it (chunked prefill)
             budget = cpu_token_budget(self.runner, config.block_size, num_blocks, config.max_num_seqs, self.max_model_len)
             config = self.config = dataclasses.replace(config, max_num_batched_tokens=budget)

@@ -22,6 +22,9 @@ With ``enable_decode_graphs`` (a backend that ``supports_cuda_graphs``), a step 
 feeds one token id and samples, and which fits the largest captured size, goes through
 ``DecodeGraphRunner``.
 
+With ``fused_kernels`` (CUDA), RMSNorm and the rotary embedding run as one Triton kernel each
+(``llm_api.engine.fused_ops``).
+
 With a LoRA registry, each request's packed tokens are tagged with its adapter (``Request.lora_id``) and
 the forward runs inside ``llm_api.lora.context.lora_step``: the wrapped linears add each row's delta.
 """
@@ -37,6 +40,7 @@ import torch
 from torch import nn
 
 from llm_api.engine.attention import METADATA_KWARG, AttentionBackend, register_paged_attention
+from llm_api.engine import fused_ops
 from llm_api.engine.cuda_graphs import DecodeGraphRunner, DecodeRow
 from llm_api.engine.kv_cache import PagedKVCache
 from llm_api.engine.request import Request
@@ -80,7 +84,8 @@ class BlockTables:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv_cache: PagedKVCache, backend: AttentionBackend, lora: Any = None):
+    def __init__(self, model: nn.Module, kv_cache: PagedKVCache, backend: AttentionBackend, lora: Any = None,
+                 fused_kernels: bool = False):
         self.model = model
         self.lora = lora  # llm_api.lora.registry.LoraRegistry, or None
         self.kv_cache = kv_cache
@@ -95,6 +100,12 @@ class ModelRunner:
             raise NotImplementedError(
                 f"{type(model).__name__} does not take a pluggable attention function (AttentionInterface)"
             )
+        # (CUDA only; before the graphs are captured, which record whichever kernels the forward launches)
+        self.fused = {"rms_norm": 0, "rotary": 0}
+        if fused_kernels:
+            self.fused = fused_ops.enable(model)
+        else:  # (an earlier engine on this model may have enabled them)
+            fused_ops.disable(model)
         self.input_embeddings = hf_model.get_input_embeddings()
         # Not the weight's device: an offloaded embedding's weight is on "meta" until its hook runs.
         self.input_device = execution_device(model, self.input_embeddings)

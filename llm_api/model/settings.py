@@ -70,6 +70,7 @@ class Settings:
     # CUDA-graph-captured decode step for batch sizes up to the maximum (then eager).
     attention_backend: str = "auto"
     cuda_graphs: bool = True
+    fused_kernels: bool = True
     cuda_graph_max_batch_size: int = 128
     # Speculative decoding by n-gram prompt lookup (llm_api.engine.speculative): draft tokens per step
     # (0: off), the n-gram sizes looked up (longest first) and the largest decoding batch that drafts.
@@ -154,6 +155,7 @@ class Settings:
             ),
             "attention_backend": _choice(env, "ATTENTION_BACKEND", cls.attention_backend, ATTENTION_BACKENDS),
             "cuda_graphs": _bool(env, "CUDA_GRAPHS", cls.cuda_graphs),
+            "fused_kernels": _bool(env, "FUSED_KERNELS", cls.fused_kernels),
             "cuda_graph_max_batch_size": _int(env, "CUDA_GRAPH_MAX_BATCH_SIZE", cls.cuda_graph_max_batch_size,
                                               minimum=1),
             "speculative_tokens": _int(env, "SPECULATIVE_TOKENS", cls.speculative_tokens, minimum=0),

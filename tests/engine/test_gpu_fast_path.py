@@ -1,7 +1,7 @@
 """The GPU fast path on a real GPU (skipped without CUDA): Triton attention, CUDA-graph decode, KV sizing.
 
 - A replayed decode step gives exactly (bit for bit) the logits of the same padded step run eagerly.
-- The engine with everything on (Triton kernels, graphs, profiled pool) generates greedily what
+- The engine with everything on (Triton kernels, fused RMSNorm and rotary, graphs, profiled pool) generates greedily what
   ``generate()`` does for random-weight models, in fp32 (in bf16 a one-ulp tie may flip a token).
 - The profiled pool fits: after the engine is built, torch holds no more than the utilization allows.
 - The paths added since, on the GPU: speculative verification beside replayed steps, LoRA deltas in mixed
@@ -46,6 +46,8 @@ def test_engine_with_graphs_matches_generate(arch):
     engine = make_engine(model, num_blocks=256, max_num_seqs=8, cuda_graph_max_batch_size=8)
     assert engine.attention.name == "triton"
     assert engine.cuda_graph_batch_sizes == capture_batch_sizes(8)
+    # The fused kernels ran (gemma2's norm is its own code: only its rotary embedding is fused).
+    assert engine.runner.fused["rotary"] == 1 and (engine.runner.fused["rms_norm"] > 0) == (arch != "gemma2")
     generator = torch.Generator().manual_seed(11)
     arrivals = {step: [(f"r{step}-{i}", random_prompt(generator, 3 + 7 * i + step), greedy(12 + i))
                        for i in range(3)] for step in (0, 2, 5)}
