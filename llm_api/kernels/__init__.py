@@ -5,6 +5,10 @@
 - ``paged_decode_attention``: one query token per sequence, split over the context (flash-decoding).
 - ``paged_prefill_attention``: packed variable-length query chunks over cached + new keys.
 
+Beside them, imported by module (``llm_api.engine.fused_ops`` swaps them into a model): ``rms_norm``
+(``kernels.rms_norm``) and ``apply_rotary`` (``kernels.rotary``), one launch each where transformers'
+code launches eight and ten; ``lora_bgmv`` (``kernels.lora``) for the LoRA deltas.
+
 ``triton_usable(device)`` says whether they can run for tensors on ``device``: Triton importable and
 either a CUDA device or Triton's CPU interpreter (``TRITON_INTERPRET=1``, set before the kernel modules
 are imported). Importing this package needs no Triton: the kernel functions load on first access.
