@@ -1,9 +1,9 @@
 """Fused GPU kernels for a model's small per-layer operations: RMSNorm and rotary embedding (issue 26).
 
-At batch 1 a decode step of Llama-3.1-8B on an H200 read its weights in 3.6 ms but took 6.5: the
+At batch 1 a decode step of Llama-3.1-8B on an H200 read its weights in 3.6 ms but took 6.4: the
 transformers code around the matrix products launches ~37 small kernels per layer (eight per RMSNorm,
 ten for the rotary embedding, casts, residual sums), ~1,200 a step, and even replayed from a CUDA graph
-each costs ~2 us (docs/benchmarks.md, "GPU"). ``enable(model)`` swaps in one Triton kernel for each
+each costs ~2 us (docs/benchmarks.md, "Measured on an H200"). ``enable(model)`` swaps in one Triton kernel for each
 RMSNorm call and one for each layer's rotary embedding of q and k (``llm_api.kernels.rms_norm``,
 ``llm_api.kernels.rotary``), on CUDA only. Hand-written rather than ``torch.compile``: the engine
 captures its own CUDA graphs around a forward that calls the paged attention's Triton kernels through
@@ -16,11 +16,13 @@ the same bytecode (and global names) as ``LlamaRMSNorm.forward``, and a modeling
 Granite and others with copied code are covered, and a family with its own variant (Gemma's ``1 +
 weight``, Olmo2's order of rounding, partial rotary) keeps its code.
 
-The norms are swapped on the instances (``module.forward``). The rotary function is a global of its
-modeling module, called by the attention's forward, so it is replaced there by a dispatcher that runs the
-fused kernel only inside a forward of a model ``enable`` was called on (its ``forward`` is wrapped to say
-so), for CUDA tensors the kernel takes, and the original code in every other case: another model of the
-same family in the process (a reference ``generate()`` in the tests) keeps transformers' code.
+The norms are swapped on the instances (``module.forward``, a bound method, so a deep copy of the model
+gets forwards bound to its own modules). The rotary function is a global of its modeling module, called
+by the attention's forward, so it is replaced there by a dispatcher that runs the fused kernel only inside
+a forward of a model ``enable`` was called on (its ``forward`` is wrapped to say so; a model whose forward
+someone else already wrapped, an accelerate hook, keeps transformers' rotary), for CUDA tensors the kernel
+takes, and the original code in every other case: another model of the same family in the process (a
+reference ``generate()`` in the tests) keeps transformers' code.
 """
 
 from __future__ import annotations
@@ -51,18 +53,29 @@ def _llama():
     return modeling_llama
 
 
-def _fused_norm_forward(module: nn.Module):
+def _fused_norm(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     from llm_api.kernels.rms_norm import rms_norm
 
-    original = module.forward
+    if not hidden_states.is_cuda:
+        return type(self).forward(self, hidden_states)
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
-    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        if not hidden_states.is_cuda:
-            return original(hidden_states)
-        return rms_norm(hidden_states, module.weight, module.variance_epsilon)
 
-    forward.llm_api_fused = True
-    return forward
+def _fused_norm_forward(module: nn.Module) -> types.MethodType:
+    """The fused forward, bound to ``module`` (a bound method: ``copy.deepcopy`` rebinds it to the copy)."""
+    return types.MethodType(_fused_norm, module)
+
+
+def _fused_model_forward(self: Any, *args, **kwargs):
+    token = _IN_FUSED_FORWARD.set(True)
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        _IN_FUSED_FORWARD.reset(token)
+
+
+_FUSED_FORWARDS = (_fused_norm, _fused_model_forward)
+_ROTARY_ORIGINALS: dict[Any, Any] = {}  # each installed dispatcher -> the function it replaced
 
 
 def _rotary_dispatcher(original):
@@ -75,8 +88,13 @@ def _rotary_dispatcher(original):
             return apply_rotary(q, k, cos, sin)
         return original(q, k, cos, sin, unsqueeze_dim)
 
-    apply_rotary_pos_emb.llm_api_original = original  # (marks the dispatcher: installed once per module)
+    _ROTARY_ORIGINALS[apply_rotary_pos_emb] = original
     return apply_rotary_pos_emb
+
+
+def _original_rotary(function: Any) -> Any:
+    """transformers' function behind a dispatcher installed earlier (else the function itself)."""
+    return _ROTARY_ORIGINALS.get(function, function)
 
 
 def fusable_norms(model: nn.Module) -> list[nn.Module]:
@@ -86,21 +104,24 @@ def fusable_norms(model: nn.Module) -> list[nn.Module]:
             and not _overridden(m)]
 
 
+def _is_fused(forward: Any) -> bool:
+    return getattr(forward, "__func__", None) in _FUSED_FORWARDS
+
+
 def _overridden(module: nn.Module) -> bool:
     """Whether the instance has a forward of its own that is not ours (then it is left alone)."""
     forward = module.__dict__.get("forward")
-    return forward is not None and not getattr(forward, "llm_api_fused", False)
+    return forward is not None and not _is_fused(forward)
 
 
 def rotary_modeling_modules(model: nn.Module) -> list[types.ModuleType]:
     """The modeling modules of ``model``'s attention layers whose rotary code is Llama's."""
     llama = _llama()
-    llama_rotary = getattr(llama.apply_rotary_pos_emb, "llm_api_original", llama.apply_rotary_pos_emb)
+    llama_rotary = _original_rotary(llama.apply_rotary_pos_emb)
     found = []
     for name in sorted({type(m).__module__ for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")}):
         modeling = sys.modules.get(name)
-        function = getattr(modeling, "apply_rotary_pos_emb", None)
-        function = getattr(function, "llm_api_original", function)  # (a dispatcher installed earlier)
+        function = _original_rotary(getattr(modeling, "apply_rotary_pos_emb", None))
         if (modeling is not None and _same_code(function, llama_rotary)
                 and _same_code(getattr(modeling, "rotate_half", None), llama.rotate_half)):
             found.append(modeling)
@@ -121,30 +142,21 @@ def enable(model: nn.Module) -> dict[str, int]:
             module.forward = _fused_norm_forward(module)
     modeling_modules = rotary_modeling_modules(model)
     for modeling in modeling_modules:
-        if not hasattr(modeling.apply_rotary_pos_emb, "llm_api_original"):
-            modeling.apply_rotary_pos_emb = _rotary_dispatcher(modeling.apply_rotary_pos_emb)
-    norms, rotary = len(norms), len(modeling_modules)
-    if rotary and not getattr(model.__dict__.get("forward"), "llm_api_fused", False):
-        original_forward = model.forward
-
-        @functools.wraps(original_forward)
-        def forward(*args, **kwargs):
-            token = _IN_FUSED_FORWARD.set(True)
-            try:
-                return original_forward(*args, **kwargs)
-            finally:
-                _IN_FUSED_FORWARD.reset(token)
-
-        forward.llm_api_fused = True
-        model.forward = forward
-    swapped = {"rms_norm": norms, "rotary": rotary}
-    logger.info("fused GPU kernels: %d RMSNorm modules, rotary embedding in %d modeling modules", norms, rotary)
-    return swapped
+        namespace = vars(modeling)  # (the attention's forward looks the function up here at each call)
+        if namespace["apply_rotary_pos_emb"] not in _ROTARY_ORIGINALS:
+            namespace["apply_rotary_pos_emb"] = _rotary_dispatcher(namespace["apply_rotary_pos_emb"])
+    rotary = len(modeling_modules)
+    if rotary and "forward" not in model.__dict__:
+        model.forward = types.MethodType(_fused_model_forward, model)
+    elif rotary and not _is_fused(model.__dict__["forward"]):  # (someone else's wrapper: leave it be)
+        rotary = 0
+    logger.info("fused GPU kernels: %d RMSNorm modules, rotary embedding in %d modeling modules", len(norms), rotary)
+    return {"rms_norm": len(norms), "rotary": rotary}
 
 
 def disable(model: nn.Module) -> None:
     """Undo ``enable`` on ``model`` (its modules' own forwards again; the rotary dispatchers stay, inactive
     outside a fused model's forward)."""
     for module in model.modules():
-        if getattr(module.__dict__.get("forward"), "llm_api_fused", False):
+        if _is_fused(module.__dict__.get("forward")):
             del module.forward

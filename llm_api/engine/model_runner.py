@@ -100,12 +100,6 @@ class ModelRunner:
             raise NotImplementedError(
                 f"{type(model).__name__} does not take a pluggable attention function (AttentionInterface)"
             )
-        # (CUDA only; before the graphs are captured, which record whichever kernels the forward launches)
-        self.fused = {"rms_norm": 0, "rotary": 0}
-        if fused_kernels:
-            self.fused = fused_ops.enable(model)
-        else:  # (an earlier engine on this model may have enabled them)
-            fused_ops.disable(model)
         self.input_embeddings = hf_model.get_input_embeddings()
         # Not the weight's device: an offloaded embedding's weight is on "meta" until its hook runs.
         self.input_device = execution_device(model, self.input_embeddings)
@@ -113,6 +107,13 @@ class ModelRunner:
         self.logits_device = (execution_device(model, output_embeddings) if output_embeddings is not None
                               else self.input_device)
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        # Last (enable wraps model.forward, whose signature was read above); CUDA only; before the engine
+        # captures its graphs, which record whichever kernels the forward launches.
+        self.fused = {"rms_norm": 0, "rotary": 0}
+        if fused_kernels:
+            self.fused = fused_ops.enable(model)
+        else:  # (an earlier engine on this model may have enabled them)
+            fused_ops.disable(model)
 
     @torch.inference_mode()
     def enable_decode_graphs(self, max_model_len: int, batch_sizes: list[int], capture: bool) -> None:

@@ -26,11 +26,12 @@ def test_swaps_follow_the_code_not_the_family_name():
     # Llama's own function already replaced by the dispatcher (a Llama engine started first) changes nothing.
     llama = fused_ops._llama()
     original = llama.apply_rotary_pos_emb
-    llama.apply_rotary_pos_emb = fused_ops._rotary_dispatcher(original)
+    llama.apply_rotary_pos_emb = dispatcher = fused_ops._rotary_dispatcher(original)
     try:
         counts = _counts()
     finally:
         llama.apply_rotary_pos_emb = original
+        del fused_ops._ROTARY_ORIGINALS[dispatcher]
     assert _counts() == counts
     for arch in ("llama", "mistral", "qwen2"):
         norms, rotary, layers = counts[arch]
@@ -60,3 +61,17 @@ def test_disable_restores_the_modules_own_forwards():
     assert foreign not in fused_ops.fusable_norms(model) and norms[1] in fused_ops.fusable_norms(model)
     fused_ops.disable(model)
     assert all("forward" not in m.__dict__ for m in norms[1:]) and "forward" in foreign.__dict__
+
+
+def test_swapped_forwards_follow_a_deep_copy():
+    """A copy of a model with swapped norms runs its own weights, not the original's (bound methods)."""
+    import copy
+
+    model = AutoModelForCausalLM.from_config(TINY_CONFIGS["llama"]())
+    for module in fused_ops.fusable_norms(model):
+        module.forward = fused_ops._fused_norm_forward(module)
+    copied = copy.deepcopy(model)
+    for original, twin in zip(fused_ops.fusable_norms(model), fused_ops.fusable_norms(copied)):
+        assert twin.forward.__self__ is twin and original.forward.__self__ is original
+    fused_ops.disable(copied)
+    assert all("forward" not in m.__dict__ for m in copied.modules())
