@@ -15,7 +15,7 @@
 #   bash scripts/gpu_check.sh setup         # installs what the call carried and prints the versions
 set -uo pipefail
 cd "$(dirname "$0")/.."
-what=${1:?usage: scripts/gpu_check.sh correctness|torchserve|bench ARGS|setup}
+what=${1:?usage: scripts/gpu_check.sh all|correctness|bench ARGS|setup}
 env_dir=/tmp/llm_api-gpu
 out=${OUT:-$env_dir/out}
 machine_python=${PYTHON:-python3}
@@ -100,7 +100,8 @@ case "$what" in
     bench smollm2 40 --models smollm2-135m --batches 1 --compile-batches "" --max-seconds 25 >/dev/null
     bench prefill-4k 50 --models llama-3.1-8b --batches 1 --context-len 4096 --steps 8 --compile-batches "" \
       --max-seconds 30 >/dev/null
-    # (into bench.log: the device tool brings back 8 files at most, and this makes the 8th)
+    # (into bench.log: the device tool brings back 8 files at most, and the versions, test log, JUnit XML,
+    # bench log and four JSON files make 8)
     timeout -k 5 45 "$python" bench/gpu_step_profile.py --model smollm2-135m --batch 1 >> "$out/bench.log" 2>&1
     "$python" bench/gpu_decode.py --summarize "$out"/llama-fused.json "$out"/llama-unfused.json "$out"/smollm2.json \
       "$out"/prefill-4k.json
