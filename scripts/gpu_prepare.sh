@@ -5,13 +5,14 @@
 #   .gpu/wheels.tar.xz  the wheels (CPython 3.12 or GPU_PYTHON_VERSION, manylinux x86-64) of the versions the
 #                       tests here run with, for what a stock CUDA PyTorch image has in another version or
 #                       not at all: transformers, pydantic (+ pydantic-core, annotated-types,
-#                       typing-inspection), xgrammar (+ apache-tvm-ffi), grpcio, protobuf and googleapis-common-protos (the generated
-#                       gRPC code asks for these versions or newer), torchserve and torch-model-archiver;
+#                       typing-inspection), xgrammar (+ apache-tvm-ffi), grpcio, protobuf and
+#                       googleapis-common-protos (the generated gRPC code asks for these versions or newer;
+#                       the image has no google.rpc), torchserve and torch-model-archiver;
 #                       unzipped and xz-packed by scripts/gpu_wheels.py (70 MB of wheels, about 33 MB packed)
 #   .gpu/model          the embedded model's config, tokenizer and chat template, without weights: the GPU
 #                       tests save random weights of that shape (tests/test_gpu_serving.py)          ~3.5 MB
 #   .gpu/jre.tar.xz     a Java 17 runtime cut down by jlink to what TorchServe's frontend uses        ~17 MB
-# scripts/gpu_check.sh is the other half (run there); docs/benchmarks.md, "On a GPU machine", the calls.
+# scripts/gpu_check.sh is the other half (run there); docs/benchmarks.md, "On a GPU machine without network".
 # Needs: scripts/setup.sh test done (the versions are read from .venv), a JDK 17 with jlink, PyPI.
 # GPU_PYTHON_VERSION: the GPU machine's Python (default 3.12, the CUDA image's).
 set -euo pipefail
@@ -33,8 +34,8 @@ fetch() {  # fetch DIR SPEC...: wheels for that CPython on x86-64 Linux, without
 
 rm -rf .gpu && mkdir -p .gpu
 base=()
-for package in transformers pydantic pydantic-core annotated-types typing-inspection xgrammar apache-tvm-ffi googleapis-common-protos \
-               grpcio protobuf; do
+for package in transformers pydantic pydantic-core annotated-types typing-inspection xgrammar apache-tvm-ffi \
+               grpcio protobuf googleapis-common-protos; do
   base+=("$package==$(version "$package")")
 done
 wheels=$(mktemp -d)
