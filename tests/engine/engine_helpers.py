@@ -84,8 +84,8 @@ def random_prompt(generator: torch.Generator, length: int) -> list[int]:
 
 @torch.inference_mode()
 def reference_greedy(model, prompt_token_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None):
-    """generate() alone on one prompt (no padding): the token ids it appends, EOS included."""
-    input_ids = torch.tensor([prompt_token_ids])
+    """generate() alone on one prompt (no padding), on the model's device: the token ids it appends, EOS included."""
+    input_ids = torch.tensor([prompt_token_ids], device=next(model.parameters()).device)
     output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                             max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=0)
     return output[0, len(prompt_token_ids):].tolist()

@@ -18,25 +18,20 @@ import torch
 
 from llm_api.engine.cuda_graphs import capture_batch_sizes
 
-from engine_helpers import TINY_CONFIGS, greedy, make_engine, random_prompt, run_engine
+from engine_helpers import TINY_CONFIGS, greedy, make_engine, random_prompt, reference_greedy, run_engine
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _cuda_model(arch: str, dtype: torch.dtype, seed: int = 0):
+def _cuda_model(arch: str, dtype: torch.dtype, seed: int = 0, **config_overrides):
     from transformers import AutoModelForCausalLM
 
+    config = TINY_CONFIGS[arch]()
+    for name, value in config_overrides.items():
+        setattr(config, name, value)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(TINY_CONFIGS[arch](), dtype=dtype).to("cuda").eval()
-
-
-@torch.inference_mode()
-def _generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    input_ids = torch.tensor([prompt], device="cuda")
-    output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                            max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
-    return output[0, len(prompt):].tolist()
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).to("cuda").eval()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma2", "qwen3"])
@@ -54,7 +49,7 @@ def test_engine_with_graphs_matches_generate(arch):
     results = run_engine(engine, arrivals)
     for arrival in arrivals.values():
         for request_id, prompt, params in arrival:
-            assert results[request_id][0] == _generate(reference, prompt, params.max_new_tokens), request_id
+            assert results[request_id][0] == reference_greedy(reference, prompt, params.max_new_tokens), request_id
     assert sum(engine.runner.decode_graphs.steps_by_size.values()) > 0
 
 
@@ -128,7 +123,7 @@ def test_lora_mixed_batch_on_the_gpu_matches_peft(tmp_path):
     prompts = [random_prompt(generator, 5 + 6 * i) for i in range(3)]
     expected = {}
     for i, prompt in enumerate(prompts):
-        expected[f"base-{i}"] = _generate(oracle, prompt, 12)
+        expected[f"base-{i}"] = reference_greedy(oracle, prompt, 12)
         for name, folder in folders.items():
             expected[f"{name}-{i}"] = peft_greedy(oracle, folder, prompt, 12)
             assert expected[f"{name}-{i}"] != expected[f"base-{i}"]  # the adapter matters, or this proves nothing
@@ -151,16 +146,13 @@ def test_grammar_masks_on_the_gpu(tokenizer_folder):
     """Constrained rows beside free ones with graphs on: the masks (xgrammar's bitmask on CUDA logits) keep
     every token in the grammar, and the free rows get what they get alone."""
     pytest.importorskip("xgrammar")
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from transformers import AutoTokenizer
 
     from llm_api.engine.grammar import GrammarCompiler, GrammarMatcher, GrammarSpec
     from llm_api.engine.sampler import SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-        vocab_size=len(tokenizer), max_position_embeddings=512), dtype=torch.float32).to("cuda").eval()
+    model = _cuda_model("llama", torch.float32, vocab_size=len(tokenizer))
     eos = {tokenizer.eos_token_id}
     compiler = GrammarCompiler(tokenizer, model.config.vocab_size, eos)
     person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -212,4 +204,4 @@ def test_n_choices_on_the_gpu():
     assert len(choices) == 3 and len({tuple(c) for c in choices}) == 3, "the choices must differ"
     for i, choice in enumerate(choices):
         assert collect(sampled(sequence_seed(11, i))) == [choice]
-    assert collect(greedy(9, n=2)) == [_generate(reference, prompt, 9)] * 2
+    assert collect(greedy(9, n=2)) == [reference_greedy(reference, prompt, 9)] * 2
