@@ -5,6 +5,8 @@
 # process). Most of its time is spent waiting on servers it started, so three workers keep a 2-core host
 # busy. Each test belongs to one group (tests/conftest.py: the shared server it uses, else its module) and
 # a group runs on one worker, so no server is started twice and nothing runs beside itself that must not.
+# --max-worker-restart 0: a worker that dies (the OOM killer, a segfault) fails its own tests at once and the
+# run stops within a minute instead of hanging (tests/run_control.py); no replacement worker is started.
 #
 # OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads otherwise spin while waiting for work, and with the
 # workers, the servers' model workers and in-process engines all running torch on 2 cores the spinning
@@ -21,4 +23,4 @@ workers="${LLM_API_TEST_WORKERS:-3}"
 if [ "$workers" = "0" ]; then
   exec python -m pytest "$@"
 fi
-exec python -m pytest -n "$workers" --dist loadgroup --no-loadscope-reorder "$@"
+exec python -m pytest -n "$workers" --dist loadgroup --no-loadscope-reorder --max-worker-restart 0 "$@"

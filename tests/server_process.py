@@ -3,9 +3,16 @@
 A subclass says what its server is (``_command``: the command line; its URLs, key file, log files and
 worker probes); the base class runs it the same way for all of them: its own working directory, free
 loopback ports (``port_names``), an environment with its own TMPDIR, the process started in a new
-session (so that it and every process it forks form one process group), ``wait_ready`` polling
-``worker_status()`` until READY, the log helpers, and ``stop()``: SIGTERM to that process group, SIGKILL
-if it has not ended in time, never a signal to any other process.
+session under ``tests/process_guard.py`` (``launch``: the guard and everything the server forks form one
+process group, and the guard ends that group when the process that started it dies, however it dies),
+``wait_ready`` polling ``worker_status()`` until READY, the log helpers, and ``stop()``: SIGTERM to that
+process group, SIGKILL if it has not ended in time, never a signal to any other process.
+
+Footprint (a test run must fit a 2-core, 24 GiB host with room to spare: README, "Testing"): at most
+``MAX_LIVE_SERVERS`` servers run at once in one test process (``start()`` refuses one more, naming those
+alive: a test that needs more must stop one first), a server's KV pool is ``TEST_KV_CACHE_MEMORY_MIB``
+unless the caller's ``env`` sizes it, and servers do not inherit the tests' ``TRITON_INTERPRET`` (a CPU
+server runs no Triton kernel, and with the variable set it would load Triton: 73 MB each).
 
 Front-end surface the subclasses share (tests parametrized over both kinds use only these): ``kind``,
 ``model_name``, ``http``, ``grpc``, ``native_url``, ``openai_base``, ``ready_url``, ``metrics_url``,
@@ -18,6 +25,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from abc import ABC, abstractmethod
 from dataclasses import KW_ONLY, dataclass, field
@@ -25,6 +33,31 @@ from pathlib import Path
 from typing import ClassVar, Self
 
 REPO = Path(__file__).resolve().parent.parent
+GUARD = Path(__file__).resolve().parent / "process_guard.py"
+MAX_LIVE_SERVERS = 2  # per test process (module docstring, footprint)
+# Enough for one request of the default MAX_INPUT_TOKENS + MAX_NEW_TOKENS (4,096 tokens) in float32, the
+# largest a test sends; a CPU pool is resident only as far as it is used (llm_api.engine.kv_cache).
+TEST_KV_CACHE_MEMORY_MIB = "192"
+
+
+def launch(command: list[str], *, cwd: Path, env: dict[str, str], out, pid_file: Path) -> subprocess.Popen:
+    """Start ``command`` under the process guard, as the leader of a new session (module docstring); the
+    guard writes the command's own pid to ``pid_file``."""
+    pid_file.unlink(missing_ok=True)
+    return subprocess.Popen([sys.executable, str(GUARD), "--parent", str(os.getpid()), "--pid-file", str(pid_file),
+                             "--", *command], cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def guarded_pid(pid_file: Path, timeout: float = 10) -> int | None:
+    """The pid the guard wrote to ``pid_file`` (None if it has not within ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return int(pid_file.read_text())
+        except (OSError, ValueError):
+            time.sleep(0.02)
+    return None
 
 
 def free_ports(count: int) -> list[int]:
@@ -63,6 +96,8 @@ class ServerProcess(ABC):
     env: dict = field(default_factory=dict)  # over os.environ and the server's own variables
     proc: subprocess.Popen | None = None
     ports: dict = field(default_factory=dict)
+
+    live: ClassVar[list["ServerProcess"]] = []  # started and not yet stopped, in this process
 
     kind: ClassVar[str]  # "torchserve" or "standalone": what tests parametrized over both branch on
     program: ClassVar[str]  # the server's name in error messages
@@ -145,19 +180,35 @@ class ServerProcess(ABC):
         """The end of the process's output (for error messages)."""
         return _read_text(self.out_path)[-n:]
 
+    @property
+    def pid_file(self) -> Path:
+        return self.workdir / "server.pid"
+
+    def server_pid(self) -> int | None:
+        """The server process's own pid (the guard's child), while the guard runs."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None
+        return guarded_pid(self.pid_file)
+
     def _environment(self) -> dict[str, str]:
         tmp = self.workdir / "tmp"
         tmp.mkdir(exist_ok=True)
-        return {**os.environ, "TMPDIR": str(tmp), **self._env_defaults(tmp), **self.env}
+        inherited = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        return {**inherited, "TMPDIR": str(tmp), "KV_CACHE_MEMORY_MIB": TEST_KV_CACHE_MEMORY_MIB,
+                **self._env_defaults(tmp), **self.env}
 
     def start(self, wait_ready: bool = True, timeout: float = 240) -> Self:
+        alive = [server for server in ServerProcess.live if server is not self and server._running()]
+        if len(alive) >= MAX_LIVE_SERVERS:
+            raise RuntimeError(f"{len(alive)} servers already run in this test process ({', '.join(str(s.workdir) for s in alive)}); "
+                               f"the suite allows {MAX_LIVE_SERVERS} at once (tests/server_process.py): stop one first")
+        ServerProcess.live[:] = alive
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.ports = dict(zip(self.port_names, free_ports(len(self.port_names))))
         command = self._command()
         with open(self.out_path, "wb") as out:  # (the child holds its own copy of the file)
-            # A new session: the server and everything it forks form one process group, which stop() signals.
-            self.proc = subprocess.Popen(command, cwd=self.workdir, env=self._environment(), stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = launch(command, cwd=self.workdir, env=self._environment(), out=out, pid_file=self.pid_file)
+        ServerProcess.live.append(self)
         if wait_ready:
             self.wait_ready(timeout)
         return self
@@ -178,6 +229,7 @@ class ServerProcess(ABC):
         given); the server's exit status (None if it was never started)."""
         if self.proc is None:
             return None
+        ServerProcess.live[:] = [server for server in ServerProcess.live if server is not self]
         for sig, wait in ((signal.SIGTERM, self.stop_grace if grace is None else grace), (signal.SIGKILL, 10)):
             if not self._running():
                 break

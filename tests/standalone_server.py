@@ -59,4 +59,4 @@ class StandaloneServer(ServerProcess):
 
     def worker_pid(self) -> int | None:
         """The process that runs the model (the server itself: there is no separate worker)."""
-        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
+        return self.server_pid()

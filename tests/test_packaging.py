@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from llm_api.client import HTTPClient
-from server_process import free_ports
+from server_process import free_ports, launch
 from torchserve_server import TorchServe
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,11 +73,11 @@ def test_main_job_serves_the_embedded_model(tmp_path, quantization):
         "TS_GRPC_INFERENCE_PORT": str(ports["grpc"]),
         "TS_GRPC_MANAGEMENT_PORT": str(ports["grpc_mgmt"]),
     }
+    env.pop("TRITON_INTERPRET", None)  # (the kernel tests' setting: a user's shell has none)
     probe = TorchServe(REPO, ports=ports)  # reads REPO/key_file.json and asks the management API
     with open(tmp_path / "serve.out", "wb") as out:  # (the child holds its own copy of the file)
-        # A new session, as ServerProcess.start() makes: probe.stop() then ends make and all it started.
-        probe.proc = subprocess.Popen(["make", "serve"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
+        # Guarded in a new session, as ServerProcess.start() does: probe.stop() then ends make and all it started.
+        probe.proc = launch(["make", "serve"], cwd=REPO, env=env, out=out, pid_file=tmp_path / "make.pid")
     try:
         probe.wait_ready(timeout=300)
         text = (tmp_path / "serve.out").read_text(errors="replace")

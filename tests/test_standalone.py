@@ -268,7 +268,7 @@ def test_sigterm_drains(start_standalone, grace, finishes):
         thread, out = _stream_in_background(server, {"text": "Once upon a time", "max_new_tokens": max_new,
                                                      "ignore_eos": True})
         wait_until_busy(server)
-        os.kill(server.proc.pid, signal.SIGTERM)
+        os.kill(server.server_pid(), signal.SIGTERM)  # (the server, not its guard)
         t0 = time.monotonic()
         while get(server.ready_url)[0] != 503:
             assert time.monotonic() - t0 < 2.0, "readiness still true after SIGTERM"
