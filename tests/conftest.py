@@ -130,40 +130,89 @@ def start_server(tmp_path_factory, embedded_model_path):
     return start
 
 
+# -------------------------------------------------------------------------------------------------------
+# Shared servers and models: one per group of tests, released when the group is done
+#
+# A session fixture lives as long as its process: on an xdist worker that is the whole run, so every shared
+# server (and in-process model) a worker ever started stayed alive beside the ones it started next (8
+# servers and 3 workers at once, 16 GiB, and the OOM killer on a 24 GiB host). Instead, the shared ones are
+# kept here by name, and ``pytest_runtest_teardown`` below releases them all when the next test belongs to
+# another group (a group runs on one worker, its tests one after another: "Running in parallel" below), so
+# a worker holds only what its current group uses.
+
+
+class GroupShared:
+    """Objects shared by the tests of one group, built on first use and released at the group's end."""
+
+    def __init__(self) -> None:
+        self._items: dict[str, tuple[object, object]] = {}  # name -> (object, release function or None)
+
+    def get(self, name: str, build, release=None):
+        if name not in self._items:
+            self._items[name] = (build(), release)
+        return self._items[name][0]
+
+    def release(self) -> None:
+        items, self._items = self._items, {}
+        for thing, release in items.values():
+            if release is not None:
+                release(thing)
+        if items:
+            import gc
+
+            from llm_api.model.host_memory import release_freed_heap
+
+            del items, thing
+            gc.collect()
+            release_freed_heap()  # (a model loaded in this process: give its pages back, not only to malloc)
+
+
+GROUP_SHARED = GroupShared()
+
+
 @pytest.fixture(scope="session")
-def embedded_lm_fp32(embedded_model_path):
+def group_shared():
+    yield GROUP_SHARED
+    GROUP_SHARED.release()
+
+
+def _stop(server) -> None:
+    server.stop()
+
+
+@pytest.fixture
+def embedded_lm_fp32(group_shared, embedded_model_path):
     """The embedded model loaded as the server loads it, in float32 on every host (tests compare its greedy
-    tokens; in bfloat16 two paths may part at a one-ulp tie)."""
+    tokens; in bfloat16 two paths may part at a one-ulp tie). Shared within the test's group."""
     from llm_api.model import loader as model_loader
     from llm_api.model.settings import Settings
 
-    return model_loader.load(Settings.from_env({"MODEL_PATH": str(embedded_model_path), "DTYPE": "float32"}))
+    return group_shared.get("embedded_lm_fp32", lambda: model_loader.load(
+        Settings.from_env({"MODEL_PATH": str(embedded_model_path), "DTYPE": "float32"})))
 
 
-@pytest.fixture(scope="session")
-def classic_server(tmp_path_factory, embedded_model_path):
+@pytest.fixture
+def classic_server(group_shared, tmp_path_factory, embedded_model_path):
     """The paged engine under classic batching (batchSize 8), float32, archive built as a .mar file.
 
     float32 so that greedy output can be compared token for token with generate(): in bfloat16 the
     two paths may part at a one-ulp tie between the top two logits."""
-    server = _serve(tmp_path_factory, embedded_model_path, "classic", CLASSIC_CONFIG, mar=True,
-                    env={"DTYPE": "float32", "GRPC_STREAMING": "true"})
-    yield server
-    server.stop()
+    return group_shared.get("classic_server", lambda: _serve(
+        tmp_path_factory, embedded_model_path, "classic", CLASSIC_CONFIG, mar=True,
+        env={"DTYPE": "float32", "GRPC_STREAMING": "true"}), _stop)
 
 
-@pytest.fixture(scope="session")
-def batch4_server(tmp_path_factory, embedded_model_path):
+@pytest.fixture
+def batch4_server(group_shared, tmp_path_factory, embedded_model_path):
     """The generate() reference path with batchSize 4 (one call per four requests); float32 on every host, like
     the other shared servers (its answers are compared with the engine's)."""
-    server = _serve(tmp_path_factory, embedded_model_path, "batch4", BATCH4_CONFIG,
-                    env={"ENGINE": "generate", "GRPC_STREAMING": "true", "DTYPE": "float32"})
-    yield server
-    server.stop()
+    return group_shared.get("batch4_server", lambda: _serve(
+        tmp_path_factory, embedded_model_path, "batch4", BATCH4_CONFIG,
+        env={"ENGINE": "generate", "GRPC_STREAMING": "true", "DTYPE": "float32"}), _stop)
 
 
-@pytest.fixture(scope="session")
-def async_server(tmp_path_factory, embedded_model_path):
+@pytest.fixture
+def async_server(group_shared, tmp_path_factory, embedded_model_path):
     """The shipped model-config.yaml (async mode, engine) with a small KV pool (64 MiB), and gRPC streaming
     on (its clients here are trusted; the shipped default, off, is tested with a server of its own).
     float32 on every host, like the other shared servers: its tests compare greedy tokens and logprob
@@ -172,23 +221,21 @@ def async_server(tmp_path_factory, embedded_model_path):
     from torchserve_server import REPO
 
     config = (REPO / "model-config.yaml").read_text()
-    server = _serve(tmp_path_factory, embedded_model_path, "async", config,
-                    env={"KV_CACHE_MEMORY_MIB": "64", "GRPC_STREAMING": "true", "DTYPE": "float32",
-                         "SPECULATIVE_TOKENS": "4"})
-    yield server
-    server.stop()
+    return group_shared.get("async_server", lambda: _serve(
+        tmp_path_factory, embedded_model_path, "async", config,
+        env={"KV_CACHE_MEMORY_MIB": "64", "GRPC_STREAMING": "true", "DTYPE": "float32", "SPECULATIVE_TOKENS": "4"}),
+        _stop)
 
 
-@pytest.fixture(scope="session")
-def standalone_server(tmp_path_factory, embedded_model_path):
+@pytest.fixture
+def standalone_server(group_shared, tmp_path_factory, embedded_model_path):
     """`llm_api serve` (the standalone front end) for the tests shared by both front ends: float32 like the
-    classic server (greedy answers comparable with generate()), the default KV pool. Speculative decoding
-    is on (SPECULATIVE_TOKENS=4): greedy answers are the same with it, so every test of this server also
-    checks that, and tests/test_server_speculative.py checks what is particular to it."""
-    server = _serve_standalone(tmp_path_factory, embedded_model_path, "standalone",
-                               {"DTYPE": "float32", "SPECULATIVE_TOKENS": "4"})
-    yield server
-    server.stop()
+    classic server (greedy answers comparable with generate()), the test servers' KV pool. Speculative
+    decoding is on (SPECULATIVE_TOKENS=4): greedy answers are the same with it, so every test of this server
+    also checks that, and tests/test_server_speculative.py checks what is particular to it."""
+    return group_shared.get("standalone_server", lambda: _serve_standalone(
+        tmp_path_factory, embedded_model_path, "standalone", {"DTYPE": "float32", "SPECULATIVE_TOKENS": "4"}),
+        _stop)
 
 
 HERMES_TEMPLATE = Path(__file__).parent / "assets" / "hermes_tools.jinja"
@@ -211,20 +258,21 @@ def hermes_model_path(tmp_path_factory, embedded_model_path) -> Path:
     return hermes_model(tmp_path_factory, embedded_model_path)
 
 
-@pytest.fixture(scope="session")
-def hermes_server(tmp_path_factory, embedded_model_path):
+@pytest.fixture
+def hermes_server(group_shared, tmp_path_factory, embedded_model_path):
     """TorchServe in the shipped async mode serving the embedded model with a tool format (the Hermes
     template above), a 64 MiB KV pool, gRPC streaming on. float32 on every host: the tool-call tests rely
     on what the model writes greedily, and a bfloat16 tie could turn a call into prose on one host kind
     only."""
     from torchserve_server import REPO
 
-    model = hermes_model(tmp_path_factory, embedded_model_path)
-    server = _serve(tmp_path_factory, embedded_model_path, "hermes", (REPO / "model-config.yaml").read_text(),
-                    env={"MODEL_PATH": str(model), "KV_CACHE_MEMORY_MIB": "64", "GRPC_STREAMING": "true",
-                         "DTYPE": "float32"})
-    yield server
-    server.stop()
+    def start():
+        model = hermes_model(tmp_path_factory, embedded_model_path)
+        return _serve(tmp_path_factory, embedded_model_path, "hermes", (REPO / "model-config.yaml").read_text(),
+                      env={"MODEL_PATH": str(model), "KV_CACHE_MEMORY_MIB": "64", "GRPC_STREAMING": "true",
+                           "DTYPE": "float32"})
+
+    return group_shared.get("hermes_server", start, _stop)
 
 
 FRONT_ENDS = ["torchserve", "standalone"]
@@ -287,17 +335,43 @@ LONG_GROUPS_FIRST = ("tests/test_reliability.py",  # 200 (its load test runs 30 
                      "tests/test_fuzz_boundary.py")  # 30
 
 
+def group_of(item: pytest.Item) -> str:
+    """The group a collected test was given (its xdist_group mark)."""
+    marks = [mark.args[0] for mark in item.iter_markers("xdist_group") if mark.args]
+    return marks[0] if marks else xdist_group_of(item)
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
 def pytest_collection_modifyitems(config, items):
     groups = {}
     for item in items:
-        marks = [mark.args[0] for mark in item.iter_markers("xdist_group") if mark.args]
-        groups[item.nodeid] = marks[0] if marks else xdist_group_of(item)
-        if not marks:
+        groups[item.nodeid] = group_of(item)
+        if not any(mark.args for mark in item.iter_markers("xdist_group")):
             item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
-    if hasattr(config, "workerinput"):  # an xdist worker: the order it reports is the order groups go out
+    # An xdist worker: the order it reports is the order groups go out. A serial run: each group's tests
+    # together too, so that a shared server is started once (GroupShared).
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
         rank = {group: i for i, group in enumerate(LONG_GROUPS_FIRST)}
-        items.sort(key=lambda item: rank.get(groups[item.nodeid], len(rank)))  # (stable: file order within)
+        first_seen = {}
+        for item in items:
+            first_seen.setdefault(groups[item.nodeid], len(first_seen))
+        # (stable: file order within a group; groups not named in LONG_GROUPS_FIRST in order of first appearance)
+        items.sort(key=lambda item: (rank.get(groups[item.nodeid], len(rank)), first_seen[groups[item.nodeid]]))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Release the group's shared servers and models once its last test has run (GroupShared)."""
+    if nextitem is None or group_of(nextitem) != group_of(item):
+        GROUP_SHARED.release()
+
+
+def pytest_configure(config):
+    import tempfile
+
+    import run_control
+
+    run_control.register(config, Path(tempfile.mkdtemp(prefix="llm_api-run-")) / "stopped")
 
 
 @pytest.hookimpl(trylast=True)  # after xdist has put each test's group into its id

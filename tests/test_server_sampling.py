@@ -13,7 +13,7 @@ CHAT = [{"role": "user", "content": "Name three colours."}]
 MARKER = "<|endoftext|>"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def client(async_server):
     import openai
 

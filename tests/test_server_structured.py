@@ -36,12 +36,12 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
 DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def server(hermes_server):
     return hermes_server  # (tests/conftest.py: shared with tests/test_hostile_tools.py)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def client(server):
     import openai
 
