@@ -14,22 +14,34 @@ Sizing (``choose_num_blocks``): an explicit block count wins; else ``kv_cache_me
 CUDA what is left of each device's total memory times ``gpu_memory_utilization`` once the weights, the
 activation peak of a profiled worst-case step (``DeviceMemory``, measured by the engine) and the memory
 used outside torch are taken off; else (CPU) enough blocks for ``max_num_seqs`` sequences of
-``max_model_len`` tokens, capped at ``CPU_DEFAULT_CAP_BYTES``. CUDA graphs are captured after the pool
-is allocated, from the share the utilization fraction leaves free.
+``max_model_len`` tokens, but no more than ``1 / CPU_HOST_MEMORY_SHARE`` of the host's memory
+(``llm_api.model.host_memory``: 768 MiB on a 24 GiB host) and never less than one sequence of
+``max_model_len`` tokens. CUDA graphs are captured after the pool is allocated, from the share the
+utilization fraction leaves free.
+
+Residency: on the CPU each layer's pool is an anonymous memory mapping (``_lazy_zeros``), whose pages the
+kernel gives zero-filled on first touch. Blocks are handed out from the front of the block pool's free
+queue, so a server holds in memory the blocks it has used, not the whole pool: an idle server of the
+embedded model with the default pool takes tens of MB for it, not the pool's size, and a busy one grows
+towards the pool as its prefix cache fills. The contents stay zero until written, as ``torch.zeros`` would
+leave them (a gathered block's unused slots are masked, and a masked zero cannot turn the sum into NaN).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+import mmap
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch import nn
 
+from llm_api.model.host_memory import host_memory_bytes
 from llm_api.model.placement import execution_device
 
-CPU_DEFAULT_CAP_BYTES = 1 << 30
+CPU_HOST_MEMORY_SHARE = 32  # the default CPU pool takes at most this fraction of the host's memory
 
 
 @dataclass(frozen=True)
@@ -121,8 +133,16 @@ def choose_num_blocks(
             raise RuntimeError("no GPU memory left for the KV cache after the weights and the profiled activations; "
                                "raise GPU_MEMORY_UTILIZATION, lower MAX_NUM_BATCHED_TOKENS, or use a smaller model")
         return min(counts)
+    return cpu_default_num_blocks(bytes_per_block, block_size, max_num_seqs, max_model_len, host_memory_bytes())
+
+
+def cpu_default_num_blocks(bytes_per_block: int, block_size: int, max_num_seqs: int, max_model_len: int,
+                           host_bytes: int) -> int:
+    """The CPU pool when no setting sizes it (module docstring): ``max_num_seqs`` full sequences, within
+    ``host_bytes / CPU_HOST_MEMORY_SHARE``, and at least one full sequence."""
     wanted = _cdiv(max_num_seqs * max_model_len, block_size)
-    return max(1, min(wanted, CPU_DEFAULT_CAP_BYTES // bytes_per_block))
+    cap = host_bytes // CPU_HOST_MEMORY_SHARE // bytes_per_block
+    return max(1, _cdiv(max_model_len, block_size), min(wanted, cap))
 
 
 def cuda_layer_devices(layout: KVCacheLayout) -> list[torch.device]:
@@ -133,16 +153,26 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return _lazy_zeros(shape, dtype) if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros backed by its own anonymous mapping: pages become resident only when written
+    (module docstring, residency). The tensor keeps the mapping alive; it is unmapped with the tensor."""
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    mapping = mmap.mmap(-1, max(num_bytes, 1))  # MAP_PRIVATE | MAP_ANONYMOUS: zero-filled on first touch
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=num_bytes).view(dtype).view(shape)
+
+
 class PagedKVCache:
     def __init__(self, layout: KVCacheLayout, num_blocks: int, block_size: int):
         self.layout = layout
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
-        self.key_caches = [torch.zeros(shape, dtype=dt, device=dev)
-                           for dev, dt in zip(layout.layer_devices, layout.layer_dtypes)]
-        self.value_caches = [torch.zeros(shape, dtype=dt, device=dev)
-                             for dev, dt in zip(layout.layer_devices, layout.layer_dtypes)]
+        self.key_caches = [_zeros(shape, dt, dev) for dev, dt in zip(layout.layer_devices, layout.layer_dtypes)]
+        self.value_caches = [_zeros(shape, dt, dev) for dev, dt in zip(layout.layer_devices, layout.layer_dtypes)]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy every layer's K/V of block ``src`` into block ``dst`` for each (src, dst): one indexed copy

@@ -40,10 +40,14 @@ def _triton_importable() -> bool:
     return True
 
 
+def interpreter_enabled() -> bool:
+    """Triton's CPU interpreter is on (``TRITON_INTERPRET=1``). The engine's settings do not own this variable:
+    Triton itself reads it when kernels are decorated, so this reads the same variable to agree with Triton."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def triton_usable(device: torch.device) -> bool:
-    # The engine's settings do not own TRITON_INTERPRET: Triton itself reads it when kernels are
-    # decorated, so this reads the same variable to agree with Triton.
-    return _triton_importable() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+    return _triton_importable() and (device.type == "cuda" or interpreter_enabled())
 
 
 def __getattr__(name: str):

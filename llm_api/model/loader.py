@@ -11,14 +11,18 @@ device, which differs from its weight's device when accelerate offloads it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Iterator, cast
 
 import torch
 
+from llm_api.kernels import interpreter_enabled
 from llm_api.model import cpu
+from llm_api.model.host_memory import release_freed_heap
 from llm_api.model.packed_linear import pack_linear_weights, wants_packing
 from llm_api.model.settings import ConfigError, Settings, parse_device_map
 from llm_api.model.placement import execution_device
@@ -101,17 +105,44 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def load(settings: Settings) -> LoadedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+@contextlib.contextmanager
+def _triton_hidden(hide: bool) -> Iterator[None]:
+    """While loading on a machine that will run no Triton kernel, ``import triton`` fails.
 
+    Why: transformers' model modules import ``torch._dynamo``, which imports Triton only to learn whether it is
+    installed (and caches the answer). That import alone keeps 73 MB resident (libtriton and its Python
+    modules; 2-core AMD EPYC, 2026-11-26), in a CPU server that never launches a kernel: its attention is the
+    torch backend, and xgrammar's CPU masks are its own C++. Triton kernels run on CUDA, or on a CPU under
+    Triton's interpreter (``llm_api.kernels.interpreter_enabled``, the kernel tests): then nothing is hidden.
+    An import that happened before (a process that already used Triton) is left as it is."""
+    if not hide or "triton" in sys.modules:
+        yield
+        return
+    sys.modules["triton"] = None  # type: ignore[assignment]  # (import raises ImportError: "not installed")
+    try:
+        yield
+    finally:
+        if sys.modules.get("triton", 0) is None:
+            del sys.modules["triton"]
+
+
+def load(settings: Settings) -> LoadedModel:
     path = Path(settings.model_path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"MODEL_PATH={settings.model_path!r} is not a Hugging Face checkpoint folder (no config.json)")
-    config = AutoConfig.from_pretrained(path)
     device_map = parse_device_map(settings.device_map)
-    if not torch.cuda.is_available() and _wants_cuda(device_map):
+    cuda = torch.cuda.is_available()
+    with _triton_hidden(not cuda and not interpreter_enabled()):
+        return _load(settings, path, device_map, cuda)
+
+
+def _load(settings: Settings, path: Path, device_map, cuda: bool) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(path)
+    if not cuda and _wants_cuda(device_map):
         raise ConfigError(f"DEVICE_MAP={settings.device_map!r} asks for CUDA, but no CUDA device is available")
-    on_gpu = torch.cuda.is_available() and device_map != "cpu"
+    on_gpu = cuda and device_map != "cpu"
     dtype = resolve_dtype(settings, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None), on_gpu)
     if not on_gpu:
         check_cpu_dtype(dtype)
@@ -133,6 +164,7 @@ def load(settings: Settings) -> LoadedModel:
         packed = pack_linear_weights(model)
         if packed:
             logger.info("CPU_PACKED_WEIGHTS=%s: %d linear layers packed for oneDNN", settings.cpu_packed_weights, packed)
+    release_freed_heap()  # the checkpoint's tensors and replaced weights (llm_api.model.host_memory)
     logger.info(
         "loaded %s: dtype=%s device_map=%s quantization=%s%s", path.name, dtype, settings.device_map,
         settings.quantization, f" ({settings.bnb_4bit_quant_type})" if settings.quantization == "4bit" else "",

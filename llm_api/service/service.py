@@ -70,6 +70,7 @@ from llm_api.engine.reference import ReferenceCore
 from llm_api.engine.request import FinishReason
 from llm_api.engine.scheduler import PromptTooLongError
 from llm_api.engine.support import unsupported_reason
+from llm_api.model.host_memory import release_freed_heap
 from llm_api.model.loader import LoadedModel, load
 from llm_api.lora.config import AdapterError
 from llm_api.lora.registry import AdapterInUseError, AdapterPathError, LoraRegistry
@@ -155,6 +156,7 @@ class ModelService:
         # the engine thread and every stream would wait (docs/reliability.md, "Hostile input, by class").
         gc.collect()
         gc.freeze()
+        release_freed_heap()  # what loading and the engine's start-up freed (llm_api.model.host_memory)
         return service
 
     @functools.cached_property
