@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -47,7 +48,7 @@ from llm_api.engine.request import FinishReason, Request, RequestOutput
 from llm_api.engine.scheduler import PromptTooLongError, Scheduler, SchedulerConfig
 from llm_api.engine.speculative.drafter import Drafter, SpeculativeConfig
 from llm_api.engine.speculative.verify import split_drafted_rows, verify
-from llm_api.engine.step_budget import CUDA_TOKEN_BUDGET, cpu_token_budget
+from llm_api.engine.step_budget import CUDA_TOKEN_BUDGET, BudgetCache, CpuStepBudget
 from llm_api.engine.support import check_supported
 from llm_api.engine.sampler import Sampler, SamplerBatch, SamplingParams, SamplingState
 
@@ -74,6 +75,7 @@ class EngineConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     speculative_max_batch: int = 8  # no drafts on steps with more decoding sequences
+    step_budget_cache: str = ""  # where measured CPU step budgets are kept (step_budget.BudgetCache); "": nowhere
 
     @classmethod
     def from_settings(cls, settings) -> "EngineConfig":
@@ -93,6 +95,7 @@ class EngineConfig:
             ngram_min=settings.ngram_min,
             ngram_max=settings.ngram_max,
             speculative_max_batch=settings.speculative_max_batch,
+            step_budget_cache=str(Path(settings.cache_dir) / "step-budget"),
         )
 
 
@@ -159,8 +162,12 @@ class LLMEngine:
         self.max_model_len = min(wanted_max_len, self.kv_cache.max_num_tokens)
         self.lora = lora
         self.runner = ModelRunner(model, self.kv_cache, self.attention, lora, fused_kernels=config.fused_kernels)
+        self.step_budget: CpuStepBudget | None = None
         if config.max_num_batched_tokens is None:  # a CPU: size the step to it (chunked prefill)
-            budget = cpu_token_budget(self.runner, config.block_size, num_blocks, config.max_num_seqs, self.max_model_len)
+            self.step_budget = CpuStepBudget(self.runner, model, BudgetCache(Path(config.step_budget_cache)
+                                                                             if config.step_budget_cache else None),
+                                             config.block_size, config.max_num_seqs, self.max_model_len)
+            budget = self.step_budget.start(list(range(self.step_budget.probe_blocks_needed(num_blocks))))
             config = self.config = dataclasses.replace(config, max_num_batched_tokens=budget)
         self._enable_decode_graphs(config)
         assert config.max_num_batched_tokens is not None  # set above: CUDA_TOKEN_BUDGET, or the CPU's budget
@@ -267,6 +274,30 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """True while ``step()`` has work to do or outputs to report."""
         return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
+
+    # ----------------------------------------------------------------- while idle
+
+    def idle_work_delay(self) -> float | None:
+        """Seconds of idleness after which ``idle_work()`` has something to do (re-measuring the CPU step
+        budget: ``llm_api.engine.step_budget``); None when it has nothing."""
+        return self.step_budget.idle_delay() if self.step_budget is not None else None
+
+    def idle_work(self) -> None:
+        """Re-measure the step budget into free blocks (only while no request runs); raise it if it grew."""
+        if self.step_budget is None or self.has_unfinished_requests():
+            return
+        pool = self.scheduler.block_pool
+        needed = self.step_budget.probe_blocks_needed(pool.num_blocks)
+        if pool.num_free_blocks < needed:
+            return
+        block_ids = pool.allocate(needed)
+        try:
+            raised = self.step_budget.refine(block_ids)
+        finally:
+            pool.free(block_ids)
+        if raised is not None:
+            self.config = dataclasses.replace(self.config, max_num_batched_tokens=raised)
+            self.scheduler.config = dataclasses.replace(self.scheduler.config, max_num_batched_tokens=raised)
 
     # ----------------------------------------------------------------- one step
 

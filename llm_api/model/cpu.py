@@ -12,8 +12,9 @@ embedded SmolLM2-135M prefilled 40 tokens in 615 ms in bfloat16 against 166 ms i
 decode step took 137 ms against 93 ms. So DTYPE unset is bfloat16 where the flags are present and float32
 elsewhere (``llm_api.model.loader.resolve_dtype``).
 
-``cpu_vendor()`` reads the vendor (``llm_api.model.packed_linear`` packs float32 weights on AMD CPUs, where
-torch's float32 products, MKL's, read memory at half the speed oneDNN's do).
+``cpu_model_name()`` reads the model name (a key of the cached step budget), ``cpu_vendor()`` the vendor
+(``llm_api.model.packed_linear`` packs float32 weights on AMD CPUs, where torch's float32 products, MKL's,
+read memory at half the speed oneDNN's do).
 
 The rule reads flags rather than timing a product at start-up (what it did before): a timing on a busy
 machine can land either side of any threshold, and then the same host serves in one precision on one
@@ -59,6 +60,12 @@ def this_cpu_features() -> frozenset[str]:
     """This CPU's feature words (empty where there is no ``/proc/cpuinfo``): what benchmarks print beside
     their figures."""
     return cpu_features(_this_cpuinfo())
+
+
+def cpu_model_name(cpuinfo: str | None = None) -> str:
+    """The ``model name`` of this CPU (or of the one ``cpuinfo`` describes), "" where there is none: part of
+    the key a measured step budget is cached under (``llm_api.engine.step_budget``)."""
+    return _first_field(_this_cpuinfo() if cpuinfo is None else cpuinfo, ("model name",))
 
 
 def cpu_vendor(cpuinfo: str | None = None) -> str:

@@ -29,7 +29,7 @@ class ConfigError(ValueError):
 
 
 def default_cache_dir(env: Mapping[str, str]) -> Path:
-    """Where prepared models live (outside git): $LLM_API_CACHE, else ~/.cache/llm_api."""
+    """Where prepared models and measured step budgets live (outside git): $LLM_API_CACHE, else ~/.cache/llm_api."""
     if env.get("LLM_API_CACHE"):
         return Path(env["LLM_API_CACHE"])
     return Path(env.get("HOME", str(Path.home()))) / ".cache" / "llm_api"
@@ -43,6 +43,7 @@ def default_model_path(env: Mapping[str, str]) -> Path:
 class Settings:
     model_name: str = "smollm2"
     model_path: str = ""  # empty: the embedded default model in the cache dir
+    cache_dir: str = ""  # LLM_API_CACHE, else ~/.cache/llm_api: prepared models, measured CPU step budgets
     device_map: str = "auto"  # auto | cpu | cuda | cuda:N | an integer | a JSON object
     max_input_tokens: int = 2048
     max_new_tokens: int = 2048
@@ -131,6 +132,7 @@ class Settings:
         values: dict[str, Any] = {
             "model_name": _nonempty(env, "MODEL_NAME", cls.model_name),
             "model_path": env.get("MODEL_PATH", "") or str(default_model_path(env)),
+            "cache_dir": str(default_cache_dir(env)),
             "device_map": _device_map(env.get("DEVICE_MAP", cls.device_map)),
             "max_input_tokens": _int(env, "MAX_INPUT_TOKENS", cls.max_input_tokens, minimum=1),
             "max_new_tokens": _int(env, "MAX_NEW_TOKENS", cls.max_new_tokens, minimum=1),

@@ -9,9 +9,11 @@ stats (``stats``) and the time it last made progress, so readers (metrics, healt
 
 ``generate()`` raises the core's refusal (bad input, prompt too long) before yielding anything; if a step
 raises, every stream in the engine ends with that error and their requests are aborted, so no stream
-hangs; if the consumer stops iterating or is cancelled, its request is aborted in a ``finally``. A
-request with ``params.n`` > 1 has one stream carrying the outputs of all its sequences (each with its
-``index``); it ends when all n have finished.
+hangs; once idle for the delay the core names (``idle_work_delay``), the thread runs the core's idle work
+(``LLMEngine``: re-measuring its CPU step budget), which a request arriving meanwhile waits for; if the
+consumer stops iterating or is cancelled, its request is aborted in a ``finally``. A request with
+``params.n`` > 1 has one stream carrying the outputs of all its sequences (each with its ``index``); it ends
+when all n have finished.
 
 Threads: with GNU OpenMP, a thread that first enters a parallel region becomes the master of its own
 team, sized from its own copy of the thread-count setting; the loop thread sets torch's thread count
@@ -46,6 +48,9 @@ class EngineCore(Protocol):
     def run_step(self, on_outputs) -> None: ...
 
     def stats(self) -> Any: ...
+
+    # Optional (``LLMEngine``): work the core does only while idle (re-measuring its CPU step budget).
+    # idle_work_delay() -> seconds of idleness before idle_work() is due, or None; idle_work() -> None.
 
 
 class EngineDeadError(RuntimeError):
@@ -153,13 +158,20 @@ class EngineLoop:
         torch.set_num_threads(self._num_threads)  # this thread's OpenMP team (module docstring)
         try:
             while True:
+                idle_work_due = False
                 with self._wakeup:
                     while not (self._commands or self._shutdown or self.core.has_unfinished_requests()):
                         self.last_progress = time.monotonic()  # idle is not stalled
-                        self._wakeup.wait()
+                        delay = self._idle_work_delay()
+                        if not self._wakeup.wait(delay) and delay is not None:  # idle for that long
+                            idle_work_due = not (self._commands or self._shutdown)
+                            break
                     if self._shutdown:
                         break
                     commands, self._commands = self._commands, []
+                if idle_work_due:
+                    self._idle_work()
+                    continue
                 for command in commands:
                     self._apply(command)
                 if self.core.has_unfinished_requests():
@@ -174,6 +186,18 @@ class EngineLoop:
             for command in pending:
                 if isinstance(command, _Add):
                     _resolve(command.stream.loop, command.added, dead)
+
+    def _idle_work_delay(self) -> float | None:
+        delay = getattr(self.core, "idle_work_delay", None)
+        return delay() if delay is not None else None
+
+    def _idle_work(self) -> None:
+        try:
+            self.core.idle_work()  # type: ignore[attr-defined]  # (only called when idle_work_delay exists)
+        except Exception:  # idle work only improves the core: a failure must not stop serving
+            logger.exception("idle work failed")
+        self.stats = self.core.stats()
+        self.last_progress = time.monotonic()
 
     def _apply(self, command) -> None:
         if isinstance(command, _Abort):

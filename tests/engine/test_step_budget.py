@@ -1,12 +1,17 @@
 """The per-step token budget sized to a CPU (MAX_NUM_BATCHED_TOKENS=0): measured at engine start, a
 multiple of the block size, never below max_num_seqs, robust to noisy timings, and the engine it sizes still
-matches generate()."""
+matches generate(); cached per host and settings, re-measured while idle and only ever raised, bounded below
+by the model's arithmetic."""
 
 from __future__ import annotations
+
+import json
+import time
 
 import torch
 
 from engine_helpers import assert_engine_idle, get_model, greedy, make_engine, random_prompt, reference_greedy
+from llm_api.engine import step_budget
 from llm_api.engine.step_budget import MAX_TOKEN_BUDGET, budget_from_timings
 
 
@@ -55,3 +60,96 @@ def test_timings_a_third_apart_give_the_same_budget_or_the_next_one_down():
         busy = budget_from_timings(16, 0.040 * slowdown, 80, 0.088 * slowdown, block_size=16, max_num_seqs=8)[0]
         assert busy in (quiet, quiet // 2), (slowdown, busy, quiet)
         assert (busy // 16) & (busy // 16 - 1) == 0  # a power of two blocks
+
+
+# -------------------------------------------------------------------------------------------------------
+# The quiet figure: cached per host, model and settings, re-measured while idle, raised only.
+
+
+def test_a_second_engine_takes_the_cached_budget_without_probing(tiny_models, tmp_path, monkeypatch, caplog):
+    model, _ = get_model(tiny_models, "llama")
+    cache = str(tmp_path / "step-budget")
+    with caplog.at_level("INFO", logger="llm_api.engine.step_budget"):
+        first = make_engine(model, max_num_batched_tokens=None, max_num_seqs=8, step_budget_cache=cache)
+    assert any("measured at start" in r.getMessage() for r in caplog.records)
+    assert len(list((tmp_path / "step-budget").glob("*.json"))) == 1
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("probed although the budget was cached")
+
+    monkeypatch.setattr(step_budget, "measure", no_probe)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="llm_api.engine.step_budget"):
+        second = make_engine(model, max_num_batched_tokens=None, max_num_seqs=8, step_budget_cache=cache)
+    assert second.config.max_num_batched_tokens == first.config.max_num_batched_tokens
+    assert any("from the cache" in r.getMessage() for r in caplog.records)
+    # Another setting the budget depends on is another key: measured again.
+    monkeypatch.undo()
+    third = make_engine(model, max_num_batched_tokens=None, max_num_seqs=4, step_budget_cache=cache)
+    assert third.step_budget is not None and third.step_budget.key != second.step_budget.key
+    assert len(list((tmp_path / "step-budget").glob("*.json"))) == 2
+
+
+def test_re_measuring_while_idle_only_raises_the_budget(tiny_models, tmp_path, monkeypatch):
+    """A busy start measures a small budget; a quiet re-measurement raises it (engine and cache); a busy one
+    later changes nothing."""
+    model, reference_model = get_model(tiny_models, "llama")
+    busy, quiet = step_budget.Timing(0.004, 0.1), step_budget.Timing(0.0005, 0.01)  # 64 and 512 tokens
+    timings = iter([busy, quiet, busy])
+    monkeypatch.setattr(step_budget, "measure", lambda *args, **kwargs: next(timings))
+    # (this tiny model's arithmetic alone would allow the largest budget: floor it at one block here)
+    monkeypatch.setattr(step_budget, "analytic_floor", lambda *args: step_budget.Timing(1.0, 0.0))
+    cache = tmp_path / "step-budget"
+    engine = make_engine(model, max_num_batched_tokens=None, max_num_seqs=8, step_budget_cache=str(cache))
+    assert engine.config.max_num_batched_tokens == 64
+    assert engine.idle_work_delay() == step_budget.REFINE_IDLE_S[0]
+    engine.idle_work()
+    assert engine.config.max_num_batched_tokens == engine.scheduler.config.max_num_batched_tokens == 512
+    engine.idle_work()
+    assert engine.scheduler.config.max_num_batched_tokens == 512  # the busy figure is ignored
+    assert json.loads(next(cache.glob("*.json")).read_text())["budget"] == 512  # the cache keeps the quiet one
+    assert_engine_idle(engine)  # the probes' blocks went back to the pool
+    prompt = random_prompt(torch.Generator().manual_seed(5), 30)
+    engine.add_request("r", prompt, greedy(8))
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    assert tokens == reference_greedy(reference_model, prompt, 8)
+
+
+def test_the_analytic_floor_bounds_a_swamped_probe(tiny_models, monkeypatch):
+    """A probe whose fixed cost alone exceeds the step target would give one block; the floor, from the
+    model's arithmetic, gives what a slow core still manages."""
+    model, _ = get_model(tiny_models, "llama")
+    monkeypatch.setattr(step_budget, "measure", lambda *args, **kwargs: step_budget.Timing(0.01, 5.0))
+    engine = make_engine(model, max_num_batched_tokens=None, max_num_seqs=2, block_size=4)
+    floor = step_budget.budget_for(step_budget.analytic_floor(model, torch.get_num_threads()), 4, 2)
+    assert floor > 4 and engine.config.max_num_batched_tokens == floor
+
+
+def test_the_engine_loop_runs_idle_work_only_when_idle():
+    """The loop calls idle_work() once the core has been idle for its delay, not while it has requests."""
+    from llm_api.service.engine_loop import EngineLoop
+
+    class Core:
+        def __init__(self):
+            self.idle_calls = 0
+
+        def add_request(self, *args, **kwargs): ...
+        def abort_request(self, *args, **kwargs): ...
+        def has_unfinished_requests(self): return False
+        def run_step(self, on_outputs): ...
+        def stats(self): return None
+        def idle_work_delay(self): return 0.05 if self.idle_calls < 3 else None
+        def idle_work(self): self.idle_calls += 1
+
+    core = Core()
+    loop = EngineLoop(core)
+    try:
+        deadline = time.monotonic() + 5
+        while core.idle_calls < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert core.idle_calls == 3  # and none once the core says there is nothing left
+    finally:
+        loop.shutdown()
