@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hostile import native_path, openai_path, post_json, raw_request, refusal_problems
+from hostile import STALL_LIMIT_S, Witness, native_path, openai_path, post_json, raw_request, refusal_problems
 from lora_helpers import make_adapter, peft_greedy
 
 pytest.importorskip("peft")
@@ -58,6 +58,17 @@ def root(tmp_path_factory, oracle):
     weights = load_file(str(wide / "adapter_model.safetensors"))
     save_file({k: torch.cat([v, v], dim=1) if "lora_A" in k else v for k, v in weights.items()},
               str(wide / "adapter_model.safetensors"))
+    # the reported hostile adapters: finite A of 3e38 with zero B, an enormous lora_alpha, a config nested deeper
+    # than any parser goes
+    huge = make_adapter(model, root / "huge", seed=17, r=2, targets=["q_proj"])
+    weights = load_file(str(huge / "adapter_model.safetensors"))
+    save_file({k: torch.full_like(v, 3e38) if "lora_A" in k else torch.zeros_like(v) for k, v in weights.items()},
+              str(huge / "adapter_model.safetensors"))
+    loud = make_adapter(model, root / "loud", seed=18, r=2, targets=["q_proj"])
+    config = json.loads((loud / "adapter_config.json").read_text())
+    (loud / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 1e30}))
+    deep = make_adapter(model, root / "deep", seed=19, r=2, targets=["q_proj"])
+    (deep / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
     outside = tmp_path_factory.mktemp("outside")
     make_adapter(model, outside / "evil", seed=16, r=2, targets=["q_proj"])
     (root / "escape").symlink_to(outside / "evil", target_is_directory=True)
@@ -157,6 +168,18 @@ def test_runtime_load_refuses(lora_server, path):
     answer = _load(lora_server, {"lora_name": "bad", "lora_path": path})
     assert not refusal_problems(f"load {path!r}", answer, openai=True, statuses=(400,)), answer.body[:300]
     assert "bad" not in {m["id"] for m in json.loads(raw_request(lora_server, "GET", "/v1/models").body)["data"]}
+
+
+def test_hostile_adapters_are_refused_beside_a_witness(lora_server):
+    """The red team's adapters (finite but huge weights, an enormous scaling, a 100,000-deep config) get a 400
+    naming the adapter and the reason, while a stream of another tenant goes on untouched."""
+    with Witness(lora_server) as witness:
+        for path, reason in (("huge", "beyond 1024"), ("loud", "scaling"), ("deep", "nested too deeply")):
+            answer = _load(lora_server, {"lora_name": f"hostile-{path}", "lora_path": path})
+            assert not refusal_problems(f"load {path}", answer, openai=True, statuses=(400,)), answer.body[:300]
+            message = answer.json()["error"]["message"]
+            assert f"hostile-{path}" in message and reason in message, message
+    assert witness.max_gap < STALL_LIMIT_S
 
 
 @pytest.mark.parametrize("name", ["", "a b", "x\x00", "é", "a" * 65, "-x", 5, "../gamma"])

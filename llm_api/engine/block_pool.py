@@ -7,6 +7,12 @@ mean equal token prefixes. Hashed blocks are kept in ``cached_block_ids`` while 
 freed, until the block is taken for other content (evicted). A request whose prompt starts with the
 same blocks takes them with ``touch`` (ref count + 1) instead of recomputing their K/V.
 
+A block whose contents are not finite (written by a request the engine ended for non-finite logits) is
+*tainted*: ``taint`` drops it from the prefix cache at once, and when its last holder frees it, it joins
+``blocks_to_zero`` instead of being reused as it is: the engine zeroes those blocks' K/V before the next
+forward, since a reused block's unwritten slots are read (masked) by attention, and a masked NaN still
+turns the sum into NaN.
+
 ``check_invariants(holders)`` verifies that free + held == total and that every ref count equals the
 number of holders; tests call it after every operation.
 """
@@ -39,6 +45,8 @@ class BlockPool:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
+        self._tainted: set[int] = set()  # held blocks with non-finite contents (module docstring)
+        self.blocks_to_zero: list[int] = []  # freed tainted blocks, to zero before their next use
         self.block_hash_of: list[bytes | None] = [None] * num_blocks
         # Free block ids in LRU order (the first is evicted first); values unused.
         self._free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -83,6 +91,19 @@ class BlockPool:
             self.ref_counts[block_id] = count - 1
             if count == 1:
                 self._free_queue[block_id] = None
+                if block_id in self._tainted:
+                    self._tainted.discard(block_id)
+                    self.blocks_to_zero.append(block_id)
+
+    def taint(self, block_ids: Iterable[int]) -> None:
+        """Mark held blocks as holding non-finite K/V: out of the prefix cache now, zeroed once freed."""
+        for block_id in block_ids:
+            self._evict(block_id)
+            self._tainted.add(block_id)
+
+    def take_blocks_to_zero(self) -> list[int]:
+        taken, self.blocks_to_zero = self.blocks_to_zero, []
+        return taken
 
     def cache_full_block(self, block_id: int, block_hash: bytes) -> None:
         """Record that a held, full block contains the tokens ``block_hash`` stands for."""

@@ -307,10 +307,15 @@ class LLMEngine:
         if not scheduler_output.scheduled:
             return outputs
         self._num_steps += 1
+        self.kv_cache.zero_blocks(self.scheduler.block_pool.take_blocks_to_zero())  # (before any reads them)
         logits, sampled_requests = self.runner.execute(scheduler_output)  # [num_sampled, V]
         sampled_token_ids: dict = {}
         sampled_logprobs: dict | None = None
         drafts = {s.request.seq_id: s.draft_token_ids for s in scheduler_output.scheduled if s.draft_token_ids}
+        logits, sampled_requests = self._end_non_finite(logits, sampled_requests, drafts, outputs)
+        if drafts:  # (a drafted sequence just ended has no rows left to verify)
+            kept_ids = {r.seq_id for r in sampled_requests}
+            drafts = {seq_id: draft for seq_id, draft in drafts.items() if seq_id in kept_ids}
         if drafts:  # drafted sequences are verified; the rest of the step samples as usual
             logits, sampled_requests, drafted_logits, drafted = split_drafted_rows(logits, sampled_requests, drafts)
             verified = verify(drafted_logits, drafted, [drafts[r.seq_id] for r in drafted],
@@ -330,6 +335,34 @@ class LLMEngine:
                                         if lp is not None)
         outputs += self.scheduler.update(scheduler_output, sampled_token_ids, sampled_logprobs)
         return outputs
+
+    def _end_non_finite(self, logits: torch.Tensor, requests: list[Request], drafts: dict,
+                        outputs: list[RequestOutput]) -> tuple[torch.Tensor, list[Request]]:
+        """Containment: a sequence whose logits hold a NaN or an infinity (a hostile LoRA adapter's weights:
+        LoRA deltas reach only their own rows, ``llm_api.lora.ops``) ends alone with ``NON_FINITE``, its blocks
+        leave the prefix cache and are zeroed before reuse; the other rows are sampled as if it were not there.
+        (A prefill chunk that samples nothing is not checked; the request's sampling step finds it.)"""
+        finite = torch.isfinite(logits).all(dim=-1)
+        if bool(finite.all()):
+            return logits, requests
+        finite_rows = finite.tolist()
+        keep_rows: list[int] = []
+        kept: list[Request] = []
+        row = 0
+        for request in requests:
+            num_rows = 1 + len(drafts.get(request.seq_id, ()))
+            if all(finite_rows[row:row + num_rows]):
+                keep_rows.extend(range(row, row + num_rows))
+                kept.append(request)
+            else:
+                for sequence in self.scheduler.end_non_finite(request):
+                    outputs.append(RequestOutput(sequence.request_id, [], True, FinishReason.NON_FINITE,
+                                                 sequence.index))
+                logger.warning("request %s (LoRA load id %d) ended: its logits were not finite", request.request_id,
+                               request.lora_id)
+            row += num_rows
+        index = torch.tensor(keep_rows, dtype=torch.long, device=logits.device)
+        return logits.index_select(0, index), kept
 
     @staticmethod
     def _with_forks(scheduler_output, logits: torch.Tensor, requests: list[Request]):

@@ -187,6 +187,16 @@ class PagedKVCache:
             src, dst = indices[cache.device]
             cache.index_copy_(0, dst, cache.index_select(0, src))
 
+    def zero_blocks(self, block_ids: list[int]) -> None:
+        """Zero every layer's K/V of these blocks (tainted blocks before reuse: ``BlockPool.taint``)."""
+        if not block_ids:
+            return
+        indices: dict[torch.device, torch.Tensor] = {}
+        for cache in self.key_caches + self.value_caches:
+            if cache.device not in indices:
+                indices[cache.device] = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
+            cache.index_fill_(0, indices[cache.device], 0)
+
     @property
     def max_num_tokens(self) -> int:
         """Tokens the whole pool holds: the most concurrent context across all requests."""

@@ -35,12 +35,13 @@ class RequestStatus(enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
-    """Why a request ended. The engine reports STOP (an EOS token), LENGTH and ABORT; the service adds
-    STOP for a matched stop string (the same thing to a client)."""
+    """Why a request ended. The engine reports STOP (an EOS token), LENGTH, ABORT and NON_FINITE; the
+    service adds STOP for a matched stop string (the same thing to a client)."""
 
     STOP = "stop"  # an EOS token, or a stop string
     LENGTH = "length"  # max_new_tokens or the model's length limit
     ABORT = "abort"
+    NON_FINITE = "non_finite"  # its logits were NaN or infinite (a hostile LoRA adapter): ended alone
 
 
 @dataclass(frozen=True)

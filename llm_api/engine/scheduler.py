@@ -148,6 +148,18 @@ class Scheduler:
             self._unforked[request.seq_id] = list(siblings)
         self.waiting.append(request)
 
+    def end_non_finite(self, request: Request) -> list[Request]:
+        """End a running sequence whose logits were not finite, with the siblings waiting to fork from it
+        (their prompt blocks are its blocks): its blocks leave the prefix cache and are zeroed once freed
+        (``BlockPool.taint``). Returns the sequences ended."""
+        sequences = [request, *self._unforked.get(request.seq_id, ())]
+        self.block_pool.taint(request.block_ids)
+        for sequence in sequences:
+            if sequence.status is RequestStatus.RUNNING:
+                self.running.remove(sequence)
+            self._finish(sequence, FinishReason.NON_FINITE)
+        return sequences
+
     def abort(self, request_id: str, index: int | None = None) -> list[Request]:
         """Finish the request's unfinished sequences now (only choice ``index`` when given) and free their
         blocks; returns them (none for unknown ids). Choice 0 aborted before its prompt is done takes

@@ -12,7 +12,11 @@ An adapter is a PEFT adapter folder: ``adapter_config.json`` (PEFT's ``LoraConfi
   another model: its deltas would be applied to weights they were not trained against);
 * a weight for a module the model has no wrappable linear for (``targets``: module path -> (in, out)),
   shapes that do not match that linear (A ``[r, in]``, B ``[out, r]``), a rank above MAX_LORA_RANK, a rank
-  that disagrees with the config's ``r``, weights that are not finite (NaN, inf).
+  that disagrees with the config's ``r``, weights that are not finite (NaN, inf) in the file or once in the
+  model's dtype, weights larger in magnitude than ``MAX_WEIGHT_ABS`` or a scaling larger than
+  ``MAX_SCALING_ABS`` (bounds far above any trained adapter's: they keep one tenant's adapter from reaching
+  infinities that ``llm_api.lora.ops`` and the engine must then contain);
+* a config that cannot be read: too large, not JSON, not an object, or nested too deeply to parse.
 
 Scaling is PEFT's: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with ``use_rslora``. The delta of one
 module is ``(x @ A.T @ B.T) * scaling``, in that order, as PEFT's ``LoraLayer`` computes it.
@@ -38,6 +42,10 @@ PEFT_PREFIX = "base_model.model."
 # What a client may call an adapter: it travels in JSON bodies, metric labels (comma-separated lists) and logs.
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes
+# Trained adapters' weights are of order 1 (A starts at kaiming-uniform scale, B at zero) and their scaling
+# (lora_alpha / r, or / sqrt(r)) of order 0.1-100: these bounds refuse only what no training produces.
+MAX_WEIGHT_ABS = 1024.0
+MAX_SCALING_ABS = 1024.0
 _KEY = re.compile(r"(?P<module>.+)\.lora_(?P<which>A|B)(?:\.(?P<adapter>[^.]+))?\.weight")
 
 
@@ -93,6 +101,8 @@ def read_config(name: str, folder: Path) -> dict:
         config = json.loads(config_path.read_bytes())
     except (ValueError, UnicodeDecodeError) as err:
         raise _refuse(name, f"{CONFIG_FILE} is not valid JSON ({err})") from None
+    except RecursionError:
+        raise _refuse(name, f"{CONFIG_FILE} is nested too deeply to read") from None
     if not isinstance(config, dict):
         raise _refuse(name, f"{CONFIG_FILE} is not a JSON object")
     return config
@@ -105,7 +115,11 @@ def scaling_of(name: str, config: dict) -> tuple[int, float]:
         raise _refuse(name, f"r={r!r} is not a positive integer")
     if not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and math.isfinite(alpha)):
         raise _refuse(name, f"lora_alpha={alpha!r} is not a finite number")
-    return r, (alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r)
+    scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+    if abs(scaling) > MAX_SCALING_ABS:
+        raise _refuse(name, f"its scaling (lora_alpha={alpha!r} / {'sqrt(r)' if config.get('use_rslora') else 'r'}) "
+                      f"is {scaling:.3g}, beyond +-{MAX_SCALING_ABS:g}")
+    return r, scaling
 
 
 def _check_options(name: str, config: dict, model_name: str | None) -> None:
@@ -185,5 +199,11 @@ def load_adapter(name: str, path: str | Path, targets: Mapping[str, tuple[int, i
             raise _refuse(name, f"{module!r} has non-float weights")
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise _refuse(name, f"{module!r} has weights that are not finite (NaN or inf)")
-        modules[module] = ModuleLora(a.to(dtype).contiguous(), b.to(dtype).contiguous())
+        largest = max(a.abs().max().item(), b.abs().max().item())
+        if largest > MAX_WEIGHT_ABS:
+            raise _refuse(name, f"{module!r} has a weight of magnitude {largest:.3g}, beyond {MAX_WEIGHT_ABS:g}")
+        a, b = a.to(dtype).contiguous(), b.to(dtype).contiguous()
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):  # (float16 overflows sooner)
+            raise _refuse(name, f"{module!r} has weights that are not finite in {dtype}")
+        modules[module] = ModuleLora(a, b)
     return LoraAdapter(name=name, path=str(folder), rank=r, scaling=scaling, modules=modules)

@@ -5,11 +5,11 @@ so to one adapter slot (0: the base model, no delta). ``LoraStep`` holds that ma
 delta op reads (``llm_api.lora.ops``):
 
 * ``token_slots`` ``[T]``: each token's slot (the Triton kernel gathers its adapter's weights by it);
-* ``column_mask`` ``[T, C]`` and ``row_scaling`` ``[T, 1]``: the CPU path concatenates the resident
+* ``column_mask`` ``[T, C]`` (bool) and ``row_scaling`` ``[T, 1]``: the CPU path concatenates the resident
   adapters' ranks into ``C`` columns (slot ``s`` owns ``columns[s] = (offset, width)``, the same in every
-  module), so one shrink matmul gives every token every adapter's ``x @ A.T``; the mask keeps only the
-  token's own adapter's columns (exactly: 1 or 0), the expand matmul then adds only that adapter's
-  ``B``, and ``row_scaling`` is that adapter's scaling (0 for the base model's rows).
+  module), so one shrink matmul gives every token every adapter's ``x @ A.T``; the mask selects only the
+  token's own adapter's columns (the rest are replaced by zeros), the expand matmul then adds only that
+  adapter's ``B``, and ``row_scaling`` is that adapter's scaling (0 for the base model's rows).
 
 ``layout_version`` names the column layout (it changes when a slot is refilled), so a module rebuilds its
 concatenated weights only then. The runner enters ``lora_step(step)`` around the forward (a context
@@ -30,7 +30,7 @@ import torch
 @dataclass(frozen=True)
 class LoraStep:
     token_slots: torch.Tensor  # [T] int32, 0 = no adapter
-    column_mask: torch.Tensor  # [T, C] model dtype, 1 on the columns of the token's adapter
+    column_mask: torch.Tensor  # [T, C] bool, True on the columns of the token's adapter
     row_scaling: torch.Tensor  # [T, 1] model dtype, the token's adapter's scaling (0: none)
     columns: tuple[tuple[int, int], ...]  # [slot] -> (offset, width) of its columns (slot 0: (0, 0))
     layout_version: int
@@ -41,15 +41,15 @@ class LoraStep:
         """``ranges``: (slot, start, end) of each request's tokens in the packed batch."""
         total = sum(width for _, width in columns)
         token_slots = torch.zeros(num_tokens, dtype=torch.int32)
-        mask = torch.zeros(num_tokens, total)
+        mask = torch.zeros(num_tokens, total, dtype=torch.bool)
         row_scaling = torch.zeros(num_tokens, 1)
         for slot, start, end in ranges:
             if slot:
                 offset, width = columns[slot]
                 token_slots[start:end] = slot
-                mask[start:end, offset : offset + width] = 1.0
+                mask[start:end, offset : offset + width] = True
                 row_scaling[start:end] = scalings[slot]
-        return cls(token_slots.to(device), mask.to(device, dtype), row_scaling.to(device, dtype), tuple(columns),
+        return cls(token_slots.to(device), mask.to(device), row_scaling.to(device, dtype), tuple(columns),
                    layout_version)
 
 

@@ -7,8 +7,12 @@ whose token runs under the adapter in slot ``s``; rows of slot 0 (the base model
 
 * CPU (and any device without Triton): the resident adapters' A are concatenated along the rank into
   ``[C, in]`` and their B into ``[out, C]`` (columns laid out by ``LoraStep.columns``; rebuilt only when
-  a slot changes). Per step and module: ``shrunk = (x @ A_cat.T) * column_mask`` (each row keeps its own
-  adapter's columns, the others become exact zeros), ``y += (shrunk @ B_cat.T) * row_scaling``. Two
+  a slot changes). Per step and module: ``shrunk = where(own_columns, x @ A_cat.T, 0)`` (each row keeps its
+  own adapter's columns; the others are *replaced* by zeros, selected, never multiplied by a mask: another
+  adapter's product may be infinite, and inf x 0 is NaN, which would reach the row of the base model or of
+  another tenant's adapter), ``y += (shrunk @ B_cat.T) * row_scaling``; the expand product meets other
+  adapters' B only through those exact zeros (their weights are finite, checked at load, so each such term
+  is an exact 0), so a row's numbers are those it gets with the other adapters resident and idle. Two
   matmuls per module whatever the number of adapters in the step, instead of two per adapter and a
   gather / scatter of its rows (measured: the per-adapter loop cost 60% of the decode rate at 4 adapters
   on 2 cores; the extra columns cost a rank-C LoRA, C = the resident ranks summed). The order of
@@ -53,7 +57,7 @@ class ModuleSlots:
         if packed is None:
             return y  # no resident adapter adapts this module
         a_cat, b_cat = packed
-        shrunk = F.linear(x2, a_cat) * step.column_mask  # [T, C]
+        shrunk = torch.where(step.column_mask, F.linear(x2, a_cat), 0.0)  # [T, C]: selected (module docstring)
         y2 += F.linear(shrunk, b_cat) * step.row_scaling
         return y
 

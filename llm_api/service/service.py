@@ -491,6 +491,12 @@ class Generation:
                     if out.finished and out.finish_reason is FinishReason.ABORT:
                         end = self._failed(ApiError(499, "cancelled", "the request was cancelled"))
                         break
+                    if out.finished and out.finish_reason is FinishReason.NON_FINITE:
+                        end = self._failed(ApiError(
+                            500, "non_finite_output", "the model's output for this request was not finite (NaN or "
+                            "infinity); with a LoRA adapter, its weights are the likely cause" if self.adapter else
+                            "the model's output for this request was not finite (NaN or infinity)"))
+                        break
                     delta, num_used = _push_tokens(choice.text, out.new_token_ids)
                     timer.tokens(num_used)
                     choice.num_tokens += num_used

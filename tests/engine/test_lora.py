@@ -250,3 +250,75 @@ def test_settings(tmp_path):
                         ({"LORA_ADAPTERS": "a=/x", "ENGINE": "generate"}, "ENGINE=paged")]:
         with pytest.raises(ConfigError, match=needle):
             Settings.from_env(env)
+
+
+def test_hostile_values_are_refused_at_load_naming_the_reason(tmp_path):
+    """Finite but huge weights, an enormous scaling either way, a config nested past any parser's depth."""
+    model, registry = _registry(tmp_path)
+    oracle = tiny_model("llama", seed=0)
+    cases = {}
+    for case, factor in (("huge-a", 3e38), ("scaled-up", 1e18)):
+        folder = make_adapter(oracle, tmp_path / case, seed=1)
+        weights = load_file(str(folder / "adapter_model.safetensors"))
+        for key in weights:
+            if case == "scaled-up" or "lora_A" in key:
+                weights[key] = weights[key] * factor if case == "scaled-up" else torch.full_like(weights[key], 3e38)
+            elif case == "huge-a":
+                weights[key] = torch.zeros_like(weights[key])
+        save_file(weights, str(folder / "adapter_model.safetensors"))
+        cases[case] = (folder, "beyond 1024")
+    for case, alpha in (("alpha-up", 1e30), ("alpha-down", -1e30)):
+        folder = make_adapter(oracle, tmp_path / case, seed=1)
+        _edit_config(folder, lora_alpha=alpha)
+        cases[case] = (folder, "scaling")
+    deep = make_adapter(oracle, tmp_path / "deep", seed=1)
+    (deep / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    cases["deep"] = (deep, "nested too deeply")
+    for case, (folder, reason) in cases.items():
+        with pytest.raises(AdapterError) as refused:
+            registry.load(case, folder)
+        assert case in str(refused.value) and reason in str(refused.value), (case, str(refused.value))
+    assert registry.adapters() == []
+
+
+def test_a_non_finite_adapter_harms_no_other_row(tmp_path):
+    """An adapter whose values turn infinite (past the load checks: written into the resident weights, as the
+    reported attack had them, A = 3e38 and B = 0) runs in the same steps as the base model and a good adapter:
+    their greedy tokens are exactly those they get without it, it ends alone with NON_FINITE, its blocks are
+    zeroed before reuse and never served from the prefix cache, and the next requests are unharmed."""
+    from llm_api.engine.request import FinishReason
+
+    oracle = tiny_model("llama", seed=3)
+    model_path = tmp_path / "llama-tiny"
+    oracle.save_pretrained(model_path)
+    good = make_adapter(oracle, tmp_path / "good", seed=4, r=8, alpha=16, scale=1.0)
+    hostile = make_adapter(oracle, tmp_path / "hostile", seed=5, r=8, alpha=16, scale=1.0)
+    engine, registry, ids = _served_engine(model_path, {"good": good, "hostile": hostile}, 2, block_size=4)
+    for module in next(a for a in registry.adapters() if a.name == "hostile").modules.values():
+        module.a.fill_(3e38)
+        module.b.zero_()
+    prompts = {"base": [5, 17, 42, 99, 3, 250, 7, 8, 11], "good": [300, 301, 302, 1, 2, 40, 41], "hostile": [9, 8, 7, 6]}
+
+    def run(names):
+        tokens, reasons = {name: [] for name in names}, {}
+        for name in names:
+            engine.add_request(name, prompts[name], greedy(MAX_NEW_TOKENS), lora_id=ids.get(name, 0))
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                tokens[output.request_id].extend(output.new_token_ids)
+                if output.finished:
+                    reasons[output.request_id] = output.finish_reason
+        assert_engine_idle(engine)
+        return tokens, reasons
+
+    together, reasons = run(["base", "good", "hostile"])
+    assert reasons["hostile"] is FinishReason.NON_FINITE and together["hostile"] == []
+    assert reasons["base"] is reasons["good"] is FinishReason.LENGTH
+    alone, _ = run(["base", "good"])  # (the hostile adapter still resident in its slot: the same column layout)
+    assert together["base"] == alone["base"] and together["good"] == alone["good"]
+    assert together["good"] != together["base"]  # the good adapter does change its answer
+    for cache in engine.kv_cache.key_caches + engine.kv_cache.value_caches:
+        assert torch.isfinite(cache).all()  # the hostile blocks were zeroed, not left for the next tenant
+    before = engine.stats().prefix_cache_hits
+    again, reasons = run(["hostile"])
+    assert engine.stats().prefix_cache_hits == before and reasons["hostile"] is FinishReason.NON_FINITE
