@@ -143,3 +143,46 @@ def test_only_the_submitter_can_cancel_a_request(async_frontend):
         # still streaming: the witness's own cancel on leaving must find it running ({"cancelled": true})
     hostile.report("auth: cancel by others", server, inputs=len(attempts), answers=dict(counts), witness=witness)
     assert not problems, problems
+
+
+def test_a_second_authorization_header_is_refused(async_frontend):
+    """One identity per request (llm_api.service.owners): a request carrying the right key and then another
+    Authorization header is refused 400 on both front ends (so no route can read an owner from the header
+    auth did not check), over HTTP and, for `llm_api serve`, gRPC metadata; one header still answers.
+    `llm_api serve` also refuses the same key sent twice; TorchServe's frontend hands the handler one value
+    per header name (the last: it is the first case's second header that its handler sees and refuses), so
+    there two copies of the one key it checked are one identity and are served."""
+    import http.client
+
+    import grpc
+
+    from llm_api.proto import inference_pb2, inference_pb2_grpc
+
+    server = async_frontend
+    url = urllib.parse.urlsplit(server.http)
+    with Witness(server) as witness:
+        cases = [[f"Bearer {server.key()}", "Bearer someone-else"]]
+        if server.kind == "standalone":
+            cases.append([f"Bearer {server.key()}"] * 2)
+        for values in cases:
+            conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+            conn.putrequest("POST", native_path(server))
+            for value in values:
+                conn.putheader("Authorization", value)
+            conn.putheader("Content-Type", "application/json")
+            conn.putheader("Content-Length", str(len(NATIVE_BODY)))
+            conn.endheaders(NATIVE_BODY)
+            response = conn.getresponse()
+            body = response.read()
+            conn.close()
+            assert response.status == 400 and json.loads(body)["type"] == "duplicate_authorization", (values, body)
+        assert post_json(server, native_path(server), {"text": "Hello", "max_new_tokens": 2}).status == 200
+        if server.kind == "standalone":
+            with grpc.insecure_channel(server.grpc) as channel:
+                stub = inference_pb2_grpc.InferenceAPIsServiceStub(channel)
+                request = inference_pb2.PredictionsRequest(model_name=server.model_name, input={"text": b"Hello"})
+                with pytest.raises(grpc.RpcError) as refused:
+                    list(stub.StreamPredictions(request, metadata=[("authorization", f"Bearer {server.key()}"),
+                                                                   ("authorization", "Bearer someone-else")]))
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert witness.max_gap < hostile.STALL_LIMIT_S

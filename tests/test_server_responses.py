@@ -11,7 +11,9 @@ nothing of a stored response (the standalone server takes two keys), and the sto
 
 from __future__ import annotations
 
+import http.client
 import json
+import urllib.parse
 
 import jsonschema
 import pytest
@@ -143,6 +145,13 @@ def test_another_key_reads_nothing_and_the_store_stays_bounded(start_standalone)
                         lambda: second.responses.create(model=MODEL, input="hi", previous_response_id=mine.id)):
             with pytest.raises(openai.NotFoundError):
                 attempt()
+        # One identity per request: the second key's holder sending its own key and then the first key's
+        # header text (a revoked key, a colleague's) is refused, on read and delete, before any route runs.
+        for method in ("GET", "DELETE"):
+            status, body = _twice_authorized(server, method, f"/v1/responses/{mine.id}",
+                                             ["Bearer second-key-456", "Bearer first-key-123"])
+            assert status == 400 and json.loads(body)["error"]["code"] == "duplicate_authorization", body
+        assert first.responses.retrieve(mine.id).id == mine.id  # (still there, still its owner's)
         ids = [first.responses.create(model=MODEL, input=f"count {i}", max_output_tokens=2).id for i in range(6)]
         for response_id in [mine.id] + ids[:2]:
             with pytest.raises(openai.NotFoundError):
@@ -150,3 +159,19 @@ def test_another_key_reads_nothing_and_the_store_stays_bounded(start_standalone)
         assert [first.responses.retrieve(i).id for i in ids[2:]] == ids[2:]
     finally:
         server.stop()
+
+
+def _twice_authorized(server, method: str, path: str, authorizations: list[str]) -> tuple[int, bytes]:
+    """A request carrying one Authorization header per entry of ``authorizations``, in that order."""
+    url = urllib.parse.urlsplit(server.http)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    try:
+        conn.putrequest(method, path)
+        for value in authorizations:
+            conn.putheader("Authorization", value)
+        conn.putheader("Content-Length", "0")
+        conn.endheaders()
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()

@@ -34,6 +34,7 @@ from llm_api.api.errors import ApiError, internal_error
 from llm_api.proto import inference_pb2, inference_pb2_grpc
 from llm_api.server.http_api import ServerState, new_request_id
 from llm_api.service.answer import Chunk, Refusal
+from llm_api.service.owners import single_authorization
 from llm_api.service.routes.route import Call, RouteContext, Whole
 from llm_api.service.routes.table import BY_NAME, answer
 
@@ -68,13 +69,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
 
     async def _answer(self, request, context, streaming_call: bool) -> AsyncGenerator[str, None]:
         state = self.state
-        metadata = dict(context.invocation_metadata() or ())
-        if not state.auth.allows(metadata.get("authorization")):
+        try:  # (one identity per call: llm_api.service.owners)
+            authorization = single_authorization([value for name, value in context.invocation_metadata() or ()
+                                                  if name == "authorization"])
+        except ApiError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error.message)
+        owner = state.auth.owner(authorization)
+        if owner is None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer key (metadata "
                                                                  "'authorization: Bearer <key>')")
         request_id = new_request_id()
         route = BY_NAME["generate"]  # every call is the native route (the input map is its form fields)
-        call = Call(request_id, "POST", dict(request.input), grpc=True, grpc_stream=streaming_call)
+        call = Call(request_id, "POST", dict(request.input), grpc=True, grpc_stream=streaming_call, owner=owner or "")
         ctx = RouteContext(state.marker, state.service, state.lifecycle.draining)
         await context.send_initial_metadata((("x-request-id", request_id),))
         try:

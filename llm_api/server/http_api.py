@@ -48,6 +48,7 @@ from llm_api.server.transport import (
     write,
 )
 from llm_api.service.answer import Chunk, Refusal
+from llm_api.service.owners import single_authorization
 from llm_api.service.routes.route import Call, RouteContext, Whole, error_body
 from llm_api.service.routes.table import answer, error_shape, find, is_public
 from llm_api.service.service import ModelService
@@ -121,10 +122,16 @@ async def _edge(request: web.Request, handler: Callable[[web.Request], Awaitable
     public = is_public(path)
     if not public and (refusal := over_connection_cap(state.open_connections, state.limits)):
         return _closing(_error_response(path, refusal, state.marker, request_id))  # (a 503: Retry-After)
-    if not public and not state.auth.allows(request.headers.get("Authorization")):
-        return _error_response(path, ApiError(401, "unauthorized", "missing or wrong bearer key (header "
-                                                                   "'Authorization: Bearer <key>')"),
-                               state.marker, request_id)
+    if not public:
+        try:  # one identity per request, derived here once (llm_api.service.owners)
+            owner = state.auth.owner(single_authorization(request.headers.getall("Authorization", [])))
+        except ApiError as error:
+            return _error_response(path, error, state.marker, request_id)
+        if owner is None:
+            return _error_response(path, ApiError(401, "unauthorized", "missing or wrong bearer key (header "
+                                                                       "'Authorization: Bearer <key>')"),
+                                   state.marker, request_id)
+        request["owner"] = owner
     try:
         return await handler(request)
     except RouteError as error:  # a refusal before anything was sent, in its route's shape
@@ -180,7 +187,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
         route, params = find(request.method, request.path, "server")
         shape = route.errors
         headers = {name.lower(): value for name, value in request.headers.items()}
-        call = Call(request_id, request.method, await _row(request), headers)
+        call = Call(request_id, request.method, await _row(request), headers, owner=request.get("owner", ""))
         ctx = RouteContext(state.marker, state.service, state.lifecycle.draining,
                            lambda: (state.metrics.render(), METRICS_CONTENT_TYPE))
         result = await answer(route, params, ctx, call)

@@ -7,11 +7,42 @@ store never holds a key, a key never reaches a log through an owner, and differe
 owners. The standalone server's BearerAuth.owner applies it to the matched key's canonical header
 (``Bearer <key>``); TorchServe's edge applies it to the header as received (one inference key, or auth off
 behind a gateway: then everyone sending the same header, or none, is one owner).
+
+One identity per request: the owner is derived once, at the edge, from the credential auth checked, and
+travels in the route's ``Call`` (``Call.owner``); no route reads the header again. A request that sends
+``Authorization`` more than once is refused (``single_authorization``: 400 ``duplicate_authorization``):
+an edge that checks the first header and a table of headers that keeps the last would otherwise name two
+different owners for it. Under TorchServe, whose frontend checks the header and hands the handler a table
+of headers (one value per name), ``torchserve_owner`` refuses a request whose header is not the frontend's
+current inference key: it passed the frontend's check with another header than the one the handler sees.
 """
 
 from __future__ import annotations
 
 import hashlib
+from typing import Sequence
+
+from llm_api.api.errors import ApiError
+
+
+def single_authorization(values: Sequence[str]) -> str | None:
+    """The request's Authorization header (None when it sent none); 400 when it sent more than one."""
+    if len(values) > 1:
+        raise ApiError(400, "duplicate_authorization", f"the request carries {len(values)} Authorization headers; "
+                       "send exactly one")
+    return values[0] if values else None
+
+
+def torchserve_owner(authorization: str | None, inference_key: str | None) -> str:
+    """The owner of a request that TorchServe's frontend let through. ``inference_key``: the frontend's current
+    key (None: token authorization is off, and the header as received names the owner, as behind a gateway)."""
+    if inference_key is None or authorization is None:  # (with a key, the frontend refuses a request without one)
+        return owner_of(authorization)
+    expected = f"Bearer {inference_key}"
+    if (authorization or "").strip() != expected:
+        raise ApiError(400, "duplicate_authorization", "the Authorization header this request carries is not the "
+                       "one TorchServe checked (a request may carry only one)")
+    return owner_of(expected)
 
 
 def owner_of(authorization: str | None) -> str:

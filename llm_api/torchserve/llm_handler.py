@@ -34,6 +34,7 @@ from ts.torch_handler.base_handler import BaseHandler
 from llm_api.api.errors import ApiError, internal_error
 from llm_api.model.settings import ConfigError, Settings
 from llm_api.service.answer import Chunk, Part, Refusal
+from llm_api.service.owners import torchserve_owner
 from llm_api.service.routes.route import Call, RouteContext, Whole, error_body
 from llm_api.service.routes.table import answer, error_shape, find
 from llm_api.service.service import ModelService
@@ -104,8 +105,9 @@ class LLMHandler(BaseHandler):
         try:
             route, params = find(None, path, "torchserve", reply.headers)
             shape = route.errors
+            owner = torchserve_owner(reply.headers.get("authorization"), None if reply.is_grpc else _inference_key())
             call = Call(reply.request_id, None, row, reply.headers, grpc=reply.is_grpc,
-                        grpc_stream=reply.is_grpc and self.grpc_streaming)
+                        grpc_stream=reply.is_grpc and self.grpc_streaming, owner=owner)
             ctx = RouteContext(self.marker, self._service, management_key=_management_key)
             result = await answer(route, params, ctx, call)
             if isinstance(result, Whole):
@@ -138,16 +140,26 @@ class LLMHandler(BaseHandler):
 
 
 def _management_key() -> str | None:
-    """TorchServe's current management key, from the key_file.json in the frontend's working directory (the
-    worker runs in the model's folder; its parent process is the frontend). None when there is no key
-    file: token authorization is off."""
+    """TorchServe's current management key (``_frontend_key``)."""
+    return _frontend_key("management")
+
+
+def _inference_key() -> str | None:
+    """TorchServe's current inference key (``_frontend_key``): the one header the frontend let through."""
+    return _frontend_key("inference")
+
+
+def _frontend_key(kind: str) -> str | None:
+    """One of TorchServe's current keys, from the key_file.json in the frontend's working directory (the
+    worker runs in the model's folder; its parent process is the frontend), read at each use (the frontend
+    renews keys). None when there is no key file: token authorization is off."""
     for folder in (f"/proc/{os.getppid()}/cwd", os.getcwd()):
         path = os.path.join(folder, "key_file.json")
         if not os.path.exists(path):
             continue
         try:
             with open(path, encoding="utf-8") as file:
-                return str(json.load(file)["management"]["key"])
+                return str(json.load(file)[kind]["key"])
         except (OSError, ValueError, KeyError, TypeError):
             return secrets.token_hex(32)  # a key file we cannot read: no key matches (fail closed)
     return None

@@ -11,8 +11,9 @@
   "deleted": true}``); cancel: ends a response still being generated (its stream ends, the stored object
   says ``cancelled``) and answers the Response object; a finished one cannot be cancelled (400).
 * The store is called on a worker thread (an SQLite store may wait on another process's lock).
-* Owners: the credential the request carried (``llm_api.service.owners.owner_of`` of its Authorization
-  header): another key gets 404 for an id it did not create, exactly as for an id that never existed.
+* Owners: the credential the request carried, as its edge derived it once (``Call.owner``,
+  ``llm_api.service.owners``): another key gets 404 for an id it did not create, exactly as for an id that
+  never existed.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from llm_api.api.errors import ApiError, echo
 from llm_api.api.responses import ResponsesCall, parse_responses
 from llm_api.api.request import GenerateRequest
 from llm_api.service.answer import Final, Part, encoded_parts, parse_large
-from llm_api.service.owners import owner_of
 from llm_api.service.live_responses import InFlightResponse
 from llm_api.service.routes.route import Answer, Call, RouteContext, Streamed, Whole
 from llm_api.service.service import ModelService
@@ -37,7 +37,8 @@ CANCEL_WAIT_S = 5.0  # how long cancel waits for the response to end before answ
 
 
 def _owner(call: Call) -> str:
-    return owner_of(call.headers.get("authorization"))
+    assert call.owner, "the edge names the owner (llm_api.service.owners)"
+    return call.owner
 
 
 def _not_found(response_id: str, param: str | None = None) -> ApiError:

@@ -38,6 +38,7 @@ class Call:
     method: str | None = None  # None: the edge cannot tell (TorchServe hands the handler no method)
     row: Mapping[str, Any] = field(default_factory=dict)
     headers: Mapping[str, str] = field(default_factory=dict)  # lower-case names
+    owner: str = ""  # who sent it: derived once by the edge from the credential auth checked (service.owners)
     grpc: bool = False
     grpc_stream: bool = False  # (gRPC) the client reads a stream: StreamPredictions where that is known
 
