@@ -13,8 +13,9 @@ tests prove, for each limit of ``llm_api.server.transport``:
   shape for a body over MAX_REQUEST_BYTES), never a 2xx or 5xx, and the connection closes;
 * a stream whose client stops reading is aborted at WRITE_TIMEOUT_S (the server's log says so) and, once
   the witness is done, every KV block is free and no request is left;
-* beyond MAX_CONNECTIONS open connections, a request gets 503 ``too_many_connections`` with Retry-After,
-  the probes still answer, and once the crowd leaves a request is served;
+* with MAX_CONNECTIONS connections busy, a request on one more gets 503 ``too_many_connections`` with
+  Retry-After, the probes still answer, and once they end a request is served; 1,000 half-open sockets from
+  one address do not keep a key holder on that address from being served (``llm_api.server.connections``);
 
 and in every test the witness streams without a stall, and a well-behaved request is served afterwards.
 """
@@ -362,15 +363,28 @@ def test_a_stream_nobody_reads_is_aborted_and_its_blocks_freed(server):
 # many connections: MAX_CONNECTIONS
 
 
-def test_connections_beyond_the_cap_get_503_and_the_probes_still_answer(server):
+def _stream_held(server) -> socket.socket:
+    """A connection busy with a long authenticated stream that nobody reads (until the socket is closed)."""
+    sock = connect(server)
+    body = json.dumps({"text": "Once upon a time", "max_new_tokens": 1000, "ignore_eos": True}).encode()
+    sock.sendall(head(server, "POST", native_path(server), {"Content-Type": "application/json",
+                                                            "Content-Length": str(len(body))}) + body)
+    sock.settimeout(30)
+    assert sock.recv(64).startswith(b"HTTP/1.1 200"), "the held stream did not start"
+    return sock
+
+
+def test_busy_connections_beyond_the_cap_get_503_and_the_probes_still_answer(server):
+    """With MAX_CONNECTIONS connections each busy with a request (the witness and held streams), nothing can
+    give way: a request on one more gets 503 ``too_many_connections``; the probes still answer; once the
+    streams end, requests are served."""
     with Witness(server) as witness:
-        crowd = [connect(server) for _ in range(MAX_CONNECTIONS + 2)]
+        held = [_stream_held(server) for _ in range(MAX_CONNECTIONS - 1)]
         try:
-            time.sleep(0.2)  # (accepted by the server's loop)
             answer_over = hostile.raw_request(server, "GET", openai_path(server, "models"))
             health = hostile.raw_request(server, "GET", "/health", key=None)
         finally:
-            for sock in crowd:
+            for sock in held:
                 sock.close()
         time.sleep(0.5)
         answer_after = hostile.raw_request(server, "GET", openai_path(server, "models"))
@@ -382,10 +396,65 @@ def test_connections_beyond_the_cap_get_503_and_the_probes_still_answer(server):
     if health.status != 200:
         problems.append(f"/health over the cap: {health.status}")
     if answer_after.status != 200:
-        problems.append(f"after the crowd left: {answer_after.status} {answer_after.body[:200]!r}")
-    hostile.report("transport: many connections", server, inputs=len(crowd),
+        problems.append(f"after the streams ended: {answer_after.status} {answer_after.body[:200]!r}")
+    hostile.report("transport: many busy connections", server, inputs=len(held) + 1,
                    answers={outcome(answer_over): 1, f"probe {health.status}": 1,
                             f"after {answer_after.status}": 1},
                    witness=witness, limit="MAX_CONNECTIONS")
     assert not problems, problems
+    assert_serves(server)
+
+
+def test_a_thousand_half_open_sockets_do_not_lock_out_a_key_holder(server):
+    """1,000 sockets from one address, each sending half a request line and holding it (reopened when the
+    server closes them), far beyond MAX_CONNECTIONS, MAX_UNTRUSTED_CONNECTIONS and MAX_CONNECTIONS_PER_CLIENT:
+    a key holder on the same address gets every one of its requests served, and the witness streams on."""
+    import threading
+
+    stop = threading.Event()
+    opened = collections.Counter()
+
+    def attack():
+        url = urllib.parse.urlsplit(server.http)
+        socks: list[socket.socket] = []
+        while not stop.is_set():
+            socks = [s for s in socks if s.fileno() != -1]
+            while len(socks) < 1000 and not stop.is_set():
+                try:
+                    sock = socket.create_connection((url.hostname, url.port), timeout=5)
+                    sock.sendall(b"GET /v1/mod")
+                except OSError:
+                    opened["refused"] += 1
+                    break
+                socks.append(sock)
+                opened["opened"] += 1
+            stop.wait(0.2)
+            for sock in list(socks):  # those the server closed: open them again next round
+                try:
+                    sock.setblocking(False)
+                    if sock.recv(1) == b"":
+                        sock.close()
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    sock.close()
+        for sock in socks:
+            sock.close()
+
+    with Witness(server) as witness:
+        attacker = threading.Thread(target=attack, daemon=True)
+        attacker.start()
+        try:
+            while opened["opened"] < 1000 and attacker.is_alive():
+                time.sleep(0.05)
+            answers = [hostile.raw_request(server, "GET", openai_path(server, "models")) for _ in range(20)]
+        finally:
+            stop.set()
+            attacker.join(30)
+    statuses = collections.Counter(a.status for a in answers)
+    hostile.report("transport: 1,000 half-open sockets", server, inputs=opened["opened"],
+                   answers={f"key holder {status}": n for status, n in statuses.items()}, witness=witness,
+                   limit="MAX_UNTRUSTED_CONNECTIONS, MAX_CONNECTIONS_PER_CLIENT")
+    assert opened["opened"] >= 1000, opened
+    assert statuses == {200: 20}, [(a.status, a.body[:200]) for a in answers if a.status != 200]
     assert_serves(server)

@@ -101,6 +101,11 @@ class Settings:
     write_timeout_s: float = 30.0  # a deadline for each write of an answer (a client that stopped reading)
     send_buffer_bytes: int = 262_144  # the kernel's send buffer per connection (SO_SNDBUF); 0: the kernel's own
     max_connections: int = 512  # open connections served at once; those beyond get 503 and are closed
+    # Connections that no authenticated request has used yet (llm_api.server.connections): their own budget,
+    # a cap per client address, and a deadline to start a request.
+    max_untrusted_connections: int = 64
+    max_connections_per_client: int = 128
+    header_timeout_s: float = 5.0
     # Stored responses (the Responses API's store: true; llm_api.service.response_store): oldest evicted
     # first past either bound, each gone after the TTL; an empty path keeps them in memory only.
     responses_store_max_entries: int = 10_000  # 0: nothing is stored
@@ -177,6 +182,11 @@ class Settings:
             "write_timeout_s": _float(env, "WRITE_TIMEOUT_S", cls.write_timeout_s, 0.0, None),
             "send_buffer_bytes": _int(env, "SEND_BUFFER_BYTES", cls.send_buffer_bytes, minimum=0),
             "max_connections": _int(env, "MAX_CONNECTIONS", cls.max_connections, minimum=1),
+            "max_untrusted_connections": _int(env, "MAX_UNTRUSTED_CONNECTIONS", cls.max_untrusted_connections,
+                                              minimum=1),
+            "max_connections_per_client": _int(env, "MAX_CONNECTIONS_PER_CLIENT", cls.max_connections_per_client,
+                                               minimum=1),
+            "header_timeout_s": _float(env, "HEADER_TIMEOUT_S", cls.header_timeout_s, 0.0, None),
             "responses_store_max_entries": _int(env, "RESPONSES_STORE_MAX_ENTRIES", cls.responses_store_max_entries,
                                                 minimum=0),
             "responses_store_max_bytes": _int(env, "RESPONSES_STORE_MAX_BYTES", cls.responses_store_max_bytes,

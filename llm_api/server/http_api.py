@@ -36,6 +36,7 @@ from aiohttp import web
 from llm_api.api.errors import ApiError, internal_error
 from llm_api.model.settings import Settings
 from llm_api.server.auth import BearerAuth
+from llm_api.server.connections import ConnectionGuard
 from llm_api.server.lifecycle import Lifecycle
 from llm_api.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from llm_api.server.metrics import ServerMetrics
@@ -43,7 +44,7 @@ from llm_api.server.transport import (
     TransportLimits,
     WriteTimeout,
     bound_send_buffer,
-    over_connection_cap,
+    too_many_connections,
     read_body,
     write,
 )
@@ -71,7 +72,7 @@ class ServerState:
     metrics: ServerMetrics
     max_request_bytes: int
     limits: TransportLimits = field(default_factory=lambda: TransportLimits.from_settings(Settings()))
-    open_connections: Callable[[], int] = lambda: 0  # the server's count, set once it listens
+    connections: ConnectionGuard | None = None  # installed on the server once it listens
     service: ModelService | None = None
 
 
@@ -120,18 +121,30 @@ async def _edge(request: web.Request, handler: Callable[[web.Request], Awaitable
     request["request_id"] = request_id
     path = request.path
     public = is_public(path)
-    if not public and (refusal := over_connection_cap(state.open_connections, state.limits)):
-        return _closing(_error_response(path, refusal, state.marker, request_id))  # (a 503: Retry-After)
-    if not public:
-        try:  # one identity per request, derived here once (llm_api.service.owners)
-            owner = state.auth.owner(single_authorization(request.headers.getall("Authorization", [])))
-        except ApiError as error:
-            return _error_response(path, error, state.marker, request_id)
-        if owner is None:
-            return _error_response(path, ApiError(401, "unauthorized", "missing or wrong bearer key (header "
-                                                                       "'Authorization: Bearer <key>')"),
-                                   state.marker, request_id)
-        request["owner"] = owner
+    guard, connection = state.connections, request.protocol
+    if guard is not None:
+        guard.request_started(connection)
+    try:
+        if not public:
+            try:  # one identity per request, derived here once (llm_api.service.owners)
+                owner = state.auth.owner(single_authorization(request.headers.getall("Authorization", [])))
+            except ApiError as error:
+                return _error_response(path, error, state.marker, request_id)
+            if owner is None:
+                return _error_response(path, ApiError(401, "unauthorized", "missing or wrong bearer key (header "
+                                                                           "'Authorization: Bearer <key>')"),
+                                       state.marker, request_id)
+            request["owner"] = owner
+            if guard is not None and not guard.trusted(connection):  # (llm_api.server.connections)
+                return _closing(_error_response(path, too_many_connections(state.limits), state.marker,
+                                                request_id))  # (a 503: Retry-After)
+        return await _handled(request, handler, state, path, request_id)
+    finally:
+        if guard is not None:
+            guard.request_ended(connection)
+
+
+async def _handled(request: web.Request, handler, state: ServerState, path: str, request_id: str) -> web.StreamResponse:
     try:
         return await handler(request)
     except RouteError as error:  # a refusal before anything was sent, in its route's shape

@@ -24,6 +24,7 @@ from pathlib import Path
 from aiohttp import web
 
 from llm_api.model.settings import Settings
+from llm_api.server.connections import ConnectionGuard
 from llm_api.server.auth import BearerAuth, resolve_key
 from llm_api.server.grpc_api import build_grpc_server
 from llm_api.server.http_api import ServerState, build_app
@@ -62,7 +63,8 @@ async def serve(settings: Settings, options: ServeOptions) -> int:
     await runner.setup()
     server = runner.server
     assert server is not None
-    state.open_connections = lambda: len(server.connections)
+    guard = state.connections = ConnectionGuard(state.limits.connections)  # (llm_api.server.connections)
+    guard.install(server)
     await web.TCPSite(runner, options.host, options.port, backlog=BACKLOG).start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _on_signal, lifecycle)
@@ -105,6 +107,7 @@ async def serve(settings: Settings, options: ServeOptions) -> int:
             loop.remove_signal_handler(sig)
         if grpc_server is not None:
             await grpc_server.stop(1.0)
+        guard.close()
         await runner.cleanup()
         if service is not None:
             service.shutdown()

@@ -27,15 +27,15 @@ Every limit below is aiohttp's or asyncio's own mechanism where one exists; each
   64 KiB); each write must finish within ``WRITE_TIMEOUT_S`` (30 s, ``write``). When one does
   not, the connection is aborted and the request with it: the generator is closed, which aborts the
   request in the engine and frees its KV blocks at the next step.
-* **Many connections**: ``MAX_CONNECTIONS`` (512) counted by aiohttp's server (its ``connections``, kept
-  by its ``connection_made``/``connection_lost`` hooks). A request that arrives while more connections
-  are open gets 503 ``too_many_connections`` with ``Retry-After`` and its connection is closed; the
-  probes (``/health``, ``/ready``, ``/metrics``) still answer. Why a count at the request rather than a
-  gated ``accept``: a gated accept leaves clients hanging in the kernel backlog (no answer, a client
-  timeout), and closing at ``connection_made`` races the client's request (a reset can discard the
-  answer before it is read). Counting at the request gives every client a clear answer, and a
-  connection over the cap that never sends a request is closed by the head deadline; the kernel's
-  listen backlog (``BACKLOG``, 128) bounds the connections not yet accepted.
+* **Many connections**: ``MAX_CONNECTIONS`` (512), ``MAX_UNTRUSTED_CONNECTIONS`` (64),
+  ``MAX_CONNECTIONS_PER_CLIENT`` (128) and ``HEADER_TIMEOUT_S`` (5 s), kept by
+  ``llm_api.server.connections.ConnectionGuard``: a connection no authenticated request has used gives way
+  (closed, oldest first) to newer ones, so idle or unauthenticated sockets cannot lock key holders out. An
+  authenticated request beyond ``MAX_CONNECTIONS`` busy authenticated connections gets 503
+  ``too_many_connections`` with ``Retry-After`` and its connection is closed; the probes (``/health``,
+  ``/ready``, ``/metrics``) still answer. Why not a gated ``accept``: it leaves clients hanging in the kernel
+  backlog (no answer, a client timeout); the kernel's listen backlog (``BACKLOG``, 128) bounds the
+  connections not yet accepted.
 """
 
 from __future__ import annotations
@@ -44,13 +44,13 @@ import asyncio
 import logging
 import socket
 from dataclasses import dataclass
-from typing import Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from llm_api.api.errors import ApiError
 from llm_api.model.settings import Settings
+from llm_api.server.connections import ConnectionLimits
 
 MAX_LINE_BYTES = 8190
 MAX_FIELD_BYTES = 8190
@@ -65,13 +65,14 @@ class TransportLimits:
     body_timeout_s: float
     write_timeout_s: float
     send_buffer_bytes: int
-    max_connections: int
+    connections: ConnectionLimits
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "TransportLimits":
         return cls(keepalive_timeout_s=settings.keepalive_timeout_s, body_timeout_s=settings.body_timeout_s,
                    write_timeout_s=settings.write_timeout_s, send_buffer_bytes=settings.send_buffer_bytes,
-                   max_connections=settings.max_connections)
+                   connections=ConnectionLimits(settings.max_connections, settings.max_connections_per_client,
+                                                settings.max_untrusted_connections, settings.header_timeout_s))
 
     def runner_options(self) -> dict:
         """aiohttp's own limits, for ``web.AppRunner``."""
@@ -79,12 +80,10 @@ class TransportLimits:
                 "max_field_size": MAX_FIELD_BYTES, "max_headers": MAX_HEADERS, "lingering_time": LINGER_S}
 
 
-def over_connection_cap(open_connections: Callable[[], int], limits: TransportLimits) -> ApiError | None:
-    """The 503 for a request that arrives while more than ``MAX_CONNECTIONS`` connections are open."""
-    if open_connections() <= limits.max_connections:
-        return None
-    return ApiError(503, "too_many_connections", f"more than MAX_CONNECTIONS={limits.max_connections} connections "
-                    "are open; retry shortly")
+def too_many_connections(limits: TransportLimits) -> ApiError:
+    """The 503 for a request when MAX_CONNECTIONS authenticated connections are all busy (``ConnectionGuard``)."""
+    return ApiError(503, "too_many_connections", f"MAX_CONNECTIONS={limits.connections.max_connections} "
+                    "authenticated connections are busy; retry shortly")
 
 
 async def read_body(request: web.Request, limits: TransportLimits, *, form: bool = False):
