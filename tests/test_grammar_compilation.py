@@ -71,13 +71,50 @@ def test_full_queue_is_a_503_and_a_passed_deadline_a_408(tokenizer):
         with pytest.raises(ApiError) as busy:
             await grammars.compile(json_schema_constraint(SLOW[2], "json_schema"))
         await first
+        # A deadline the compiles would pass by their recent time: 503 at once, before any waiting.
+        with pytest.raises(ApiError) as hopeless:
+            await grammars.compile(json_schema_constraint(SLOW[3], "json_schema"), deadline=time.monotonic() + 0.2)
+        # One the estimate lets through but the compile outlasts: 408 at the deadline.
+        grammars._recent_compile_s = 0.01
         with pytest.raises(ApiError) as late:
             await grammars.compile(json_schema_constraint(SLOW[3], "json_schema"), deadline=time.monotonic() + 0.2)
-        return busy.value, late.value
+        return busy.value, hopeless.value, late.value
 
-    busy, late = asyncio.run(main())
-    assert busy.status == 503 and busy.code == "overloaded"
+    busy, hopeless, late = asyncio.run(main())
+    assert busy.status == 503 and busy.code == "overloaded" and busy.retry_after >= 1
+    assert hopeless.status == 503 and "deadline" in hopeless.message and hopeless.retry_after >= 1
     assert late.status == 408 and late.code == "timeout"
+    grammars.shutdown()
+
+
+def test_each_key_gets_its_share_and_keys_take_turns(tokenizer):
+    """One owner past its share (a quarter of the queue) gets 503 while another is still accepted; with one
+    worker, a second owner's compile starts before the first owner's queued ones."""
+    grammars = compilation(tokenizer, max_pending=8)
+    assert grammars.max_pending_per_owner == 2
+    started: list[str] = []
+    compile_one = grammars._compile
+
+    def recording(constraint):
+        started.append(constraint.param)
+        return compile_one(constraint)
+
+    grammars._compile = recording  # type: ignore[method-assign]
+
+    async def main():
+        first = [asyncio.create_task(grammars.compile(json_schema_constraint(SLOW[i], f"a{i}"), owner="a"))
+                 for i in range(2)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(ApiError) as over_share:
+            await grammars.compile(json_schema_constraint(SLOW[2], "a2"), owner="a")
+        other = asyncio.create_task(grammars.compile(json_schema_constraint(SLOW[3], "b0"), owner="b"))
+        await asyncio.gather(*first, other)
+        return over_share.value
+
+    over_share = asyncio.run(main())
+    assert over_share.status == 503 and "per key" in over_share.message
+    assert started == ["a0", "b0", "a1"], started  # b's compile before a's second
+    assert grammars.num_pending == 0
     grammars.shutdown()
 
 

@@ -177,3 +177,59 @@ def test_a_burst_of_slow_compiles_gets_200_or_503_with_retry_after(async_fronten
     text = after.body.decode()
     value = json.loads(text.replace(hostile.MARKER, "").strip()) if text.strip() else None
     assert isinstance(value, dict) and isinstance(value.get("ok"), bool), value
+
+
+def test_one_keys_flood_of_schemas_cannot_hold_up_another_key(start_standalone):
+    """The red team's flood: 24 requests of one key at once, each with its own small schema. That key gets its
+    share of the compile queue (MAX_PENDING_COMPILES / 4) and a quick 503 with Retry-After for the rest; a
+    request of another key whose schema is cached answers within 2 s meanwhile, and one with a new schema is
+    compiled in turn (not behind all of the first key's); the witness streams on (llm_api.service.grammars)."""
+    from llm_api.service.grammars import MAX_PENDING_COMPILES
+
+    first, second = "first-key-123", "second-key-456"
+    server = start_standalone("grammar-owners", {"LLM_API_KEY": f"{first},{second}", "DTYPE": "float32"})
+    server.key = lambda kind="inference": first  # (the witness streams as the first key)
+    try:
+        path = hostile.native_path(server)
+        cached = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+        body = {"text": "Is the sky blue? As JSON:", "json_schema": cached, "max_new_tokens": 4, "stream": False}
+        assert hostile.post_json(server, path, body, key=second).status == 200  # (compiled: now cached)
+        salt = time.time_ns()
+
+        def flood(index: int) -> tuple[hostile.Answer, float]:
+            start = time.monotonic()
+            answer = hostile.post_json(server, path, {"text": "Answer:", "json_schema": _slow_schema(salt + index),
+                                                      "max_new_tokens": 2, "stream": False}, key=first)
+            return answer, time.monotonic() - start
+
+        def other_key(schema) -> tuple[hostile.Answer, float]:
+            start = time.monotonic()
+            answer = hostile.post_json(server, path, {**body, "json_schema": schema}, key=second)
+            return answer, time.monotonic() - start
+
+        with hostile.Witness(server) as witness:
+            with ThreadPoolExecutor(26) as pool:
+                flooded = [pool.submit(flood, i) for i in range(24)]
+                time.sleep(0.5)  # (the flood is queued)
+                new_schema = pool.submit(other_key, _slow_schema(salt + 1000))
+                cached_answer, cached_seconds = other_key(cached)
+                flooded_results = [f.result() for f in flooded]
+                new_answer, new_seconds = new_schema.result()
+        answers = Counter(hostile.outcome(answer) for answer, _ in flooded_results)
+        share = MAX_PENDING_COMPILES // 4
+        hostile.report("grammar: one key's flood of schemas", server, inputs=24, answers=dict(answers), witness=witness,
+                       other_key_cached_s=round(cached_seconds, 2), other_key_new_s=round(new_seconds, 2))
+        assert cached_answer.status == 200 and cached_seconds < 2.0, (cached_answer.status, cached_seconds)
+        assert answers["200"] <= share and answers["503 overloaded"] >= 24 - share, answers
+        slowest_refusal = max(seconds for answer, seconds in flooded_results if answer.status == 503)
+        assert slowest_refusal < 5, f"a refusal took {slowest_refusal:.1f} s"
+        for answer, _ in flooded_results:
+            if answer.status == 503:
+                assert answer.headers.get("retry-after", "").isdigit(), answer.headers
+        assert new_answer.status == 200, new_answer.body[:300]
+        compile_s = max(seconds for answer, seconds in flooded_results if answer.status == 200) / share
+        # In turn: behind the compile running when it came and at most one more of the first key's.
+        assert new_seconds < 3 * compile_s + 5, (new_seconds, compile_s)
+        assert witness.max_gap < hostile.STALL_LIMIT_S
+    finally:
+        server.stop()

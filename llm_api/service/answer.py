@@ -113,12 +113,13 @@ def native_encoder(request: GenerateRequest, marker: str, max_unary_bytes: int |
 
 
 async def encoded_parts(service: ModelService, request: GenerateRequest, encoder: AnswerEncoder, request_id: str,
-                        marker: str = "") -> AsyncGenerator[Part, None]:
+                        marker: str = "", owner: str = "") -> AsyncGenerator[Part, None]:
     """``service.generate``'s events through ``encoder``: chunks, then the final part or the refusal.
-    ``marker``: text the detokenizer keeps out of the answer (the native end-of-stream marker)."""
+    ``marker``: text the detokenizer keeps out of the answer (the native end-of-stream marker); ``owner``:
+    who sent it (``Call.owner``)."""
     started = False
     kind = encoder.content_type
-    async with aclosing(service.generate(request, request_id, marker)) as events:
+    async with aclosing(service.generate(request, request_id, marker, owner)) as events:
         async for event in events:
             if isinstance(event, TextDelta):
                 chunk = encoder.delta(event.text, event.index, event.logprobs)

@@ -273,10 +273,12 @@ class ModelService:
     # ------------------------------------------------------------------------------------------
     # admission
 
-    async def generate(self, request: GenerateRequest, request_id: str, marker: str = "") -> AsyncGenerator[Event, None]:
+    async def generate(self, request: GenerateRequest, request_id: str, marker: str = "",
+                       owner: str = "") -> AsyncGenerator[Event, None]:
         """Admit the request (or raise ApiError), then its events. ``marker``: text the detokenizer keeps
-        out of the answer (the native format's end-of-stream marker)."""
-        generation = await self._admit_request(request, request_id, marker)
+        out of the answer (the native format's end-of-stream marker); ``owner``: who sent it (its edge's
+        ``Call.owner``: grammar compiles are shared out by it)."""
+        generation = await self._admit_request(request, request_id, marker, owner)
         try:
             logger.info("request %s: %s, %d prompt tokens", request_id, request.input_kind,
                         generation.num_prompt_tokens)
@@ -286,7 +288,7 @@ class ModelService:
         finally:
             self._release(generation)  # (events() releases too; this covers a consumer that left before it ran)
 
-    async def _admit_request(self, request: GenerateRequest, request_id: str, marker: str) -> "Generation":
+    async def _admit_request(self, request: GenerateRequest, request_id: str, marker: str, owner: str) -> "Generation":
         arrival = time.monotonic()
         label = request.client_request_id
         if label is not None and label in self._labels:
@@ -312,7 +314,7 @@ class ModelService:
         self._check_fits(num_prompt_tokens, request.params.max_new_tokens)
         if request.constraint is not None:
             timeout = min(request.timeout_s or self.settings.request_timeout_s, self.settings.request_timeout_s)
-            grammar = await self.grammars.compile(request.constraint, arrival + timeout)
+            grammar = await self.grammars.compile(request.constraint, arrival + timeout, owner)
             request.params = dataclasses.replace(request.params, grammar=grammar)
         if label is not None and label in self._labels:  # (another request took it while we tokenized)
             raise ApiError(409, "duplicate_request_id", f"a request with request_id {echo(label)} is still running")

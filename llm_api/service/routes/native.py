@@ -36,4 +36,4 @@ async def generate(ctx: RouteContext, call: Call, params: dict[str, str]) -> Ans
         request.stream = False  # a second message to a unary call kills TorchServe's worker
     # A unary gRPC answer is one message, which gRPC clients refuse above 4 MiB by default.
     encoder = native_encoder(request, ctx.marker, GRPC_MAX_MESSAGE_BYTES if call.grpc else None)
-    return Streamed(encoded_parts(service, request, encoder, call.request_id, ctx.marker), encoder)
+    return Streamed(encoded_parts(service, request, encoder, call.request_id, ctx.marker, call.owner), encoder)

@@ -65,7 +65,7 @@ async def _tracked(service: ModelService, request: GenerateRequest, encoder: Res
     entry = InFlightResponse(owner, request_id, encoder)
     live[encoder.id] = entry
     try:
-        async with aclosing(encoded_parts(service, request, encoder, request_id)) as parts:
+        async with aclosing(encoded_parts(service, request, encoder, request_id, owner=owner)) as parts:
             async for part in parts:
                 if isinstance(part, Final) and encoder.store:
                     stored = await asyncio.to_thread(service.responses.store.put, encoder.id, owner,
