@@ -473,12 +473,14 @@ def test_settings_and_the_store_they_open(tmp_path):
     assert (defaults.responses_store_max_entries, defaults.responses_store_max_bytes, defaults.responses_store_ttl_s,
             defaults.responses_store_path) == (10_000, 64 << 20, 86_400.0, "")
     store = open_response_store(defaults)
-    assert isinstance(store, MemoryResponseStore) and store.limits == StoreLimits(10_000, 64 << 20, 86_400.0)
+    assert isinstance(store, MemoryResponseStore) and store.limits == StoreLimits(10_000, 64 << 20, 86_400.0,
+                                                                                  2_500, 16 << 20)
     store.close()
     settings = Settings.from_env({"RESPONSES_STORE_PATH": str(tmp_path / "s.db"), "RESPONSES_STORE_MAX_ENTRIES": "5",
                                   "RESPONSES_STORE_MAX_BYTES": "4096", "RESPONSES_STORE_TTL_S": "1.5"})
     store = open_response_store(settings)
-    assert isinstance(store, SqliteResponseStore) and store.limits == StoreLimits(5, 4096, 1.5)
+    assert isinstance(store, SqliteResponseStore) and store.limits == StoreLimits(5, 4096, 1.5, 2_500, 16 << 20)
+    assert (store.limits.per_owner_entries, store.limits.per_owner_bytes) == (5, 4096)  # (never above the whole)
     store.close()
 
 
@@ -494,3 +496,46 @@ def test_bad_store_settings_name_the_variable(name, value, needle):
     with pytest.raises(ConfigError) as err:
         Settings.from_env({name: value})
     assert name in str(err.value) and needle in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------------
+# per-owner quotas
+
+
+def test_one_owners_flood_evicts_its_own_history_first(make_store):
+    """The red team's flood: one key's large responses (tools echoed into each) once pushed every other key's
+    entries out. Now an owner over its quota, or a writer into a full store, loses its own oldest entries;
+    another owner's entries stay readable."""
+    limits = StoreLimits(max_entries=20, max_bytes=1 << 20, ttl_s=3600.0, owner_max_entries=8, owner_max_bytes=200_000)
+    store = make_store(limits)
+    bob_ids = [f"resp_bob_{i}" for i in range(6)]
+    for response_id in bob_ids:
+        assert store.put(response_id, BOB, *texts(response_id))
+    flood = [f"resp_alice_{i}" for i in range(40)]
+    for response_id in flood:  # each ~64 KB: the byte quota (about 3 entries) bites before the entry count
+        assert store.put(response_id, ALICE, *texts(response_id, size=32_000))
+    assert all(store.get(response_id, BOB) is not None for response_id in bob_ids)
+    kept = [response_id for response_id in flood if store.get(response_id, ALICE) is not None]
+    assert kept == flood[-len(kept):] and 1 <= len(kept) <= 3  # alice's newest only, within her quota
+    # Small entries: the entry quota bites; still nobody else's.
+    for i in range(30):
+        assert store.put(f"resp_alice_small_{i}", ALICE, *texts(f"resp_alice_small_{i}"))
+    assert all(store.get(response_id, BOB) is not None for response_id in bob_ids)
+    count, _ = store.stats()
+    assert count == len(bob_ids) + 8
+
+
+def test_a_full_store_evicts_the_largest_holders_oldest(make_store):
+    """Within their quotas, the owner holding the most gives way when the whole store is full: the writer when
+    it is the flooder, the flooder when a small holder writes."""
+    limits = StoreLimits(max_entries=10, max_bytes=1 << 20, ttl_s=3600.0, owner_max_entries=8)
+    store = make_store(limits)
+    for i in range(8):
+        assert store.put(f"resp_alice_{i}", ALICE, *texts(f"resp_alice_{i}"))
+    for i in range(3):  # a small holder writing into a full store: alice's oldest give way
+        assert store.put(f"resp_bob_{i}", BOB, *texts(f"resp_bob_{i}"))
+    assert store.get("resp_alice_0", ALICE) is None and store.get("resp_alice_2", ALICE) is not None
+    for i in range(8, 20):  # alice writing on: her own oldest, never bob's
+        assert store.put(f"resp_alice_{i}", ALICE, *texts(f"resp_alice_{i}"))
+    assert all(store.get(f"resp_bob_{i}", BOB) is not None for i in range(3))
+    assert store.stats()[0] == 10

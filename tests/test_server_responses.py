@@ -132,7 +132,8 @@ def test_text_format_json_schema(async_frontend):
 
 
 def test_another_key_reads_nothing_and_the_store_stays_bounded(start_standalone):
-    """Two keys are two owners; a flood of stored responses keeps the newest RESPONSES_STORE_MAX_ENTRIES."""
+    """Two keys are two owners; a flood of stored responses keeps the newest RESPONSES_STORE_MAX_ENTRIES, and a
+    key's flood evicts its own entries before another key's."""
     import openai
 
     server = start_standalone("responses-owners", {"LLM_API_KEY": "first-key-123,second-key-456",
@@ -157,6 +158,15 @@ def test_another_key_reads_nothing_and_the_store_stays_bounded(start_standalone)
             with pytest.raises(openai.NotFoundError):
                 first.responses.retrieve(response_id)
         assert [first.responses.retrieve(i).id for i in ids[2:]] == ids[2:]
+        # One key's flood of large responses (30 tools of 2,000-character descriptions echoed into each stored
+        # object) evicts its own history first: the other key's responses stay readable.
+        kept = [second.responses.create(model=MODEL, input=f"keep {i}", max_output_tokens=2).id for i in range(2)]
+        tools = [{"type": "function", "name": f"tool_{i}", "description": "d" * 2000,
+                  "parameters": {"type": "object", "properties": {}}} for i in range(30)]
+        flood = [first.responses.create(model=MODEL, input=f"flood {i}", tools=tools, tool_choice="none",
+                                        max_output_tokens=2).id for i in range(6)]
+        assert [second.responses.retrieve(i).id for i in kept] == kept
+        assert first.responses.retrieve(flood[-1]).id == flood[-1]
     finally:
         server.stop()
 

@@ -111,6 +111,9 @@ class Settings:
     responses_store_max_entries: int = 10_000  # 0: nothing is stored
     responses_store_max_bytes: int = 64 * 1024 * 1024
     responses_store_ttl_s: float = 86_400.0
+    # One owner's (key's) share of the store: its own oldest entries are evicted first past these.
+    responses_store_owner_max_entries: int = 2_500
+    responses_store_owner_max_bytes: int = 16 * 1024 * 1024
     responses_store_path: str = ""
     # LoRA adapters (llm_api.lora, docs/lora.md): PEFT adapter folders served beside the base model, by name.
     lora_adapters: tuple[tuple[str, str], ...] = ()  # LORA_ADAPTERS=name=path,name2=path2
@@ -192,6 +195,11 @@ class Settings:
             "responses_store_max_bytes": _int(env, "RESPONSES_STORE_MAX_BYTES", cls.responses_store_max_bytes,
                                               minimum=MIN_RESPONSES_STORE_BYTES),
             "responses_store_ttl_s": _float(env, "RESPONSES_STORE_TTL_S", cls.responses_store_ttl_s, 0.0, None),
+            "responses_store_owner_max_entries": _int(env, "RESPONSES_STORE_OWNER_MAX_ENTRIES",
+                                                      cls.responses_store_owner_max_entries, minimum=1),
+            "responses_store_owner_max_bytes": _int(env, "RESPONSES_STORE_OWNER_MAX_BYTES",
+                                                    cls.responses_store_owner_max_bytes,
+                                                    minimum=MIN_RESPONSES_STORE_BYTES),
             "responses_store_path": _store_path(env.get("RESPONSES_STORE_PATH", "")),
             "lora_adapters": _lora_adapters(env.get("LORA_ADAPTERS", "")),
             "max_lora_rank": _int(env, "MAX_LORA_RANK", cls.max_lora_rank, minimum=1),

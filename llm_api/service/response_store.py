@@ -11,12 +11,17 @@ it as is).
 
 * ``get`` and ``delete`` answer None / False alike for an id that is unknown, evicted, expired or owned by
   someone else: the caller answers 404 to all of them, so nobody learns that another's id exists.
-* Bounds: at most ``max_entries`` entries and ``max_bytes`` bytes, oldest (first stored) evicted first
-  to make room; an entry is gone ``ttl_s`` seconds after it was stored (checked on every access and by a
-  periodic sweep, so expired text does not linger on a quiet server). An entry costs ``entry_cost``: the
-  UTF-8 bytes of its id, owner and both texts plus ``ENTRY_OVERHEAD_BYTES`` (the memory store keeps the
-  texts as UTF-8 bytes, so that is what it holds; tests/test_response_store.py measures it).
-* An entry larger than ``max_bytes`` alone, or with text that is not valid Unicode, is not stored:
+* Bounds: at most ``max_entries`` entries and ``max_bytes`` bytes in all, and ``owner_max_entries`` /
+  ``owner_max_bytes`` for one owner (a quarter of each by default): a put first evicts its own owner's oldest
+  entries until that owner is within its quota, then, while the store is still over its bounds, the oldest
+  entry of the owner holding the most (bytes when the byte bound bites, else entries): one key's flood of
+  large responses pushes out its own history, never a smaller holder's; an entry is gone ``ttl_s`` seconds
+  after it was stored (checked on every access and by a periodic sweep, so expired text does not linger on a
+  quiet server). An entry costs ``entry_cost``: the UTF-8 bytes of its id, owner and both texts (echoed tools
+  and instructions included) plus ``ENTRY_OVERHEAD_BYTES`` (the memory store keeps the texts as UTF-8 bytes,
+  so that is what it holds; tests/test_response_store.py measures it).
+* An entry larger than ``max_bytes`` or ``owner_max_bytes`` alone, or with text that is not valid Unicode, is
+  not stored:
   ``put`` answers False and evicts nothing (but the entry it would have replaced is gone: the route has
   answered already; a later ``get`` is None, as for an evicted one). ``max_entries`` 0 stores nothing.
 * Thread-safe: one lock per store (the event loop and worker threads call it); the SQLite store also takes
@@ -44,11 +49,12 @@ from llm_api.model.settings import ConfigError, Settings
 logger = logging.getLogger(__name__)
 
 # Per-entry memory besides its texts, in the memory store (CPython 3.x, 64-bit): the OrderedDict slot and
-# link, the row object, its float and int, and the four str/bytes headers: about 360 bytes measured with
-# tracemalloc on a grown table, up to about 60 more while the table holds the dummies of evicted entries
-# (until its next resize). tests/test_response_store.py measures both and fails if either outgrows this.
-# SQLite's per-row cost is smaller (a few dozen bytes of header and index entries): one constant for both.
-ENTRY_OVERHEAD_BYTES = 464
+# link, the row object, its float and int, the four str/bytes headers, and its slot in its owner's index
+# (another OrderedDict): about 440 bytes measured with tracemalloc on a grown table, up to about 120 more
+# while the two tables hold the dummies of evicted entries (until their next resize).
+# tests/test_response_store.py measures both and fails if either outgrows this. SQLite's per-row cost is
+# smaller (a few dozen bytes of header and index entries): one constant for both.
+ENTRY_OVERHEAD_BYTES = 560
 # The SQLite file holds about its counted bytes (0.5x to 1.2x measured, entries of 100 B to 100 KB: pages
 # left part empty by rows of about 3 KB are the most), plus its write-ahead log, cut back to this after
 # each checkpoint (SQLite checkpoints at 1,000 pages, 4 MiB).
@@ -66,11 +72,22 @@ class StoreLimits:
     max_entries: int
     max_bytes: int
     ttl_s: float
+    owner_max_entries: int | None = None  # None: all of max_entries
+    owner_max_bytes: int | None = None  # None: all of max_bytes
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "StoreLimits":
         return cls(settings.responses_store_max_entries, settings.responses_store_max_bytes,
-                   settings.responses_store_ttl_s)
+                   settings.responses_store_ttl_s, settings.responses_store_owner_max_entries,
+                   settings.responses_store_owner_max_bytes)
+
+    @property
+    def per_owner_entries(self) -> int:
+        return self.max_entries if self.owner_max_entries is None else min(self.owner_max_entries, self.max_entries)
+
+    @property
+    def per_owner_bytes(self) -> int:
+        return self.max_bytes if self.owner_max_bytes is None else min(self.owner_max_bytes, self.max_bytes)
 
 
 @dataclass(frozen=True)
@@ -160,6 +177,8 @@ class MemoryResponseStore:
         self._lock = threading.Lock()
         self._rows: OrderedDict[str, _Row] = OrderedDict()
         self._num_bytes = 0
+        self._owned: dict[str, OrderedDict[str, None]] = {}  # owner -> its ids, oldest first
+        self._owner_bytes: dict[str, int] = {}
         self._sweeper = _Sweeper(self.sweep, sweep_every_s) if sweep_every_s else None
 
     def put(self, response_id: str, owner: str, response_json: str, conversation_json: str) -> bool:
@@ -168,16 +187,22 @@ class MemoryResponseStore:
             return False
         response, conversation = response_json.encode(), conversation_json.encode()
         cost = entry_cost(response_id, owner, response, conversation)
+        limits = self.limits
         with self._lock:
             self._remove_locked(response_id)  # a replaced entry goes to the back, as a new one
-            if cost > self.limits.max_bytes or self.limits.max_entries == 0:
+            if cost > limits.per_owner_bytes or limits.max_entries == 0:
                 return False
             now = self._clock()
             self._expire_locked(now)
-            while self._rows and (len(self._rows) >= self.limits.max_entries
-                                  or self._num_bytes + cost > self.limits.max_bytes):
-                self._remove_locked(next(iter(self._rows)))
+            own = self._owned.get(owner, OrderedDict())
+            while own and (len(own) >= limits.per_owner_entries
+                           or self._owner_bytes.get(owner, 0) + cost > limits.per_owner_bytes):
+                self._remove_locked(next(iter(own)))
+            while self._rows and (len(self._rows) >= limits.max_entries or self._num_bytes + cost > limits.max_bytes):
+                self._remove_locked(self._largest_holders_oldest_locked(self._num_bytes + cost > limits.max_bytes, owner))
             self._rows[response_id] = _Row(owner, now, response, conversation, cost)
+            self._owned.setdefault(owner, OrderedDict())[response_id] = None
+            self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + cost
             self._num_bytes += cost
             return True
 
@@ -200,13 +225,17 @@ class MemoryResponseStore:
                 return False
             conversation = row.conversation if conversation_json is None else conversation_json.encode()
             cost = entry_cost(response_id, owner, response, conversation)
-            if cost > self.limits.max_bytes:
+            if cost > self.limits.per_owner_bytes:
                 self._remove_locked(response_id)
                 return False
             self._num_bytes += cost - row.cost
+            self._owner_bytes[row.owner] += cost - row.cost
             row.response, row.conversation, row.cost = response, conversation, cost
-            while self._num_bytes > self.limits.max_bytes:  # never this entry: it fits alone
-                self._remove_locked(next(key for key in self._rows if key != response_id))
+            own = self._owned[row.owner]
+            while self._owner_bytes[row.owner] > self.limits.per_owner_bytes:  # never this entry: it fits alone
+                self._remove_locked(next(key for key in own if key != response_id))
+            while self._num_bytes > self.limits.max_bytes:
+                self._remove_locked(self._largest_holders_oldest_locked(True, row.owner, keep=response_id))
             return True
 
     def delete(self, response_id: str, owner: str) -> bool:
@@ -229,6 +258,8 @@ class MemoryResponseStore:
             self._sweeper.stop()
         with self._lock:
             self._rows.clear()
+            self._owned.clear()
+            self._owner_bytes.clear()
             self._num_bytes = 0
 
     def _live_locked(self, response_id: str, owner: str) -> _Row | None:
@@ -252,10 +283,28 @@ class MemoryResponseStore:
             removed += 1
         return removed
 
+    def _largest_holders_oldest_locked(self, by_bytes: bool, writer: str, keep: str | None = None) -> str:
+        """The oldest entry (never ``keep``) of the owner holding the most bytes (``by_bytes``) or entries; on a
+        tie the writer's own, then the owner with the oldest entry."""
+        def rank(owner: str) -> tuple[int, bool, float]:
+            ids = self._owned[owner]
+            if keep in ids and len(ids) == 1:
+                return (-1, False, 0.0)  # (its one entry is the one kept)
+            return (self._owner_bytes[owner] if by_bytes else len(ids), owner == writer,
+                    -self._rows[next(iter(ids))].created_at)
+
+        largest = max(self._owned, key=rank)
+        return next(key for key in self._owned[largest] if key != keep)
+
     def _remove_locked(self, response_id: str) -> None:
         row = self._rows.pop(response_id, None)
         if row is not None:
             self._num_bytes -= row.cost
+            own = self._owned[row.owner]
+            del own[response_id]
+            self._owner_bytes[row.owner] -= row.cost
+            if not own:
+                del self._owned[row.owner], self._owner_bytes[row.owner]
 
 
 SCHEMA = """
@@ -269,6 +318,7 @@ CREATE TABLE IF NOT EXISTS stored_responses (
     conversation_json TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS stored_responses_by_age ON stored_responses (created_at, cost);
+CREATE INDEX IF NOT EXISTS stored_responses_by_owner ON stored_responses (owner, seq, cost);
 """
 COLUMNS = ("seq", "response_id", "owner", "created_at", "cost", "response_json", "conversation_json")
 # The deletions, each as (count its rows and bytes, delete them), one parameter each.
@@ -332,7 +382,7 @@ class SqliteResponseStore:
             with self._lock, self._changing():
                 # The bounds may have shrunk since the file was written.
                 self._expire(self._clock())
-                self._make_room(0)
+                self._make_room(0, None)
         except BaseException:
             db.close()
             raise
@@ -346,11 +396,11 @@ class SqliteResponseStore:
         try:
             with self._lock, self._changing() as db:
                 self._remove("response_id", response_id)
-                if cost > self.limits.max_bytes or self.limits.max_entries == 0:
+                if cost > self.limits.per_owner_bytes or self.limits.max_entries == 0:
                     return False
                 now = self._clock()
                 self._expire(now)
-                self._make_room(cost)
+                self._make_room(cost, owner)
                 db.execute("INSERT INTO stored_responses (response_id, owner, created_at, cost, response_json, "
                            "conversation_json) VALUES (?, ?, ?, ?, ?, ?)",
                            (response_id, owner, now, cost, response_json, conversation_json))
@@ -390,13 +440,13 @@ class SqliteResponseStore:
             seq, _, old_cost, old_conversation = row
             conversation = old_conversation if conversation_json is None else conversation_json
             cost = entry_cost(response_id, owner, response_json.encode(), conversation.encode())
-            if cost > self.limits.max_bytes:
+            if cost > self.limits.per_owner_bytes:
                 self._remove("seq", seq)
                 return False
             db.execute("UPDATE stored_responses SET cost = ?, response_json = ?, conversation_json = ? WHERE seq = ?",
                        (cost, response_json, conversation, seq))
             self._count(0, cost - old_cost)
-            self._make_room(0, keep_seq=seq)
+            self._make_room(0, row[1], keep_seq=seq)
             return True
 
     def delete(self, response_id: str, owner: str) -> bool:
@@ -470,20 +520,48 @@ class SqliteResponseStore:
         count, num_bytes = self._totals
         return count + (1 if cost else 0) <= self.limits.max_entries and num_bytes + cost <= self.limits.max_bytes
 
-    def _make_room(self, cost: int, keep_seq: int | None = None) -> None:
-        """Delete the oldest entries (never ``keep_seq``) until one more entry of ``cost`` bytes fits (cost 0:
-        until the bounds hold as they are)."""
-        if self._fits(cost):
-            return
+    def _make_room(self, cost: int, owner: str | None, keep_seq: int | None = None) -> None:
+        """Delete entries (never ``keep_seq``) until one more entry of ``cost`` bytes fits (cost 0: until the
+        bounds hold as they are): ``owner``'s oldest until it is within its quota, then, while the store is over
+        its bounds, the oldest of the owner holding the most (module docstring)."""
+        if owner is not None:
+            count, num_bytes = self._db.execute("SELECT COUNT(*), TOTAL(cost) FROM stored_responses WHERE owner = ?",
+                                                (owner,)).fetchone()
+            owned = [count, int(num_bytes)]
+
+            def owner_fits() -> bool:
+                return (owned[0] + (1 if cost else 0) <= self.limits.per_owner_entries
+                        and owned[1] + cost <= self.limits.per_owner_bytes)
+
+            if not owner_fits():
+                self._delete_oldest_of(owner, keep_seq, owner_fits, owned)
+        while not self._fits(cost):
+            assert self._totals is not None
+            by_bytes = self._totals[1] + cost > self.limits.max_bytes
+            largest = self._db.execute(  # (ties: the writer's own, then the owner with the oldest entry)
+                "SELECT owner FROM stored_responses WHERE seq IS NOT ? GROUP BY owner ORDER BY "
+                + ("TOTAL(cost)" if by_bytes else "COUNT(*)") + " DESC, owner = ? DESC, MIN(seq) LIMIT 1",
+                (keep_seq, owner)).fetchone()
+            if largest is None:
+                return
+            self._delete_oldest_of(largest[0], keep_seq, lambda: True, None)
+
+    def _delete_oldest_of(self, owner: str, keep_seq: int | None, done: Callable[[], bool],
+                          owned: list[int] | None) -> None:
+        """Delete ``owner``'s entries oldest first (never ``keep_seq``) until ``done()`` (checked after each)."""
         doomed: list[tuple[int, int]] = []
-        oldest_first = self._db.execute("SELECT seq, cost FROM stored_responses ORDER BY seq")
+        oldest_first = self._db.execute("SELECT seq, cost FROM stored_responses WHERE owner = ? ORDER BY seq",
+                                        (owner,))
         try:
             for seq, row_cost in oldest_first:
                 if seq == keep_seq:
                     continue
                 doomed.append((seq, row_cost))
                 self._count(-1, -row_cost)
-                if self._fits(cost):
+                if owned is not None:
+                    owned[0] -= 1
+                    owned[1] -= row_cost
+                if done():
                     break
         finally:
             oldest_first.close()  # finished reading before the table changes
