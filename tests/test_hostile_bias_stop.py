@@ -21,8 +21,10 @@ clean 200 or a 4xx in its route's error shape:
   (``ab``/``b``/``abc``), a stop string whose UTF-8 bytes the model emits in several tokens (an emoji,
   a skin-tone modifier alone, a combining accent alone, a precomposed letter against its decomposed
   form), one longer than the answer, one equal to the marker (it ends the answer where the model spells
-  the marker out), the marker spelled out by the model (taken out; a stop string never matches across
-  it);
+  the marker out);
+* a grammar whose answer holds the marker's text: on the native route (which reserves the marker) refused at
+  parse time when the grammar's text holds the marker (400), else when the answer spells it out (422
+  ``marker_in_answer``), never cut out silently; on an OpenAI route served intact;
 * the stop strings the formats refuse, with a 400 naming ``stop``: an empty string, one over 256
   characters, more than 16 (native) or 4 (OpenAI) strings, a number, a nested list.
 
@@ -41,8 +43,8 @@ from dataclasses import dataclass
 import pytest
 from tokenizers import Tokenizer
 
-from hostile import (MARKER, Answer, Witness, native_path, openai_path, outcome, post_json, refusal_problems,
-                     report, tokenizer_path)
+from hostile import (MARKER, Answer, Witness, error_type, native_path, openai_path, outcome, post_json,
+                     refusal_problems, report, tokenizer_path)
 
 pytestmark = pytest.mark.server
 
@@ -261,10 +263,11 @@ def stop_cases() -> list[Case]:
         forced = f'"{FORCED}"' if chat else FORCED
         cases.append(Case(f"stop {stops!r}", route, {"max_new_tokens": 48, "regex": re.escape(FORCED), "stop": stops},
                           cut(forced, stops), tuple(stops)))
-    # The model spells the marker out (a grammar forbids the special token): the text never holds it, and as a
-    # stop string it ends the answer there.
+    # The model spells the marker out (a grammar forbids the special token) and the marker is a stop string:
+    # the answer ends there, as asked. (Without that stop string, such an answer is refused, never cut: see
+    # test_a_grammar_answer_holding_the_marker_is_refused_never_altered.)
     spelled = f"x{MARKER}y"
-    for stops, route in rotate([[], [MARKER], ["y"], ["ab"]], NATIVE_ROUTES, 1):
+    for stops, route in rotate([[MARKER]], NATIVE_ROUTES, 2):
         cases.append(Case(f"spelled marker, stop {stops!r}", route,
                           {"max_new_tokens": 24, "regex": re.escape(spelled), "stop": stops}, cut(spelled, stops)))
     # Sampled answers (no grammar), on every route: no stop string is ever in the text.
@@ -319,3 +322,34 @@ def test_stop_strings_out_of_bounds_are_refused(async_frontend):
             problems.append(f"{name} [{route}]: the refusal does not name 'stop': {answer.body[:200]!r}")
     assert not problems, "\n".join(problems)
     report("stop_strings_refused", server, inputs=sum(answers.values()), answers=answers)
+
+
+def test_a_grammar_answer_holding_the_marker_is_refused_never_altered(async_frontend):
+    """The native route reserves the marker's text for the end of a stream; an answer its grammar forces to
+    hold that text is refused (400 at parse time when the grammar's text holds the marker, else 422
+    ``marker_in_answer`` once the answer spells it), never served with the marker cut out; an OpenAI route
+    keeps it intact."""
+    server = async_frontend
+    path = native_path(server)
+    problems = []
+    with Witness(server) as witness:
+        for name, fields in (("regex with the marker's text", {"regex": f"abc{MARKER}def"}),
+                             ("json_schema const marker", {"json_schema": {"const": MARKER}})):
+            answer = post_json(server, path, {"text": "Say it:", "max_new_tokens": 24, **fields})
+            problems += refusal_problems(name, answer, openai=False, statuses=(400,))
+        for stream in (True, False):
+            answer = post_json(server, path, {"text": "Say it:", "max_new_tokens": 24, "stream": stream,
+                                              "regex": re.escape(f"x{MARKER}y")})
+            text = answer.body.decode(errors="replace")
+            if answer.status == 200:  # (streamed: the error arrives in-band, after what was sent before it)
+                if "marker_in_answer" not in text or text.endswith(MARKER) or "xy" in text:
+                    problems.append(f"spelled marker, stream={stream}: {text[:300]!r}")
+            elif answer.status != 422 or error_type(answer) != "marker_in_answer":
+                problems.append(f"spelled marker, stream={stream}: {answer.status} {text[:300]!r}")
+        chat = post_json(server, openai_path(server, "chat/completions"), {
+            "model": server.model_name, "messages": [{"role": "user", "content": "Say it"}], "max_tokens": 24,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "m", "schema": {"const": MARKER}}}})
+        if chat.status != 200 or json.loads(chat.json()["choices"][0]["message"]["content"]) != MARKER:
+            problems.append(f"chat: {chat.status} {chat.body[:300]!r}")
+    report("grammar answers holding the marker", server, inputs=5, answers={"ok": 5 - len(problems)}, witness=witness)
+    assert not problems, "\n".join(problems)

@@ -296,6 +296,11 @@ def framing_cases(server) -> dict[str, tuple[bytes, range | tuple]]:
         "bare LF line ends": (head(server, "GET", "/v1/models", {}).replace(b"\r\n", b"\n"), parser + (200,)),
         "HTTP/2.0 in the request line": (  # (aiohttp reads it as HTTP/1 framing: a request with the key)
             head(server, "GET", "/v1/models", {}).replace(b"HTTP/1.1", b"HTTP/2.0", 1), parser + (200, 505)),
+        # markup and the end-of-stream marker in what the parser refuses: never echoed back
+        "markup and the marker in a bad request line": (
+            b"GET /<script>alert(1)</script><|endoftext|> HTTP/1.1 <script>\r\nHost: x\r\n\r\n", parser),
+        "markup and the marker in a bad header": (
+            head(server, "GET", "/v1/models", {})[:-2] + b"X-<script><|endoftext|>: a\r\n\r\n", parser + (200,)),
     }
 
 
@@ -322,6 +327,16 @@ def test_oversize_and_malformed_framing_get_4xx_and_a_closed_connection(server):
                 problems.append(f"{name}: HTTP {answer.status} {answer.body[:200]!r}")
             if answer.status == 413:  # reached the route: its own error shape
                 problems += refusal_problems(name, answer, openai=False, statuses=(413,))
+            elif answer.status != 200:  # the transport's own page: a fixed JSON object, nothing of the request
+                try:
+                    page = json.loads(answer.body)
+                except ValueError:
+                    page = None
+                if not (isinstance(page, dict) and set(page) == {"code", "type", "message"}
+                        and page["code"] == answer.status):
+                    problems.append(f"{name}: not the fixed error object: {answer.body[:200]!r}")
+                if b"<" in answer.body or b"endoftext" in answer.body:
+                    problems.append(f"{name}: request bytes echoed: {answer.body[:200]!r}")
             if closed_after is None:
                 problems.append(f"{name}: the connection stayed open after HTTP {answer.status}")
     hostile.report("transport: oversize and malformed framing", server, inputs=len(cases), answers=dict(answers),

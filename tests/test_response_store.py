@@ -445,7 +445,7 @@ def test_sqlite_put_that_cannot_write_loses_only_that_entry(tmp_path):
     store.close()
 
 
-@pytest.mark.parametrize("case", ["directory", "missing_parent", "not_sqlite", "other_table"])
+@pytest.mark.parametrize("case", ["directory", "missing_parent", "not_sqlite", "other_table", "another_apps_db"])
 def test_a_store_path_that_cannot_be_opened_names_the_variable(tmp_path, case):
     path = tmp_path / "store.db"
     if case == "directory":
@@ -454,14 +454,23 @@ def test_a_store_path_that_cannot_be_opened_names_the_variable(tmp_path, case):
         path = tmp_path / "no" / "such" / "store.db"
     elif case == "not_sqlite":
         path.write_bytes(b"this is not a database, " * 200)
-    else:
+    elif case == "other_table":
         with sqlite3.connect(path) as other:
             other.execute("CREATE TABLE stored_responses (id TEXT)")
+    else:
+        with sqlite3.connect(path) as other:
+            other.execute("CREATE TABLE accounts (name TEXT)")
+    before = (path.stat().st_mode, path.read_bytes()) if path.is_file() else None
+    if before is not None:
+        path.chmod(0o644)
+        before = (path.stat().st_mode, path.read_bytes())
     with pytest.raises(ConfigError) as err:
         SqliteResponseStore(path, BIG)
     assert "RESPONSES_STORE_PATH" in str(err.value) and str(path) in str(err.value)
     with pytest.raises(ConfigError):
         open_response_store(Settings.from_env({"RESPONSES_STORE_PATH": str(path)}), sweep=False)
+    if before is not None:  # refused untouched: neither its mode nor its bytes changed
+        assert (path.stat().st_mode, path.read_bytes()) == before
 
 
 # ---------------------------------------------------------------------------------------------------

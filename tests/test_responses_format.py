@@ -179,6 +179,21 @@ def test_an_aborted_answer_is_cancelled():
     assert Response.model_validate(call.response_json()).incomplete_details is None
 
 
+def test_a_cancelled_request_is_stored_cancelled_not_failed():
+    """The service ends a cancelled request with its 499 ``cancelled`` error: the Response is ``cancelled`` (no
+    error object), whole or streamed, and so is what the store keeps (response_json)."""
+    _, call = parse({"input": "Hi", "stream": True})
+    events = sse_events(call.delta("Hel") + call.fail(ApiError(499, "cancelled", "the request was cancelled")))
+    assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["status"] == "cancelled"
+    assert "error" not in [e["type"] for e in events]
+    stored = Response.model_validate(call.response_json())
+    assert stored.status == "cancelled" and stored.error is None
+    _, whole = parse({"input": "Hi"})
+    whole.delta("Hel")
+    answer = Response.model_validate(json.loads(whole.fail(ApiError(499, "cancelled", "the request was cancelled"))))
+    assert answer.status == "cancelled" and answer.error is None
+
+
 def test_a_call_cut_short_is_an_incomplete_item():
     _, whole = parse({"input": "Weather?", "tools": [WEATHER]})
     response = Response.model_validate(json.loads(feed(whole, CALL_TEXT[:-20], 5, FinishReason.LENGTH)))

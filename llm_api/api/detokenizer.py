@@ -80,6 +80,7 @@ class TextStream:
         self._pending = ""  # text decoded but held back because it may start a stop or marker
         self._stopped = False
         self.text = ""  # everything released so far
+        self.marker_removed = False  # the model spelled the marker out and it was taken from the answer
 
     def push(self, token_ids: Sequence[int]) -> TextDelta:
         if self._stopped:
@@ -100,7 +101,9 @@ class TextStream:
             buf = buf[:spelled_end]
         # Stop strings match the text as the client gets it: with the marker taken out, so none can appear
         # in the answer by straddling a marker the model wrote ("a<marker>b" against the stop "ab").
-        buf = _strip_marker(buf, self._marker)
+        stripped = _strip_marker(buf, self._marker)
+        self.marker_removed = self.marker_removed or len(stripped) != len(buf)
+        buf = stripped
         cut = _first_match(buf, self._stop)
         if cut is None and spelled_end >= 0:
             cut = len(buf)

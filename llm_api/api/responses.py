@@ -720,7 +720,15 @@ class ResponsesCall:
         return out + self._event(kind, response=self._response())
 
     def fail(self, error: ApiError) -> str:
-        """An error after the answer began: in a stream, ``error`` then ``response.failed``."""
+        """An error after the answer began: in a stream, ``error`` then ``response.failed``. A cancel (the
+        service ends a cancelled request with its 499 ``cancelled`` error) is no failure: the response is
+        ``cancelled``, as the docs say, and a stream ends with ``response.incomplete``."""
+        if error.code == "cancelled":
+            self._status, self._error = "cancelled", None
+            if not self.stream:
+                return json.dumps(self._response(), ensure_ascii=False)
+            out = self._start() + self._close("incomplete")
+            return out + self._event("response.incomplete", response=self._response())
         self._status = "failed"
         self._error = {"code": "server_error" if error.status >= 500 else "invalid_prompt", "message": error.message}
         if not self.stream:

@@ -30,7 +30,7 @@ from llm_api.server.grpc_api import build_grpc_server
 from llm_api.server.http_api import ServerState, build_app
 from llm_api.server.lifecycle import Lifecycle
 from llm_api.server.metrics import ServerMetrics
-from llm_api.server.transport import BACKLOG, TransportLimits, quiet_bad_requests
+from llm_api.server.transport import BACKLOG, TransportLimits, fixed_error_pages, quiet_bad_requests
 from llm_api.service.service import ModelService
 
 logger = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ async def serve(settings: Settings, options: ServeOptions) -> int:
     await runner.setup()
     server = runner.server
     assert server is not None
+    fixed_error_pages(server)  # (llm_api.server.transport: no request bytes in aiohttp's own error pages)
     guard = state.connections = ConnectionGuard(state.limits.connections)  # (llm_api.server.connections)
     guard.install(server)
     await web.TCPSite(runner, options.host, options.port, backlog=BACKLOG).start()

@@ -13,9 +13,11 @@ Every limit below is aiohttp's or asyncio's own mechanism where one exists; each
   more than ``MAX_HEADERS`` (128) fields, gets aiohttp's own 400 (or 431 where aiohttp says so) and the
   connection closes. So do malformed framing such as both ``Content-Length`` and
   ``Transfer-Encoding`` (llhttp refuses the pair: request smuggling), or an invalid chunk size. These
-  answers come from the parser before any route is chosen, so they are plain text, not a route's error
-  shape. aiohttp logs each with a traceback at ERROR; ``OneLineBadRequests`` makes that one INFO line, so
-  a client cannot flood the log with malformed requests.
+  answers come from the parser before any route is chosen; ``fixed_error_pages`` makes each a fixed JSON
+  object per status (``TRANSPORT_ERRORS``: ``{"code", "type", "message"}``) instead of aiohttp's text page,
+  which quoted the offending request bytes back (markup, the end-of-stream marker, anything). aiohttp logs
+  each with a traceback at ERROR; ``OneLineBadRequests`` makes that one INFO line, so a client cannot flood
+  the log with malformed requests.
 * **Body size**: ``MAX_REQUEST_BYTES`` (aiohttp's ``client_max_size``): 413 ``request_too_large``.
 * **Slow body**: ``BODY_TIMEOUT_S`` (60 s) from the start of the handler to the body's last byte
   (``read_body``): 408 ``request_timeout``, then the connection closes after at most ``LINGER_S`` (2 s;
@@ -41,12 +43,15 @@ Every limit below is aiohttp's or asyncio's own mechanism where one exists; each
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 from dataclasses import dataclass
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 from llm_api.api.errors import ApiError
 from llm_api.model.settings import Settings
@@ -130,6 +135,42 @@ def quiet_bad_requests() -> None:
     logger = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, OneLineBadRequests) for f in logger.filters):
         logger.addFilter(OneLineBadRequests())
+
+
+# The transport's own answers, one fixed body per status: nothing of the request is ever in them.
+TRANSPORT_ERRORS = {
+    400: ("bad_request", "the request is not valid HTTP/1.1 (request line, headers or framing)"),
+    413: ("request_too_large", "the request is larger than this server accepts"),
+    431: ("headers_too_large", "the request's header fields are too large or too many"),
+    500: ("internal_error", "the server failed to handle this request"),
+    504: ("timeout", "the server did not answer in time"),
+}
+
+
+class _FixedErrorPages(RequestHandler):
+    """aiohttp's per-connection protocol, answering its own errors with ``TRANSPORT_ERRORS``' bodies."""
+
+    def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+        if request.writer.output_size > 0:  # (as aiohttp: an answer had begun; the connection is broken)
+            raise ConnectionError("Response is sent already, cannot send another response with the error message")
+        kind, text = TRANSPORT_ERRORS.get(status, ("http_error", "the request could not be handled"))
+        response = web.Response(status=status, text=json.dumps({"code": status, "type": kind, "message": text}),
+                                content_type="application/json")
+        response.force_close()
+        return response
+
+
+class _Server(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _FixedErrorPages(self, loop=self._loop, **self._kwargs)
+
+
+def fixed_error_pages(server: web.Server) -> None:
+    """Make aiohttp's server answer its own errors (parser refusals, escaped failures) with fixed JSON bodies:
+    the connections it accepts from now on use ``_FixedErrorPages``."""
+    server.__class__ = _Server
 
 
 class WriteTimeout(Exception):

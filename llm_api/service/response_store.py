@@ -360,6 +360,10 @@ class SqliteResponseStore:
         self._sweeper = _Sweeper(self.sweep, sweep_every_s) if sweep_every_s else None
 
     def _open(self, path: Path) -> sqlite3.Connection:
+        # A file that is there already is read (read-only) before anything is written or its mode changed: one
+        # that is not this store's (not SQLite, or a database holding other tables) is refused untouched.
+        if path.exists() and not path.is_dir() and path.stat().st_size:
+            _check_foreign(path)
         # Made (or narrowed) to 0600 before SQLite opens it: stored conversations are the users' text, and
         # SQLite gives its -wal and -shm files the database file's mode.
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -566,6 +570,23 @@ class SqliteResponseStore:
         finally:
             oldest_first.close()  # finished reading before the table changes
         self._db.executemany("DELETE FROM stored_responses WHERE seq = ?", [(seq,) for seq, _ in doomed])
+
+
+def _check_foreign(path: Path) -> None:
+    """Raise ``sqlite3.DatabaseError`` when the existing file at ``path`` is not an SQLite database holding this
+    store's table (with its columns) and nothing else; read-only, so the file is left as it was."""
+    db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    try:
+        tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table' "
+                                               "AND name NOT LIKE 'sqlite_%'")}
+        if tables - {"stored_responses"}:
+            raise sqlite3.DatabaseError(f"it holds other tables ({', '.join(sorted(tables)[:5])}): not this store's file")
+        if tables:
+            found = tuple(row[1] for row in db.execute("PRAGMA table_info(stored_responses)"))
+            if found != COLUMNS:
+                raise sqlite3.DatabaseError(f"its stored_responses table has columns {found}, expected {COLUMNS}")
+    finally:
+        db.close()
 
 
 def _encodable(*texts: str) -> bool:

@@ -500,6 +500,13 @@ class Generation:
                             "the model's output for this request was not finite (NaN or infinity)"))
                         break
                     delta, num_used = _push_tokens(choice.text, out.new_token_ids)
+                    if choice.text.marker_removed and self.params.grammar is not None:
+                        # (never silently: without the marker text the answer would no longer follow its grammar)
+                        end = self._failed(ApiError(422, "marker_in_answer", "the answer this request's grammar "
+                                                    "allows spelled out the end-of-stream marker, which this route "
+                                                    "reserves for the end of a stream; use an OpenAI route, or "
+                                                    "a grammar that cannot produce the marker's text"))
+                        break
                     timer.tokens(num_used)
                     choice.num_tokens += num_used
                     self.num_generated_tokens += num_used

@@ -32,6 +32,12 @@ async def generate(ctx: RouteContext, call: Call, params: dict[str, str]) -> Ans
         logger.info("cancel of request %s: %s", request.target_id[:64], "done" if found else "not running")
         return Whole(200, json.dumps({"cancelled": found}))
     ctx.serving()
+    if request.constraint is not None and ctx.marker in request.constraint.spec.source:
+        # The marker is reserved on this route: an answer holding its text would be cut (or end the stream
+        # early), and a grammar's answer is never silently altered (the OpenAI routes keep it intact).
+        raise ApiError(400, "invalid_grammar", f"the {request.constraint.param!r} constraint holds the end-of-stream "
+                       "marker's text, which this route reserves for the end of a stream; use an OpenAI route",
+                       request.constraint.param)
     if call.grpc and not call.grpc_stream:
         request.stream = False  # a second message to a unary call kills TorchServe's worker
     # A unary gRPC answer is one message, which gRPC clients refuse above 4 MiB by default.
