@@ -185,4 +185,6 @@ def test_a_second_authorization_header_is_refused(async_frontend):
                     list(stub.StreamPredictions(request, metadata=[("authorization", f"Bearer {server.key()}"),
                                                                    ("authorization", "Bearer someone-else")]))
                 assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    hostile.report("identity: a second Authorization header", server, inputs=len(cases) + (server.kind == "standalone"),
+                   answers={"400 duplicate_authorization": len(cases) + (server.kind == "standalone")}, witness=witness)
     assert witness.max_gap < hostile.STALL_LIMIT_S

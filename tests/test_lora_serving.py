@@ -25,7 +25,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hostile import STALL_LIMIT_S, Witness, native_path, openai_path, post_json, raw_request, refusal_problems
+from hostile import (STALL_LIMIT_S, Witness, native_path, openai_path, post_json, raw_request, refusal_problems,
+                     report)
 from lora_helpers import make_adapter, peft_greedy
 
 pytest.importorskip("peft")
@@ -179,6 +180,8 @@ def test_hostile_adapters_are_refused_beside_a_witness(lora_server):
             assert not refusal_problems(f"load {path}", answer, openai=True, statuses=(400,)), answer.body[:300]
             message = answer.json()["error"]["message"]
             assert f"hostile-{path}" in message and reason in message, message
+    report("LoRA: hostile adapters at runtime load", lora_server, inputs=3, answers={"400 refused, reason named": 3},
+           witness=witness)
     assert witness.max_gap < STALL_LIMIT_S
 
 
