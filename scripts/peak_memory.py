@@ -7,8 +7,8 @@ The command runs as a child of this script, which makes itself a *child subreape
 first: a process whose parent dies (a server whose test worker was killed) is then re-parented here instead of
 to pid 1, so it is still counted, and it is reported by pid at the end if it outlived the command. Every
 ``--interval`` seconds (1) the script sums, over its descendants, each process's resident set (RSS from
-``statm``: shared pages counted in every process that maps them, an upper bound) and, every third sample and
-whenever the RSS total is within 10% of its peak, the proportional set (PSS from ``smaps_rollup``: shared
+``statm``: shared pages counted in every process that maps them, an upper bound) and, every fifth sample and
+whenever the RSS total sets a new peak, the proportional set (PSS from ``smaps_rollup``: shared
 pages divided among the processes that map them, what the processes take from the machine together; reading
 it walks each process's page tables, so not every time). It prints the peak of each, the processes alive at
 the PSS peak (largest first), the lowest ``MemAvailable`` the kernel reported during the run, and the
@@ -101,12 +101,18 @@ def pss_of(pid: int) -> int:
     return 0
 
 
+_COMMANDS: dict[int, str] = {}
+
+
 def command_line(pid: int) -> str:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return "?"
-    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:160]
+    """A process's command line (read once per pid: it does not change after exec, which is long past)."""
+    if pid not in _COMMANDS:
+        try:
+            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return "?"
+        _COMMANDS[pid] = raw.replace(b"\0", b" ").decode(errors="replace").strip()[:160]
+    return _COMMANDS[pid]
 
 
 def mem_available() -> int:
@@ -154,9 +160,10 @@ def main() -> int:
         count = 0
         while not stop.is_set():
             count += 1
-            # PSS (the costly read) every third sample, and whenever the cheap RSS total is near its peak.
-            now = sample(started, child.pid, with_pss=count % 3 == 0)
-            if not now.pss and now.rss >= 0.9 * peak_rss.rss:
+            # PSS (the costly read: the kernel walks every page table) every fifth sample, and when the cheap
+            # RSS total sets a new peak.
+            now = sample(started, child.pid, with_pss=count % 5 == 0)
+            if not now.pss and now.rss > peak_rss.rss:
                 now = sample(started, child.pid, with_pss=True)
             peak_rss = max(peak_rss, now, key=lambda s: s.rss)
             peak_pss = max(peak_pss, now, key=lambda s: s.pss)

@@ -174,14 +174,19 @@ class GrammarCompilation:
             self._release(job.owner)
             return
         start = time.perf_counter()
+        result: CompiledGrammar | None = None
+        error: BaseException | None = None
         try:
-            job.future.set_result(self._compile(job.constraint))
-        except BaseException as error:  # (_Refused, or a library failure: the request's own error)
+            result = self._compile(job.constraint)
+        except BaseException as failure:  # (_Refused, or a library failure: the request's own error)
+            error = failure
+        with self._lock:
+            self._recent_compile_s = 0.7 * self._recent_compile_s + 0.3 * (time.perf_counter() - start)
+        self._release(job.owner)  # (before the result: its waiter, once woken, sees the place free)
+        if error is not None:
             job.future.set_exception(error)
-        finally:
-            with self._lock:
-                self._recent_compile_s = 0.7 * self._recent_compile_s + 0.3 * (time.perf_counter() - start)
-            self._release(job.owner)
+        else:
+            job.future.set_result(result)
 
     def _release(self, owner: str) -> None:
         with self._lock:

@@ -152,10 +152,14 @@ def _inference_key() -> str | None:
 def _frontend_key(kind: str) -> str | None:
     """One of TorchServe's current keys, from the key_file.json in the frontend's working directory (the
     worker runs in the model's folder; its parent process is the frontend), read at each use (the frontend
-    renews keys). None when there is no key file: token authorization is off."""
+    renews keys). None when there is no key file written since the frontend started: token authorization is
+    off (a file left by an earlier run with it on is not this frontend's)."""
+    started = _frontend_started_at()
     for folder in (f"/proc/{os.getppid()}/cwd", os.getcwd()):
         path = os.path.join(folder, "key_file.json")
         if not os.path.exists(path):
+            continue
+        if started is not None and os.path.getmtime(path) < started - 5:
             continue
         try:
             with open(path, encoding="utf-8") as file:
@@ -164,3 +168,15 @@ def _frontend_key(kind: str) -> str | None:
             return secrets.token_hex(32)  # a key file we cannot read: no key matches (fail closed)
     return None
 
+
+
+def _frontend_started_at() -> float | None:
+    """When the frontend (this worker's parent process) started, in Unix seconds; None where unknown."""
+    try:
+        with open(f"/proc/{os.getppid()}/stat", encoding="ascii", errors="replace") as file:
+            start_ticks = int(file.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat", encoding="ascii") as file:
+            boot = next(int(line.split()[1]) for line in file if line.startswith("btime "))
+        return boot + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None

@@ -1,0 +1,300 @@
+"""A server's footprint and start-up, beside llama.cpp's server: what `llm_api serve` holds idle and under load,
+beyond its KV pool, and how long it takes to be ready on a first and a second start, quiet and beside a busy
+neighbour.
+
+Needs ``scripts/build_llamacpp.sh`` first for the memory part (llama-server and the embedded model's GGUF files
+under ``.cache/llamacpp/``). Two parts:
+
+1. ``memory``, per ``--dtypes`` precision and ``--contexts`` KV size in tokens: llama-server (``-np 16 -c CTX
+   -t 2``, GGUF f32 / bf16, its KV cache f16 as by default) and ``llm_api serve`` (``DTYPE`` pinned,
+   ``KV_CACHE_MEMORY_MIB`` sized to hold CTX tokens in the model's dtype, ``MAX_NUM_SEQS=16``), each alone on
+   the host: started, one short chat (warm-up: every weight is read once), then the **idle** resident set;
+   then the load of bench/peer_llamacpp.py (``--requests`` streamed chats, ``--concurrency`` at a time,
+   ``--max-tokens`` each), and the **loaded** figure, the process's peak resident set (``VmHWM``). Beyond the
+   KV pool: llama-server's minus the KV buffer its log reports (allocated and cleared at start: resident);
+   llm_api's minus the resident part of its KV mappings (one anonymous mapping per layer's K and V, found in
+   ``/proc/<pid>/smaps`` by their size: a CPU pool is resident only as far as it has been used).
+2. ``startup``: ``llm_api serve`` (the host's default dtype) from spawn to ready, and from the "loaded" log
+   line (weights in memory) to ready, on a first start (an empty ``LLM_API_CACHE``: the step budget is probed)
+   and a second (the same cache: the budget is read), each quiet and beside a busy neighbour (``--neighbours``
+   processes each running float32 products on one thread from before the spawn until ready); the budget each
+   chose, and the budget after ``--idle-s`` seconds idle (re-measured while idle, raised only).
+
+Prints the CPU flags, a markdown table per part, and writes every sample as JSON (``--out``, default
+``bench/results/server_memory-<time>.json``).
+
+    .venv/bin/python bench/server_memory.py --smoke      # < 3 min: one precision, one context, short load
+    .venv/bin/python bench/server_memory.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))  # the `llm_api serve` launcher the other benches use
+
+from peer_llamacpp import LlamaServer, build_info, cpu_flags, cpu_model, load  # noqa: E402
+from standalone_server import StandaloneServer  # noqa: E402
+
+MIB = 1 << 20
+NEIGHBOUR = """
+import torch
+torch.set_num_threads(1)
+a = torch.randn(512, 512)
+while True:
+    a = torch.tanh(a @ a)
+"""
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llamacpp-dir", default=str(REPO / ".cache" / "llamacpp"))
+    parser.add_argument("--model", default=None, help="HF checkpoint llm_api loads (default: the embedded model)")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--contexts", default="4096,46592", help="KV sizes in tokens (llama-server -c)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--neighbours", type=int, default=2, help="busy processes beside a 'busy' start")
+    parser.add_argument("--idle-s", type=float, default=25.0, help="idle time after ready before the budget is read again")
+    parser.add_argument("--parts", default="memory,startup")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.smoke:
+        args.dtypes, args.contexts, args.requests, args.concurrency, args.max_tokens = "float32", "4096", 4, 2, 8
+        args.idle_s = 3.0
+    return args
+
+
+# -------------------------------------------------------------------------------------------------
+# reading a process's memory
+
+
+def status_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def anonymous_mappings(pid: int) -> list[tuple[int, int]]:
+    """(size, resident bytes) of each anonymous mapping of ``pid``."""
+    found, size, anonymous = [], 0, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s*(\S*)", line)
+        if head:
+            size, anonymous = int(head.group(2), 16) - int(head.group(1), 16), head.group(3) == ""
+        elif line.startswith("Rss:") and anonymous:
+            found.append((size, int(line.split()[1]) * 1024))
+    return found
+
+
+def llm_api_kv(server: StandaloneServer) -> tuple[int, int]:
+    """(pool bytes, resident pool bytes) of an `llm_api serve`, from its log and smaps: the pool is one
+    anonymous mapping per layer's K and V (llm_api.engine.kv_cache), all of one size, pool / their number."""
+    match = re.search(r"paged KV cache: \d+ blocks x \d+ tokens \(\d+ tokens, ([\d.]+) MiB\)", server.model_log())
+    assert match, "no KV cache line in the server's log"
+    pool = float(match.group(1)) * MIB
+    mappings = anonymous_mappings(server.server_pid())
+    for num_tensors in range(2, 1025, 2):
+        size = math.ceil(pool / num_tensors / 4096) * 4096
+        matching = [resident for mapped, resident in mappings if mapped == size]
+        if len(matching) == num_tensors:
+            return int(pool), sum(matching)
+    raise RuntimeError("the KV mappings were not found in smaps")
+
+
+def llamacpp_kv_bytes(log: str) -> int:
+    """The KV buffer llama-server allocated, from its log (``KV buffer size =  X MiB`` per device, summed)."""
+    sizes = [float(m) for m in re.findall(r"KV buffer size\s*=\s*([\d.]+) MiB", log)]
+    if not sizes:
+        sizes = [float(m) for m in re.findall(r"llama_kv_cache[^\n]*size\s*=\s*([\d.]+) MiB", log)]
+    assert sizes, "no KV buffer size in llama-server's log"
+    return int(sum(sizes) * MIB)
+
+
+# -------------------------------------------------------------------------------------------------
+# part 1: memory
+
+
+def bytes_per_token(dtype: str) -> int:
+    from transformers import AutoConfig
+
+    from llm_api.model.settings import Settings
+
+    config = AutoConfig.from_pretrained(Settings.from_env(os.environ).model_path)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * (4 if dtype == "float32" else 2)
+
+
+def measure_memory(info: dict, dtype: str, context: int, args, work: Path) -> dict:
+    load_args = argparse.Namespace(**{**vars(args)})
+    warm = argparse.Namespace(**{**vars(args), "requests": 1, "max_tokens": 8})
+    out = {}
+    # llama.cpp
+    peer_args = argparse.Namespace(**{**vars(args), "concurrency": args.concurrency})
+    peer = LlamaServer(info, dtype, peer_args, work / f"llamacpp-{dtype}-{context}")
+    peer.cmd[peer.cmd.index("-c") + 1] = str(context)
+    peer.start()
+    try:
+        asyncio.run(load(peer.base, peer.key(), warm, tag=-1))
+        pid = peer.proc.pid
+        idle = status_kib(pid, "VmRSS") * 1024
+        kv = llamacpp_kv_bytes((peer.workdir / "llama-server.log").read_text(errors="replace"))
+        result = asyncio.run(load(peer.base, peer.key(), load_args, tag=0))
+        loaded = status_kib(pid, "VmHWM") * 1024
+        out["llama.cpp"] = {"idle": idle, "loaded": loaded, "kv_pool": kv, "kv_resident_idle": kv,
+                            "kv_resident_loaded": kv, "tokens": result["tokens"]}
+    finally:
+        peer.stop()
+    # llm_api
+    pool_mib = math.ceil(context * bytes_per_token(dtype) / MIB)
+    env = {"DTYPE": dtype, "OMP_NUM_THREADS": str(args.threads), "KV_CACHE_MEMORY_MIB": str(pool_mib),
+           "MAX_NUM_SEQS": str(args.concurrency)}
+    if args.model:
+        env["MODEL_PATH"] = args.model
+    server = StandaloneServer(work / f"llm_api-{dtype}-{context}", env=env).start(timeout=300)
+    try:
+        asyncio.run(load(server.openai_base, server.key(), warm, tag=-1))
+        pid = server.server_pid()
+        idle = status_kib(pid, "VmRSS") * 1024
+        pool, kv_idle = llm_api_kv(server)
+        result = asyncio.run(load(server.openai_base, server.key(), load_args, tag=0))
+        loaded = status_kib(pid, "VmHWM") * 1024
+        _, kv_loaded = llm_api_kv(server)
+        out["llm_api"] = {"idle": idle, "loaded": loaded, "kv_pool": pool, "kv_resident_idle": kv_idle,
+                          "kv_resident_loaded": kv_loaded, "tokens": result["tokens"]}
+    finally:
+        server.stop()
+    for record in out.values():
+        record["beyond_kv_idle"] = record["idle"] - record["kv_resident_idle"]
+        record["beyond_kv_loaded"] = record["loaded"] - record["kv_resident_loaded"]
+    return out
+
+
+def memory_table(results: dict) -> str:
+    lines = ["| precision | KV tokens | server | idle MB | loaded MB | KV pool MB (resident idle / loaded) | "
+             "beyond KV idle MB | beyond KV loaded MB |", "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for (dtype, context), servers in results.items():
+        for who, r in servers.items():
+            lines.append(f"| {dtype} | {context:,} | {who} | {r['idle'] / 1e6:,.0f} | {r['loaded'] / 1e6:,.0f} | "
+                         f"{r['kv_pool'] / 1e6:,.0f} ({r['kv_resident_idle'] / 1e6:,.0f} / "
+                         f"{r['kv_resident_loaded'] / 1e6:,.0f}) | {r['beyond_kv_idle'] / 1e6:,.0f} | "
+                         f"{r['beyond_kv_loaded'] / 1e6:,.0f} |")
+        ours, peer = servers["llm_api"], servers["llama.cpp"]
+        lines.append(f"| {dtype} | {context:,} | ratio llm_api / llama.cpp | | | | "
+                     f"**{ours['beyond_kv_idle'] / peer['beyond_kv_idle']:.2f}** | "
+                     f"**{ours['beyond_kv_loaded'] / peer['beyond_kv_loaded']:.2f}** |")
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------------------------
+# part 2: start-up
+
+
+LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*loaded \S+: dtype=", re.M)
+
+
+def start_once(cache: Path, busy: bool, args, workdir: Path) -> dict:
+    neighbours = [subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) for _ in range(args.neighbours if busy else 0)]
+    env = {"LLM_API_CACHE": str(cache), "OMP_NUM_THREADS": str(args.threads)}
+    if args.model:
+        env["MODEL_PATH"] = args.model
+    else:
+        from llm_api.model.settings import Settings
+
+        env["MODEL_PATH"] = Settings.from_env(os.environ).model_path  # (prepared in the user cache, not this one)
+    server = StandaloneServer(workdir, env=env)
+    try:
+        spawned = time.time()
+        server.start(timeout=600)
+        ready = time.time()
+        for proc in neighbours:
+            proc.kill()
+            proc.wait()
+        log = server.model_log()
+        loaded_at = datetime.datetime.strptime(LOG_TIME.search(log).group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        chosen = int(re.search(r"token budget per step: (\d+)", log).group(1))
+        source = "cache" if "from the cache" in log else "probe"
+        time.sleep(args.idle_s)
+        raised = re.findall(r"token budget per step raised from \d+ to (\d+)", server.model_log())
+        return {"busy": busy, "spawn_to_ready_s": ready - spawned, "loaded_to_ready_s": ready - loaded_at,
+                "budget": chosen, "budget_source": source, "budget_after_idle": int(raised[-1]) if raised else chosen}
+    finally:
+        for proc in neighbours:
+            proc.kill()
+        server.stop()
+
+
+def startup(args, work: Path) -> list[dict]:
+    records = []
+    for busy in (False, True):
+        cache = work / f"cache-{'busy' if busy else 'quiet'}"
+        for which in ("first", "second"):
+            record = {"start": which, **start_once(cache, busy, args, work / f"start-{busy}-{which}")}
+            print(f"  {'busy' if busy else 'quiet'} {which} start: ready {record['spawn_to_ready_s']:.1f} s after "
+                  f"spawn, {record['loaded_to_ready_s']:.1f} s after the weights loaded; budget {record['budget']} "
+                  f"({record['budget_source']}), {record['budget_after_idle']} after {args.idle_s:.0f} s idle", flush=True)
+            records.append(record)
+    return records
+
+
+def startup_table(records: list[dict]) -> str:
+    lines = ["| neighbour | start | spawn -> ready s | weights loaded -> ready s | step budget (from) | "
+             "budget after idle |", "|---|---|---:|---:|---|---:|"]
+    for r in records:
+        lines.append(f"| {'busy' if r['busy'] else 'quiet'} | {r['start']} | {r['spawn_to_ready_s']:.1f} | "
+                     f"{r['loaded_to_ready_s']:.1f} | {r['budget']} ({r['budget_source']}) | {r['budget_after_idle']} |")
+    return "\n".join(lines)
+
+
+def main():
+    args = parse_args()
+    import torch
+
+    flags = cpu_flags()
+    print(f"CPU {cpu_model()}, {os.cpu_count()} cores, flags: {' '.join(flags) or 'none of the listed'}; torch "
+          f"{torch.__version__}", flush=True)
+    parts = args.parts.split(",")
+    report: dict = {"cpu": cpu_model(), "cpu_flags": flags, "torch": torch.__version__, "args": vars(args)}
+    with tempfile.TemporaryDirectory(prefix="server-memory-") as tmp:
+        work = Path(tmp)
+        if "memory" in parts:
+            info = build_info(Path(args.llamacpp_dir))
+            memory = {}
+            for dtype in args.dtypes.split(","):
+                for context in (int(c) for c in args.contexts.split(",")):
+                    memory[(dtype, context)] = measure_memory(info, dtype, context, args, work)
+                    print(f"  {dtype} {context}: " + ", ".join(
+                        f"{who} idle {r['idle'] / 1e6:.0f} MB loaded {r['loaded'] / 1e6:.0f} MB"
+                        for who, r in memory[(dtype, context)].items()), flush=True)
+            print("\n" + memory_table(memory) + "\n")
+            report["memory"] = [{"dtype": d, "context": c, **servers} for (d, c), servers in memory.items()]
+            report["llama_cpp"] = info
+        if "startup" in parts:
+            records = startup(args, work)
+            print("\n" + startup_table(records) + "\n")
+            report["startup"] = records
+    out = Path(args.out) if args.out else (
+        REPO / "bench" / "results" / f"server_memory-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
