@@ -66,7 +66,7 @@ class ConnectionGuard:
     def __init__(self, limits: ConnectionLimits):
         self.limits = limits
         self._open: OrderedDict[Any, _Connection] = OrderedDict()  # aiohttp's handler -> its record, oldest first
-        self.num_evicted = 0
+        self.num_evicted = 0  # connections this guard closed (for logs and tests)
         self._sweeper: asyncio.Task | None = None
 
     def install(self, server: Any) -> None:
@@ -87,10 +87,6 @@ class ConnectionGuard:
     def close(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
-
-    @property
-    def num_open(self) -> int:
-        return len(self._open)
 
     # ------------------------------------------------------------------ events
 
