@@ -115,8 +115,8 @@ def parse_args():
 
 
 def default_model_dir() -> Path:
-    from llm_api.config import default_model_path
-    from llm_api.embedded_model import prepare
+    from llm_api.model.embedded import prepare
+    from llm_api.model.settings import default_model_path
 
     return prepare(default_model_path(os.environ))
 

@@ -7,9 +7,11 @@ zero-B adapters with the base model would pass with LoRA ignored.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -31,6 +33,24 @@ def make_adapter(model, folder: Path, seed: int, r: int = 8, alpha: float = 16, 
     peft_model.save_pretrained(str(folder))
     peft_model.unload()  # (takes the LoRA layers out of ``model`` again)
     return folder
+
+
+# The red team's adapters (issue 34) and the reason each refusal must name: finite lora_A of 3e38 with zero
+# lora_B (inf x 0 = NaN once multiplied), an enormous lora_alpha, and a config nested deeper than any parser goes.
+HOSTILE_ADAPTERS = {"huge": "beyond 1024", "loud": "scaling", "deep": "nested too deeply"}
+
+
+def make_hostile_adapters(model, root: Path) -> None:
+    """Write each of HOSTILE_ADAPTERS into ``root`` under its name."""
+    huge = make_adapter(model, root / "huge", seed=17, r=2, targets=["q_proj"])
+    weights = load_file(str(huge / "adapter_model.safetensors"))
+    save_file({k: torch.full_like(v, 3e38) if "lora_A" in k else torch.zeros_like(v) for k, v in weights.items()},
+              str(huge / "adapter_model.safetensors"))
+    loud = make_adapter(model, root / "loud", seed=18, r=2, targets=["q_proj"])
+    config = json.loads((loud / "adapter_config.json").read_text())
+    (loud / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 1e30}))
+    deep = make_adapter(model, root / "deep", seed=19, r=2, targets=["q_proj"])
+    (deep / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
 
 
 def peft_greedy(model, folder: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

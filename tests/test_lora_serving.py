@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hostile import (STALL_LIMIT_S, Witness, native_path, openai_path, post_json, raw_request, refusal_problems,
                      report)
-from lora_helpers import make_adapter, peft_greedy
+from lora_helpers import HOSTILE_ADAPTERS, make_adapter, make_hostile_adapters, peft_greedy
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.server
@@ -59,17 +59,7 @@ def root(tmp_path_factory, oracle):
     weights = load_file(str(wide / "adapter_model.safetensors"))
     save_file({k: torch.cat([v, v], dim=1) if "lora_A" in k else v for k, v in weights.items()},
               str(wide / "adapter_model.safetensors"))
-    # the reported hostile adapters: finite A of 3e38 with zero B, an enormous lora_alpha, a config nested deeper
-    # than any parser goes
-    huge = make_adapter(model, root / "huge", seed=17, r=2, targets=["q_proj"])
-    weights = load_file(str(huge / "adapter_model.safetensors"))
-    save_file({k: torch.full_like(v, 3e38) if "lora_A" in k else torch.zeros_like(v) for k, v in weights.items()},
-              str(huge / "adapter_model.safetensors"))
-    loud = make_adapter(model, root / "loud", seed=18, r=2, targets=["q_proj"])
-    config = json.loads((loud / "adapter_config.json").read_text())
-    (loud / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 1e30}))
-    deep = make_adapter(model, root / "deep", seed=19, r=2, targets=["q_proj"])
-    (deep / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    make_hostile_adapters(model, root)
     outside = tmp_path_factory.mktemp("outside")
     make_adapter(model, outside / "evil", seed=16, r=2, targets=["q_proj"])
     (root / "escape").symlink_to(outside / "evil", target_is_directory=True)
@@ -175,7 +165,7 @@ def test_hostile_adapters_are_refused_beside_a_witness(lora_server):
     """The red team's adapters (finite but huge weights, an enormous scaling, a 100,000-deep config) get a 400
     naming the adapter and the reason, while a stream of another tenant goes on untouched."""
     with Witness(lora_server) as witness:
-        for path, reason in (("huge", "beyond 1024"), ("loud", "scaling"), ("deep", "nested too deeply")):
+        for path, reason in HOSTILE_ADAPTERS.items():
             answer = _load(lora_server, {"lora_name": f"hostile-{path}", "lora_path": path})
             assert not refusal_problems(f"load {path}", answer, openai=True, statuses=(400,)), answer.body[:300]
             message = answer.json()["error"]["message"]

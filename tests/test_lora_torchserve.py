@@ -1,6 +1,7 @@
 """LoRA adapters under TorchServe: adapters packaged into the archive with ``torch-model-archiver
 --extra-files`` and named relative to it in LORA_ADAPTERS, served beside the base model, and the runtime
-load/unload routes behind TorchServe's management key (``X-Management-Key``) on top of its inference key."""
+load/unload routes behind TorchServe's management key (``X-Management-Key``) on top of its inference key, and
+the red team's hostile adapters refused there as on ``llm_api serve`` while another stream goes on (issue 34)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hostile import openai_path, post_json, raw_request, refusal_problems
-from lora_helpers import make_adapter
+from hostile import STALL_LIMIT_S, Witness, openai_path, post_json, raw_request, refusal_problems, report
+from lora_helpers import HOSTILE_ADAPTERS, make_adapter, make_hostile_adapters
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.server
@@ -24,6 +25,7 @@ def lora_torchserve(start_server, tmp_path_factory, embedded_model_path):
     make_adapter(model, package / "lora" / "alpha", seed=21, r=8, scale=1.0)  # -> <archive>/lora/alpha
     root = tmp_path_factory.mktemp("ts-root")
     make_adapter(model, root / "delta", seed=22, r=2, targets=["q_proj"])
+    make_hostile_adapters(model, root)
     del model
     server = start_server("lora-ts", (Path(__file__).parent.parent / "model-config.yaml").read_text(),
                           extra_files=(package,),
@@ -67,3 +69,20 @@ def test_runtime_loading_needs_the_management_key(lora_torchserve):
     assert post_json(lora_torchserve, unload, {"lora_name": "delta"}).status == 403
     assert post_json(lora_torchserve, unload, {"lora_name": "delta"}, headers=management).status == 200
     assert "delta" not in _models(lora_torchserve)
+
+
+def test_hostile_adapters_are_refused_beside_a_witness(lora_torchserve):
+    """Finite but huge weights, an enormous scaling and a 100,000-deep config, loaded with the management key:
+    each a 400 naming the adapter and the reason, never listed, while another stream goes on untouched."""
+    management = {"X-Management-Key": lora_torchserve.key("management")}
+    with Witness(lora_torchserve) as witness:
+        for path, reason in HOSTILE_ADAPTERS.items():
+            answer = post_json(lora_torchserve, openai_path(lora_torchserve, "load_lora_adapter"),
+                               {"lora_name": f"hostile-{path}", "lora_path": path}, headers=management)
+            assert not refusal_problems(f"load {path}", answer, openai=True, statuses=(400,)), answer.body[:300]
+            message = answer.json()["error"]["message"]
+            assert f"hostile-{path}" in message and reason in message, message
+    assert not any(name.startswith("hostile-") for name in _models(lora_torchserve))
+    report("LoRA: hostile adapters at runtime load", lora_torchserve, inputs=len(HOSTILE_ADAPTERS),
+           answers={"400 refused, reason named": len(HOSTILE_ADAPTERS)}, witness=witness)
+    assert witness.max_gap < STALL_LIMIT_S
