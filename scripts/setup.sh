@@ -37,6 +37,7 @@ pip_config() {  # each configured value of the keys named, one word per line, as
       [ "$key" = "$wanted" ] && for v in $value; do printf '%s\n' "--$key" "$v"; done
     done
   done < <(pip config list 2>/dev/null)
+  return 0
 }
 install() {
   if [ "$installer" = uv ] && [ -x .venv/bin/uv ]; then
