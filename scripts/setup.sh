@@ -67,10 +67,16 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] && [ "$(cat .venv/.llm_api-insta
     installer=pip
   fi
   echo "setup: installing $TORCH_SPEC and llm_api${extras:+[$extras]} with $installer"
-  # torch first, pinned: the package's own range is then already satisfied and pulls nothing more.
+  # torch pinned beside (uv) or before (pip) the package: the package's own range is then already satisfied
+  # and pulls nothing more. uv takes both in one call (one resolution, every wheel unpacked in parallel)
+  # unless TORCH_SPEC brings options of its own (an --index-url for torch alone).
   # shellcheck disable=SC2086
-  install $TORCH_SPEC
-  install -e ".${extras:+[$extras]}"
+  if [ "$installer" = uv ] && [[ " $TORCH_SPEC" != *" -"* ]]; then
+    install $TORCH_SPEC -e ".${extras:+[$extras]}"
+  else
+    install $TORCH_SPEC
+    install -e ".${extras:+[$extras]}"
+  fi
   echo "$want" > "$stamp"
 fi
 
