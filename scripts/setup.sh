@@ -67,16 +67,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] && [ "$(cat .venv/.llm_api-insta
     installer=pip
   fi
   echo "setup: installing $TORCH_SPEC and llm_api${extras:+[$extras]} with $installer"
-  # torch pinned beside (uv) or before (pip) the package: the package's own range is then already satisfied
-  # and pulls nothing more. uv takes both in one call (one resolution, every wheel unpacked in parallel)
-  # unless TORCH_SPEC brings options of its own (an --index-url for torch alone).
+  # torch first, pinned: the package's own range is then already satisfied and pulls nothing more.
   # shellcheck disable=SC2086
-  if [ "$installer" = uv ] && [[ " $TORCH_SPEC" != *" -"* ]]; then
-    install $TORCH_SPEC -e ".${extras:+[$extras]}"
-  else
-    install $TORCH_SPEC
-    install -e ".${extras:+[$extras]}"
-  fi
+  install $TORCH_SPEC
+  install -e ".${extras:+[$extras]}"
   echo "$want" > "$stamp"
 fi
 
