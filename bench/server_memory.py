@@ -10,10 +10,10 @@ under ``.cache/llamacpp/``). Two parts:
    ``KV_CACHE_MEMORY_MIB`` sized to hold CTX tokens in the model's dtype, ``MAX_NUM_SEQS=16``), each alone on
    the host: started, one short chat (warm-up: every weight is read once), then the **idle** resident set;
    then the load of bench/peer_llamacpp.py (``--requests`` streamed chats, ``--concurrency`` at a time,
-   ``--max-tokens`` each), and the **loaded** figure, the process's peak resident set (``VmHWM``). Beyond the
-   KV pool: llama-server's minus the KV buffer its log reports (allocated and cleared at start: resident);
-   llm_api's minus the resident part of its KV mappings (one anonymous mapping per layer's K and V, found in
-   ``/proc/<pid>/smaps`` by their size: a CPU pool is resident only as far as it has been used).
+   ``--max-tokens`` each), and the **loaded** figure, the largest resident set sampled during that load. Beyond the
+   KV pool: llama-server's minus its KV buffer (f16, allocated and cleared at start: resident);
+   llm_api's minus the resident part of its KV mappings (one per layer's K and V, named ``llm_api-kv`` in
+   ``/proc/<pid>/smaps``: a CPU pool is resident only as far as it has been used).
 2. ``startup``: ``llm_api serve`` (the host's default dtype) from spawn to ready, and from the "loaded" log
    line (weights in memory) to ready, on a first start (an empty ``LLM_API_CACHE``: the step budget is probed)
    and a second (the same cache: the budget is read), each quiet and beside a busy neighbour (``--neighbours``
@@ -39,6 +39,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +48,8 @@ sys.path.insert(0, str(REPO / "tests"))  # the `llm_api serve` launcher the othe
 
 from peer_llamacpp import LlamaServer, build_info, cpu_flags, cpu_model, load  # noqa: E402
 from standalone_server import StandaloneServer  # noqa: E402
+
+from llm_api.engine.kv_cache import KV_MAPPING_NAME  # noqa: E402
 
 MIB = 1 << 20
 NEIGHBOUR = """
@@ -91,52 +94,80 @@ def status_kib(pid: int, field: str) -> int:
     raise KeyError(field)
 
 
-def anonymous_mappings(pid: int) -> list[tuple[int, int]]:
-    """(size, resident bytes) of each anonymous mapping of ``pid``."""
-    found, size, anonymous = [], 0, False
+class PeakRss:
+    """The largest resident set of ``pid`` sampled every ``interval_s`` while the block runs (the load's peak;
+    VmHWM would also hold a peak from before the load, such as the start-up's step-budget probe)."""
+
+    def __init__(self, pid: int, interval_s: float = 0.05):
+        self.pid, self.interval_s, self.peak = pid, interval_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, status_kib(self.pid, "VmRSS") * 1024)
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> "PeakRss":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, status_kib(self.pid, "VmRSS") * 1024)
+
+
+def kv_mappings(pid: int) -> list[tuple[int, int]]:
+    """(size, resident bytes) of each KV mapping of an `llm_api serve`: one per layer's K and V, each a memory
+    file named ``llm_api-kv`` (llm_api.engine.kv_cache), so smaps lists them apart from every other mapping."""
+    found, size, is_kv = [], 0, False
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s*(\S*)", line)
+        head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
         if head:
-            size, anonymous = int(head.group(2), 16) - int(head.group(1), 16), head.group(3) == ""
-        elif line.startswith("Rss:") and anonymous:
+            size, is_kv = int(head.group(2), 16) - int(head.group(1), 16), f"/memfd:{KV_MAPPING_NAME}" in line
+        elif line.startswith("Rss:") and is_kv:
             found.append((size, int(line.split()[1]) * 1024))
     return found
 
 
-def llm_api_kv(server: StandaloneServer) -> tuple[int, int]:
-    """(pool bytes, resident pool bytes) of an `llm_api serve`, from its log and smaps: the pool is one
-    anonymous mapping per layer's K and V (llm_api.engine.kv_cache), all of one size, pool / their number."""
-    match = re.search(r"paged KV cache: \d+ blocks x \d+ tokens \(\d+ tokens, ([\d.]+) MiB\)", server.model_log())
+def llm_api_kv(server: StandaloneServer, dtype: str) -> tuple[int, int]:
+    """(pool bytes, resident pool bytes) of an `llm_api serve`: the pool's size from its log, the resident part
+    from smaps (a CPU pool is resident only as far as it has been written)."""
+    match = re.search(r"paged KV cache: \d+ blocks x \d+ tokens \((\d+) tokens, ", server.model_log())
     assert match, "no KV cache line in the server's log"
-    pool = float(match.group(1)) * MIB
-    mappings = anonymous_mappings(server.server_pid())
-    for num_tensors in range(2, 1025, 2):
-        size = math.ceil(pool / num_tensors / 4096) * 4096
-        matching = [resident for mapped, resident in mappings if mapped == size]
-        if len(matching) == num_tensors:
-            return int(pool), sum(matching)
-    raise RuntimeError("the KV mappings were not found in smaps")
+    mappings = kv_mappings(server.server_pid())
+    if len(mappings) != 2 * num_layers():
+        raise RuntimeError(f"{len(mappings)} KV mappings in smaps, not one per layer's K and V")
+    return int(match.group(1)) * bytes_per_token(dtype), sum(resident for _, resident in mappings)
 
 
-def llamacpp_kv_bytes(log: str) -> int:
-    """The KV buffer llama-server allocated, from its log (``KV buffer size =  X MiB`` per device, summed)."""
-    sizes = [float(m) for m in re.findall(r"KV buffer size\s*=\s*([\d.]+) MiB", log)]
-    if not sizes:
-        sizes = [float(m) for m in re.findall(r"llama_kv_cache[^\n]*size\s*=\s*([\d.]+) MiB", log)]
-    assert sizes, "no KV buffer size in llama-server's log"
-    return int(sum(sizes) * MIB)
+def llamacpp_kv_bytes(context: int) -> int:
+    """The KV buffer llama-server allocates for ``context`` tokens: its cache type is f16 by default (2 bytes
+    per number whatever the weights' type), one K and one V row per layer and KV head. (Its log states the
+    same figure, ``KV buffer size``, only at full verbosity, which logs every token under load.)"""
+    return context * bytes_per_token("bfloat16")
 
 
 # -------------------------------------------------------------------------------------------------
 # part 1: memory
 
 
-def bytes_per_token(dtype: str) -> int:
+def model_config():
     from transformers import AutoConfig
 
     from llm_api.model.settings import Settings
 
-    config = AutoConfig.from_pretrained(Settings.from_env(os.environ).model_path)
+    return AutoConfig.from_pretrained(Settings.from_env(os.environ).model_path)
+
+
+def num_layers() -> int:
+    return model_config().num_hidden_layers
+
+
+def bytes_per_token(dtype: str) -> int:
+    """KV bytes per token, all layers, K and V, in ``dtype`` (float32: 4 bytes a number, else 2)."""
+    config = model_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * (4 if dtype == "float32" else 2)
 
@@ -154,9 +185,10 @@ def measure_memory(info: dict, dtype: str, context: int, args, work: Path) -> di
         asyncio.run(load(peer.base, peer.key(), warm, tag=-1))
         pid = peer.proc.pid
         idle = status_kib(pid, "VmRSS") * 1024
-        kv = llamacpp_kv_bytes((peer.workdir / "llama-server.log").read_text(errors="replace"))
-        result = asyncio.run(load(peer.base, peer.key(), load_args, tag=0))
-        loaded = status_kib(pid, "VmHWM") * 1024
+        kv = llamacpp_kv_bytes(context)
+        with PeakRss(pid) as peak:
+            result = asyncio.run(load(peer.base, peer.key(), load_args, tag=0))
+        loaded = peak.peak
         out["llama.cpp"] = {"idle": idle, "loaded": loaded, "kv_pool": kv, "kv_resident_idle": kv,
                             "kv_resident_loaded": kv, "tokens": result["tokens"]}
     finally:
@@ -172,10 +204,11 @@ def measure_memory(info: dict, dtype: str, context: int, args, work: Path) -> di
         asyncio.run(load(server.openai_base, server.key(), warm, tag=-1))
         pid = server.server_pid()
         idle = status_kib(pid, "VmRSS") * 1024
-        pool, kv_idle = llm_api_kv(server)
-        result = asyncio.run(load(server.openai_base, server.key(), load_args, tag=0))
-        loaded = status_kib(pid, "VmHWM") * 1024
-        _, kv_loaded = llm_api_kv(server)
+        pool, kv_idle = llm_api_kv(server, dtype)
+        with PeakRss(pid) as peak:
+            result = asyncio.run(load(server.openai_base, server.key(), load_args, tag=0))
+        loaded = peak.peak
+        _, kv_loaded = llm_api_kv(server, dtype)
         out["llm_api"] = {"idle": idle, "loaded": loaded, "kv_pool": pool, "kv_resident_idle": kv_idle,
                           "kv_resident_loaded": kv_loaded, "tokens": result["tokens"]}
     finally:
@@ -264,6 +297,8 @@ def startup_table(records: list[dict]) -> str:
 
 def main():
     args = parse_args()
+    if args.model:
+        os.environ["MODEL_PATH"] = args.model  # the config bytes_per_token reads
     import torch
 
     flags = cpu_flags()

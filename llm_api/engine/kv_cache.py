@@ -19,12 +19,19 @@ used outside torch are taken off; else (CPU) enough blocks for ``max_num_seqs`` 
 ``max_model_len`` tokens. CUDA graphs are captured after the pool is allocated, from the share the
 utilization fraction leaves free.
 
-Residency: on the CPU each layer's pool is an anonymous memory mapping (``_lazy_zeros``), whose pages the
-kernel gives zero-filled on first touch. Blocks are handed out from the front of the block pool's free
+Residency: on the CPU each layer's K and V pool is a memory mapping of its own (``_lazy_zeros``), whose pages
+the kernel gives zero-filled on first touch. Blocks are handed out from the front of the block pool's free
 queue, so a server holds in memory the blocks it has used, not the whole pool: an idle server of the
 embedded model with the default pool takes tens of MB for it, not the pool's size, and a busy one grows
 towards the pool as its prefix cache fills. The contents stay zero until written, as ``torch.zeros`` would
 leave them (a gathered block's unused slots are masked, and a masked zero cannot turn the sum into NaN).
+Each mapping is a named memory file (``memfd_create("llm_api-kv")``) rather than plain anonymous memory, so
+``/proc/<pid>/smaps`` (and ``pmap``) shows them as ``/memfd:llm_api-kv``, one entry per tensor with its
+resident size, where anonymous mappings merge with their neighbours and cannot be told apart
+(bench/server_memory.py reads the pool's residency there). Its pages become resident when first touched,
+read or written (an anonymous mapping would lend a read the shared zero page); the engine reads only blocks
+it has handed out, whose first slots were written, so what differs is at most the unwritten tail of a
+sequence's last block.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from __future__ import annotations
 import itertools
 import math
 import mmap
+import os
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -41,6 +49,7 @@ from torch import nn
 from llm_api.model.host_memory import host_memory_bytes
 from llm_api.model.placement import execution_device
 
+KV_MAPPING_NAME = "llm_api-kv"  # each CPU K/V tensor's mapping appears as /memfd:llm_api-kv in smaps
 CPU_HOST_MEMORY_SHARE = 32  # the default CPU pool takes at most this fraction of the host's memory
 
 
@@ -158,10 +167,16 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of zeros backed by its own anonymous mapping: pages become resident only when written
-    (module docstring, residency). The tensor keeps the mapping alive; it is unmapped with the tensor."""
+    """A CPU tensor of zeros backed by its own named memory file: pages become resident only when touched
+    (module docstring, residency). The tensor keeps the mapping alive; the memory is freed with the tensor
+    (the file has no name in any folder, and its descriptor is closed once mapped)."""
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    mapping = mmap.mmap(-1, max(num_bytes, 1))  # MAP_PRIVATE | MAP_ANONYMOUS: zero-filled on first touch
+    fd = os.memfd_create(KV_MAPPING_NAME, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, max(num_bytes, 1))  # a sparse file: zero-filled on first touch
+        mapping = mmap.mmap(fd, max(num_bytes, 1))
+    finally:
+        os.close(fd)
     return torch.frombuffer(mapping, dtype=torch.uint8, count=num_bytes).view(dtype).view(shape)
 
 

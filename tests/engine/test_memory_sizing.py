@@ -1,12 +1,17 @@
 """How the KV pool is sized on CUDA, from measured device memory (the measuring itself runs on a GPU:
-tests/engine/test_gpu_fast_path.py), and the shape of the profiled worst-case step."""
+tests/engine/test_gpu_fast_path.py), the shape of the profiled worst-case step, and a CPU pool's residency
+(its pages in memory only where written, its mappings gone with the cache)."""
 
 from __future__ import annotations
+
+import gc
+import os
+import re
 
 import pytest
 import torch
 
-from llm_api.engine.kv_cache import DeviceMemory, KVCacheLayout, choose_num_blocks
+from llm_api.engine.kv_cache import KV_MAPPING_NAME, DeviceMemory, KVCacheLayout, PagedKVCache, choose_num_blocks
 from llm_api.engine.memory_profile import profile_sequence_lengths
 
 GIB = 1 << 30
@@ -70,3 +75,33 @@ def test_cpu_pool_is_sized_from_the_configuration():
 ])
 def test_profiled_step_spreads_the_token_budget(tokens, seqs, max_len, expected):
     assert profile_sequence_lengths(tokens, seqs, max_len) == expected
+
+
+def _kv_mappings() -> list[int]:
+    """Resident bytes of each of this process's KV mappings, from smaps."""
+    found, is_kv = [], False
+    for line in open(f"/proc/{os.getpid()}/smaps"):
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            is_kv = f"/memfd:{KV_MAPPING_NAME}" in line
+        elif line.startswith("Rss:") and is_kv:
+            found.append(int(line.split()[1]) * 1024)
+    return found
+
+
+def test_cpu_pool_is_resident_only_where_written_and_freed_with_the_cache():
+    layout = KVCacheLayout(num_layers=3, num_kv_heads=2, head_dim=64, layer_devices=(torch.device("cpu"),) * 3,
+                           layer_dtypes=(torch.float32,) * 3)
+    before = len(_kv_mappings())
+    cache = PagedKVCache(layout, num_blocks=512, block_size=16)  # 6 tensors of 4 MiB each
+    block_bytes = 16 * 2 * 64 * 4
+    resident = _kv_mappings()
+    assert len(resident) == before + 6 and sum(resident[before:]) == 0
+    for t in cache.key_caches + cache.value_caches:
+        assert float(t[:2].abs().sum()) == 0.0  # zeros until written
+        t[:2] = 1.0  # two blocks touched in every tensor
+    resident = _kv_mappings()[before:]
+    assert all(2 * block_bytes <= r <= 2 * block_bytes + 4096 for r in resident), resident
+    assert float(cache.key_caches[0][2:4].abs().sum()) == 0.0
+    del cache, t
+    gc.collect()
+    assert len(_kv_mappings()) == before
