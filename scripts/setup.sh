@@ -30,7 +30,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # pip's configuration (indexes, local wheel folders, constraints, a CA bundle; files and PIP_* variables alike)
 # handed to uv, which does not read it, so both installers take the same packages from the same places.
 pip_config() {  # each configured value of the keys named, one word per line, as "--key" "value"
-  local line key value v
+  local line key value v wanted
   while IFS= read -r line; do
     key="${line%%=*}"; key="${key##*.}"; value="${line#*=}"; value="${value#\'}"; value="${value%\'}"
     for wanted in "$@"; do
