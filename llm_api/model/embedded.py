@@ -77,21 +77,22 @@ def _one_gguf_read() -> Iterator[None]:
     replacing the module's attributes reaches it; they are restored on leaving."""
     import gguf
 
-    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    module = cast(Any, gguf)  # its attributes are replaced for a while: typed as what they are not
+    reader_class, name_map = module.GGUFReader, module.get_tensor_name_map
     readers: dict[tuple, Any] = {}
 
-    def shared_reader(path, mode: str = "r"):
+    def shared_reader(path, mode="r"):
         key = (os.path.realpath(path), mode)
         if key not in readers:
             readers[key] = reader_class(path, mode)
         return readers[key]
 
-    gguf.GGUFReader = shared_reader
-    gguf.get_tensor_name_map = functools.cache(name_map)
+    module.GGUFReader = shared_reader
+    module.get_tensor_name_map = functools.cache(name_map)
     try:
         yield
     finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+        module.GGUFReader, module.get_tensor_name_map = reader_class, name_map
 
 
 def _convert(gguf_dir: Path, out_dir: Path) -> None:
