@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import functools
 import json
 import math
 import os
@@ -153,6 +154,7 @@ def llamacpp_kv_bytes(context: int) -> int:
 # part 1: memory
 
 
+@functools.cache
 def model_config():
     from transformers import AutoConfig
 
