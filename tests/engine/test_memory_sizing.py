@@ -77,31 +77,33 @@ def test_profiled_step_spreads_the_token_budget(tokens, seqs, max_len, expected)
     assert profile_sequence_lengths(tokens, seqs, max_len) == expected
 
 
-def _kv_mappings() -> list[int]:
-    """Resident bytes of each of this process's KV mappings, from smaps."""
-    found, is_kv = [], False
+def _kv_mappings() -> dict[int, int]:
+    """Start address -> resident bytes of each of this process's KV mappings, from smaps."""
+    found, start, is_kv = {}, 0, False
     for line in open(f"/proc/{os.getpid()}/smaps"):
-        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
-            is_kv = f"/memfd:{KV_MAPPING_NAME}" in line
+        head = re.match(r"^([0-9a-f]+)-[0-9a-f]+ ", line)
+        if head:
+            start, is_kv = int(head.group(1), 16), f"/memfd:{KV_MAPPING_NAME}" in line
         elif line.startswith("Rss:") and is_kv:
-            found.append(int(line.split()[1]) * 1024)
+            found[start] = int(line.split()[1]) * 1024
     return found
 
 
 def test_cpu_pool_is_resident_only_where_written_and_freed_with_the_cache():
     layout = KVCacheLayout(num_layers=3, num_kv_heads=2, head_dim=64, layer_devices=(torch.device("cpu"),) * 3,
                            layer_dtypes=(torch.float32,) * 3)
-    before = len(_kv_mappings())
     cache = PagedKVCache(layout, num_blocks=512, block_size=16)  # 6 tensors of 4 MiB each
+    tensors = cache.key_caches + cache.value_caches
+    starts = [t.data_ptr() for t in tensors]  # each tensor begins its own mapping
     block_bytes = 16 * 2 * 64 * 4
-    resident = _kv_mappings()
-    assert len(resident) == before + 6 and sum(resident[before:]) == 0
-    for t in cache.key_caches + cache.value_caches:
+    mappings = _kv_mappings()
+    assert all(mappings.get(start) == 0 for start in starts), mappings
+    for t in tensors:
         assert float(t[:2].abs().sum()) == 0.0  # zeros until written
         t[:2] = 1.0  # two blocks touched in every tensor
-    resident = _kv_mappings()[before:]
+    resident = [_kv_mappings()[start] for start in starts]
     assert all(2 * block_bytes <= r <= 2 * block_bytes + 4096 for r in resident), resident
     assert float(cache.key_caches[0][2:4].abs().sum()) == 0.0
-    del cache, t
+    del cache, tensors, t
     gc.collect()
-    assert len(_kv_mappings()) == before
+    assert not set(starts) & set(_kv_mappings())
