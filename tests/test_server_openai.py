@@ -218,3 +218,77 @@ def test_ignore_eos_runs_every_openai_route_to_its_token_limit(async_frontend, b
                                 text={"format": {"type": "json_object"}})
     assert err.value.body["param"] == "ignore_eos"
     assert async_frontend.worker_status() == "READY"
+
+
+def _forward_logprobs(lm, ids):
+    """log_softmax of the in-process model's logits over ``ids``: row i scores token i + 1."""
+    import torch
+
+    with torch.inference_mode():
+        logits = lm.model(torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def test_completions_echo_scores_the_prompt_as_a_forward_pass_does(async_frontend, base_url, embedded_lm_fp32):
+    """What evaluation harnesses send (lm-eval's loglikelihood: ``echo``, ``logprobs``, prompts as token-id
+    lists, several prompts in one call, ``max_tokens`` 1 or 0): each prompt token's logprob and the top
+    alternatives equal an in-process forward pass of the same float32 model (tie-aware: the top values must
+    match, and each listed token must have its listed value); the first token's is null; prompt p's choice
+    i is choice p * n + i."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key=async_frontend.key(), max_retries=0)
+    tokenizer = embedded_lm_fp32.tokenizer
+    texts = ["The capital of France is Paris", "Water boils at one hundred degrees"]
+    prompts = [tokenizer(t)["input_ids"] for t in texts]
+    answer = client.completions.create(model="smollm2", prompt=prompts, max_tokens=1, temperature=0, logprobs=2,
+                                       echo=True, n=2)
+    assert [c.index for c in answer.choices] == [0, 1, 2, 3]
+    assert answer.usage.prompt_tokens == sum(len(p) for p in prompts)  # (a prompt's n choices share it)
+    for choice in answer.choices:
+        ids = prompts[choice.index // 2]
+        reference = _forward_logprobs(embedded_lm_fp32, ids)
+        logprobs = choice.logprobs
+        assert choice.text.startswith(tokenizer.decode(ids))
+        assert len(logprobs.token_logprobs) == len(ids) + 1  # the prompt's tokens and the sampled one
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        assert logprobs.tokens[: len(ids)] == [tokenizer.decode([i]) for i in ids]
+        for position in range(1, len(ids)):
+            row = reference[position - 1]
+            assert abs(logprobs.token_logprobs[position] - row[ids[position]].item()) < 2e-3
+            top = logprobs.top_logprobs[position]
+            expected = row.topk(2).values.tolist()
+            listed = sorted(top.values(), reverse=True)
+            assert len(top) in (2, 3)  # the two most likely and the prompt's own token when it is not one of them
+            assert all(abs(a - b) < 2e-3 for a, b in zip(listed, expected))
+    # max_tokens 0: the prompt alone, nothing generated.
+    only = client.completions.create(model="smollm2", prompt=texts[0], max_tokens=0, echo=True, logprobs=0)
+    assert only.choices[0].text == texts[0] and only.usage.completion_tokens == 0
+    assert only.choices[0].finish_reason == "length" and len(only.choices[0].logprobs.tokens) == len(prompts[0])
+    # Streamed, echo without logprobs: the prompt is the first text of the choice.
+    chunks = list(client.completions.create(model="smollm2", prompt=texts[1], max_tokens=4, temperature=0, echo=True,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices).startswith(texts[1])
+    for prompt, param in (([[]], "prompt[0]"), ([[-1]], "prompt[0]"), ([10**9], "prompt"), ([1.5], "prompt[0]"),
+                          (["a", ""], "prompt[1]"), ([["a"]], "prompt[0]")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="smollm2", prompt=prompt, max_tokens=1)
+        assert set(err.value.body) == {"message", "type", "param", "code"}
+        assert param is None or err.value.body["param"] == param, (prompt, err.value.body)
+    with pytest.raises(openai.BadRequestError, match="only with 'echo'"):
+        client.completions.create(model="smollm2", prompt="a", max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="MAX_NUM_SEQS"):
+        client.completions.create(model="smollm2", prompt=["a"] * 40, n=2, max_tokens=1)
+
+
+def test_tokenizer_info_as_vllm_serves_it(async_frontend):
+    """``GET /tokenizer_info`` (lm-eval's remote tokenizer reads it) beside /tokenize, behind the key."""
+    base = async_frontend.openai_base.rsplit("/v1", 1)[0]
+    request = urllib.request.Request(f"{base}/tokenizer_info", headers={"Accept": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=30)
+    assert err.value.code in (400, 401)  # (TorchServe's token check answers a missing key with 400)
+    status, _, body = call(async_frontend, f"{base}/tokenizer_info", method="GET")
+    info = json.loads(body)
+    assert status == 200 and info["eos_token"] == "<|im_end|>" and "im_start" in info["chat_template"]
+    assert info["model_max_length"] > 1000 and info["tokenizer_class"]

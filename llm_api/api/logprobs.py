@@ -14,7 +14,7 @@ does: JSON has no infinity):
   "refusal": None}``;
 * ``openai_completion_logprobs``: the legacy completions' ``{tokens, token_logprobs, top_logprobs,
   text_offset}`` (each ``top_logprobs`` entry also holds the sampled token, as OpenAI documents: up to
-  ``logprobs`` + 1 entries);
+  ``logprobs`` + 1 entries; an echoed prompt's first token has ``null`` in both, as OpenAI and vLLM send it);
 * ``native_logprobs``: ``[{token, token_id, logprob, top_logprobs: [{token, token_id, logprob}]}]``.
 """
 
@@ -40,7 +40,7 @@ class TokenText:
 @dataclass(frozen=True)
 class LogprobItem:
     token: TokenText
-    logprob: float
+    logprob: float | None  # None: the prompt's first token, which nothing before it scores (echo)
     top: tuple[tuple[TokenText, float], ...] = ()
 
 
@@ -77,12 +77,12 @@ class TokenTexts:
         return self._tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8", errors="replace")
 
 
-def _finite(value: float) -> float:
-    return value if math.isfinite(value) else NEG_INF_LOGPROB
+def _finite(value: float | None) -> float | None:
+    return value if value is None or math.isfinite(value) else NEG_INF_LOGPROB
 
 
 def openai_chat_logprobs(items: list[LogprobItem]) -> dict:
-    def entry(token: TokenText, logprob: float) -> dict:
+    def entry(token: TokenText, logprob: float | None) -> dict:
         return {"token": token.text, "logprob": _finite(logprob), "bytes": list(token.bytes)}
 
     return {"content": [{**entry(item.token, item.logprob), "top_logprobs": [entry(t, v) for t, v in item.top]}
@@ -95,8 +95,11 @@ def openai_completion_logprobs(items: list[LogprobItem], text_offset: int) -> di
     for item in items:
         offsets.append(text_offset)
         text_offset += len(item.token.text)
-    top = []
+    top: list[dict | None] = []
     for item in items:
+        if item.logprob is None:  # (the prompt's first token: OpenAI's null)
+            top.append(None)
+            continue
         alternatives = {t.text: _finite(v) for t, v in item.top}
         alternatives.setdefault(item.token.text, _finite(item.logprob))
         top.append(alternatives)
@@ -105,7 +108,7 @@ def openai_completion_logprobs(items: list[LogprobItem], text_offset: int) -> di
 
 
 def native_logprobs(items: list[LogprobItem]) -> list[dict]:
-    def entry(token: TokenText, logprob: float) -> dict:
+    def entry(token: TokenText, logprob: float | None) -> dict:
         return {"token": token.text, "token_id": token.token_id, "logprob": _finite(logprob)}
 
     return [{**entry(item.token, item.logprob), "top_logprobs": [entry(t, v) for t, v in item.top]}

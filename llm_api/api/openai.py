@@ -12,10 +12,17 @@ header; ``route()`` maps it to one of the calls below. Contract:
   20; completions: 0 to 5), ``stop``, ``seed``, ``stream``, ``stream_options.include_usage``, ``user``,
   and vLLM's extra ``ignore_eos``: true/false, clients send it in ``extra_body``; the answer then runs to
   the token limit, finish reason ``length``; refused with ``response_format`` or a tool grammar, as natively);
-  parameters we cannot honour are refused by name rather than silently ignored. ``best_of`` (completions)
-  and ``echo`` are taken only at their neutral values (null or 1, null or false). What ``n``, the
+  parameters we cannot honour are refused by name rather than silently ignored. ``best_of`` and ``suffix``
+  (completions) are taken only at their neutral values (null or 1, null or ""). What ``n``, the
   token limit, the logprobs and the prompt may cost together is bounded by MAX_REQUEST_WORK
   (``llm_api.api.request.request_work``): a request over it gets 400 ``work_limit_exceeded`` naming them.
+* Completions for evaluation harnesses (lm-eval's ``local-completions``): ``prompt`` is a string, a list
+  of token ids, or a list of either (each prompt runs as its own request; prompt p's choice i is choice
+  ``p * n + i``, as OpenAI numbers them; prompts x n at most MAX_NUM_SEQS). ``echo``: each choice's text
+  begins with the prompt, and with ``logprobs`` its logprobs with the prompt tokens' (the first token's
+  ``null``; computed by the engine over the whole prompt: ``SamplingParams.prompt_logprobs``); with echo,
+  ``max_tokens`` may be 0 (the prompt alone, finish reason ``length``), and the token that ended the answer
+  keeps its logprob entry (a harness counts prompt + sampled entries).
 * ``n`` > 1: every choice and chunk carries its ``index``; a stream interleaves the choices' chunks, each
   choice ends with its own ``finish_reason`` chunk; ``usage`` counts the tokens of all choices. With a
   ``seed``, choice 0 is what n = 1 would give and the others are seeded from it (distinct, reproducible).
@@ -55,6 +62,7 @@ header; ``route()`` maps it to one of the calls below. Contract:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -94,7 +102,7 @@ ROUTES = {
 # Accepted only at the value that means "off" (what the openai client sends when a caller sets them
 # explicitly to their defaults); anything else is refused, naming the parameter.
 NEUTRAL_VALUES = {
-    "echo": (False, None), "best_of": (1, None), "suffix": (None, ""),
+    "best_of": (1, None), "suffix": (None, ""),
 }
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
@@ -512,17 +520,28 @@ class ChatBody(_CallBody):
 
 
 class CompletionBody(_CallBody):
-    prompt: Text | list[Text]
+    prompt: Any  # a string, strings, token ids or lists of token ids: checked by _prompts, which names the item
     logprobs: Integer(0, MAX_COMPLETION_LOGPROBS, text_ok=False) | None = None
-    echo: Any = None
+    echo: StrictFlag | None = None
     best_of: Any = None
     suffix: Any = None
 
 
 def parse_call(kind: str, body: Any, model_name: str, limits: Limits,
                adapters: Collection[str] = ()) -> tuple[GenerateRequest, OpenAICall]:
-    """A completions/chat body (bytes or an already decoded object) -> our request and its encoder.
-    ``model`` is the base model's name or one of the LoRA ``adapters`` (the answer names the one asked)."""
+    """``parse_calls`` of a call with one prompt (chat, or completions of one prompt): its request and encoder."""
+    requests, call = parse_calls(kind, body, model_name, limits, adapters)
+    if len(requests) != 1:
+        raise ApiError(400, "invalid_value", "this route takes one prompt", "prompt")
+    return requests[0], call
+
+
+def parse_calls(kind: str, body: Any, model_name: str, limits: Limits,
+                adapters: Collection[str] = ()) -> tuple[list[GenerateRequest], OpenAICall]:
+    """A completions/chat body (bytes or an already decoded object) -> our requests (one per prompt: chat has
+    one, completions one per item of a list of prompts) and the encoder of the whole answer, whose choices
+    are numbered prompt by prompt (prompt p's choice i is ``p * n + i``, as OpenAI numbers them). ``model``
+    is the base model's name or one of the LoRA ``adapters`` (the answer names the one asked)."""
     data = _decode(body)
     model_class = ChatBody if kind == "chat" else CompletionBody
     try:
@@ -567,16 +586,20 @@ def parse_call(kind: str, body: Any, model_name: str, limits: Limits,
         max_tokens, param = ((call.max_completion_tokens, "max_completion_tokens") if call.max_completion_tokens
                              is not None else (call.max_tokens, "max_tokens"))
     else:
-        request.text = _prompt(call.prompt)
         max_default = min(DEFAULT_COMPLETION_MAX_TOKENS, limits.max_new_tokens)
         max_tokens, param = call.max_tokens, "max_tokens"
-    if max_tokens is not None and not 1 <= max_tokens <= limits.max_new_tokens:
-        raise ApiError(400, "invalid_value", f"'{param}' must be between 1 and {limits.max_new_tokens}", param)
+        request.echo = bool(call.echo)
+        request.echo_only = request.echo and max_tokens == 0
+    lowest = 0 if request.echo else 1  # (max_tokens 0 with echo: the prompt alone, as OpenAI serves it)
+    if max_tokens is not None and not lowest <= max_tokens <= limits.max_new_tokens:
+        raise ApiError(400, "invalid_value", f"'{param}' must be between {lowest} and {limits.max_new_tokens}" +
+                       ("" if request.echo else " (0 only with 'echo')"), param)
     temperature = 1.0 if call.temperature is None else call.temperature
     request.params = SamplingParams(
         # Without max_tokens a chat call gets the native API's default (OpenAI's "until the model
-        # stops" would ask the KV cache for MAX_NEW_TOKENS per request and refuse long prompts).
-        max_new_tokens=max_tokens if max_tokens is not None else max_default,
+        # stops" would ask the KV cache for MAX_NEW_TOKENS per request and refuse long prompts). With
+        # max_tokens 0 the engine still samples the token after the prompt, and the answer drops it.
+        max_new_tokens=max(1, max_tokens) if max_tokens is not None else max_default,
         temperature=temperature,
         top_p=1.0 if call.top_p is None else call.top_p,
         presence_penalty=call.presence_penalty or 0.0,
@@ -587,14 +610,24 @@ def parse_call(kind: str, body: Any, model_name: str, limits: Limits,
         stop=call.stop or (),
         ignore_eos=call.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=logprobs if request.echo else None,
         n=call.n,
     )
     request.work_fields = WorkFields("n", param, "top_logprobs" if kind == "chat" else "logprobs")
     request.adapter, request.adapter_param = (None if call.model == model_name else call.model), "model"
     include_usage = call.stream_options is not None and call.stream_options.include_usage
-    return request, OpenAICall(kind=kind, model=call.model, stream=call.stream, include_usage=include_usage, n=call.n,
-                               with_logprobs=logprobs is not None, tool_format=tool_format,
-                               reasoning_format=limits.reasoning_format if kind == "chat" else None)
+    requests = [request]
+    if isinstance(call, CompletionBody):
+        prompts = _prompts(call.prompt, limits)
+        if len(prompts) * call.n > limits.max_n:
+            raise ApiError(400, "invalid_value", f"{len(prompts)} prompts x n={call.n} choices exceed the "
+                           f"{limits.max_n} sequences a request may run together (the server's MAX_NUM_SEQS)", "prompt")
+        requests = [dataclasses.replace(request, text=p, params=request.params) if isinstance(p, str) else
+                    dataclasses.replace(request, token_ids=p) for p in prompts]
+    return requests, OpenAICall(kind=kind, model=call.model, stream=call.stream, include_usage=include_usage,
+                                n=call.n * len(requests), with_logprobs=logprobs is not None,
+                                tool_format=tool_format,
+                                reasoning_format=limits.reasoning_format if kind == "chat" else None)
 
 
 def _check_reasoning(messages: list[ChatMessage]) -> None:
@@ -711,12 +744,38 @@ def _same(value: Any, neutral: Any) -> bool:
         and not isinstance(neutral, bool) and value == neutral)
 
 
-def _prompt(value: str | list[str]) -> str:
-    if isinstance(value, list):
-        if len(value) != 1:
-            raise ApiError(400, "unsupported_parameter", "'prompt' must be one string (batches of prompts and token "
-                           "arrays are not supported)", "prompt")
-        value = value[0]
-    if not value:
-        raise ApiError(400, "missing_required_parameter", "'prompt' is required (a non-empty string)", "prompt")
-    return value
+def _prompts(value: Any, limits: Limits) -> list[str | list[int]]:
+    """``prompt``: a string, a list of strings, a list of token ids or a list of such lists -> the prompts,
+    each a non-empty string or a non-empty list of ids below the vocabulary size (a 400 names the item)."""
+    if isinstance(value, str) or (isinstance(value, list) and value and all(_is_token_id(x) for x in value)):
+        items, params = [value], ["prompt"]
+    elif isinstance(value, list) and value:
+        items, params = value, [f"prompt[{i}]" for i in range(len(value))]
+    else:
+        raise ApiError(400, "invalid_type" if not isinstance(value, list) else "missing_required_parameter",
+                       "'prompt' must be a non-empty string, a list of strings, a list of token ids or a list of "
+                       "lists of token ids", "prompt")
+    prompts: list[str | list[int]] = []
+    for item, param in zip(items, params):
+        if isinstance(item, str):
+            if not item:
+                raise ApiError(400, "missing_required_parameter", f"'{param}' is empty", param)
+            prompts.append(item)
+            continue
+        if not isinstance(item, list) or not item or not all(_is_token_id(x) for x in item):
+            raise ApiError(400, "invalid_type", f"'{param}' must be a non-empty string or a non-empty list of "
+                           "token ids (integers)", param)
+        if len(item) > limits.max_input_tokens:
+            raise ApiError(400, "prompt_too_long", f"'{param}' has {len(item)} tokens; the limit is "
+                           f"MAX_INPUT_TOKENS={limits.max_input_tokens}", param)
+        vocab_size = limits.vocab_size
+        bad = next((x for x in item if x < 0 or (vocab_size is not None and x >= vocab_size)), None)
+        if bad is not None:
+            raise ApiError(400, "invalid_value", f"'{param}' holds the token id {bad}, outside the vocabulary "
+                           f"(0 to {(vocab_size or 0) - 1})", param)
+        prompts.append(list(item))
+    return prompts
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -90,6 +90,11 @@ class PromptBuilder:
 
     def token_ids(self, request: GenerateRequest) -> list[int]:
         """The prompt's token ids (raises ApiError: no chat template, a template error, too long)."""
+        if request.token_ids is not None:  # (already checked below the vocabulary size by its format)
+            if len(request.token_ids) > self.max_input_tokens:
+                raise ApiError(400, "prompt_too_long", f"the prompt has {len(request.token_ids)} tokens; the limit "
+                               f"is MAX_INPUT_TOKENS={self.max_input_tokens}")
+            return list(request.token_ids)
         return self.ids_of(request.text, request.messages, tools=request.tools, tool_prompt=request.tool_prompt,
                            template_kwargs=request.template_kwargs)
 

@@ -7,7 +7,7 @@ accepts, from the settings and the loaded model.
 ``request_work`` is the one measure of what a request may cost (MAX_REQUEST_WORK bounds it; the service
 refuses a request over it before anything runs, ``work_refusal``). In units of one generated token:
 
-    work = prompt tokens + n x max_new_tokens x (1 + logprob entries per token)
+    work = prompt tokens x (1 + prompt logprob entries per token) + n x max_new_tokens x (1 + logprob entries per token)
 
 * the prompt is prefilled once, whatever ``n`` (the choices share its KV blocks): it adds, it does not
   multiply;
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from llm_api.api.reasoning import ReasoningFormat
     from llm_api.api.tools import ToolFormat
 
-INPUT_FIELDS = ("text", "messages", "inputs_embeds")
+INPUT_FIELDS = ("text", "messages", "inputs_embeds", "token_ids")
 DEFAULT_MAX_NEW_TOKENS = 256
 MAX_SEED = 2**63 - 1
 
@@ -80,6 +80,7 @@ class GenerateRequest:
     text: str | None = None  # tokenized as is (control-token text included: raw by design)
     messages: list[dict] | None = None  # rendered with the chat template; contents are data
     inputs_embeds: list[list[float]] | None = None
+    token_ids: list[int] | None = None  # the prompt as token ids (checked below the vocabulary size)
     params: SamplingParams = field(default_factory=SamplingParams)
     stream: bool = True  # HTTP always streams; gRPC streams only when asked (see docs/torchserve.md)
     client_request_id: str | None = None  # the client's label: unique among live requests
@@ -95,6 +96,11 @@ class GenerateRequest:
     # The LoRA adapter to answer with (None: the base model), and the field that named it (errors name it).
     adapter: str | None = None
     adapter_param: str = "adapter"
+    # /v1/completions' echo: each choice's answer begins with the prompt (with params.prompt_logprobs, with
+    # its tokens' logprobs, the first token's None); echo_only (max_tokens 0): the prompt alone, the one
+    # token the engine samples after it is dropped.
+    echo: bool = False
+    echo_only: bool = False
 
     @property
     def input_kind(self) -> str:
@@ -120,8 +126,10 @@ def logprob_entries(logprobs: int | None) -> int:
 
 
 def request_work(num_prompt_tokens: int, params: SamplingParams) -> int:
-    """The module docstring's measure: prompt tokens + n x max_new_tokens x (1 + logprob entries)."""
-    return num_prompt_tokens + params.n * params.max_new_tokens * (1 + logprob_entries(params.logprobs))
+    """The module docstring's measure: prompt tokens x (1 + prompt logprob entries) + n x max_new_tokens x
+    (1 + logprob entries)."""
+    return (num_prompt_tokens * (1 + logprob_entries(params.prompt_logprobs))
+            + params.n * params.max_new_tokens * (1 + logprob_entries(params.logprobs)))
 
 
 def work_refusal(request: GenerateRequest, num_prompt_tokens: int, limit: int | None) -> ApiError | None:

@@ -12,6 +12,10 @@
   id: a body of a million ids (what max_request_size lets in) costs tens of milliseconds, not a second
   of held GIL (the edges parse a large body off the event loop: ``llm_api.service.answer``).
 
+* ``tokenizer_info_answer(tokenizer, max_model_len)``: ``GET /tokenizer_info`` as vLLM serves it (what
+  lm-eval's ``tokenizer_backend=remote`` reads): the tokenizer's class, its special tokens (text, or null),
+  its chat template and ``model_max_length`` (the server's max model length, not the tokenizer's own).
+
 Errors are ``ApiError``s, rendered in the OpenAI shape by the edge (as vLLM does for these routes).
 """
 
@@ -108,6 +112,22 @@ def parse_detokenize(body: bytes | bytearray, model_name: str, vocab_size: int, 
 
 def tokenize_answer(token_ids: list[int], max_model_len: int) -> str:
     return json.dumps({"tokens": token_ids, "count": len(token_ids), "max_model_len": max_model_len})
+
+
+def tokenizer_info_answer(tokenizer: Any, max_model_len: int) -> str:
+    def token(name: str) -> str | None:
+        value = getattr(tokenizer, name, None)
+        return value if isinstance(value, str) else None
+
+    template = getattr(tokenizer, "chat_template", None)
+    return json.dumps({
+        "tokenizer_class": type(tokenizer).__name__,
+        "bos_token": token("bos_token"), "eos_token": token("eos_token"), "pad_token": token("pad_token"),
+        "unk_token": token("unk_token"),
+        "add_bos_token": bool(getattr(tokenizer, "add_bos_token", False)),
+        "chat_template": template if isinstance(template, str) else None,
+        "model_max_length": max_model_len,
+    }, ensure_ascii=False)
 
 
 def detokenize_answer(text: str) -> str:

@@ -9,6 +9,9 @@ each request that samples this step (``logits_to_keep`` keeps ``lm_head`` off th
 those requests in the same order. A request scheduled with a draft (speculative decoding) feeds its
 last token and the draft ids, and gets a logits row at each of those 1 + k positions (consecutive rows,
 in its place in that order): the verification needs the target distribution after every draft prefix.
+A request asking for prompt logprobs (``SamplingParams.prompt_logprobs``) also gets logits at each prompt
+position of its chunk; the runner turns them into the prompt tokens' logprobs (``Request.prompt_logprobs``)
+and returns only the sampled rows.
 
 Block tables come from the scheduler's deltas (``BlockTables``: new block ids per step, rebuilt when a
 sequence is admitted, resumed, forked or copied on write), never from the scheduler's own lists; they
@@ -44,6 +47,7 @@ from llm_api.engine import fused_ops
 from llm_api.engine.cuda_graphs import DecodeGraphRunner, DecodeRow
 from llm_api.engine.kv_cache import PagedKVCache
 from llm_api.engine.request import Request
+from llm_api.engine.sampler import prompt_logprobs
 from llm_api.engine.scheduler import ScheduledRequest, SchedulerOutput
 from llm_api.lora.context import lora_step
 from llm_api.model.placement import execution_device
@@ -151,6 +155,8 @@ class ModelRunner:
         block_table_rows: list[list[int]] = []
         logit_indices: list[int] = []
         sampled_requests: list[Request] = []
+        prompt_logit_indices: list[int] = []  # packed positions whose logits score the next prompt token
+        prompt_logit_rows: list[tuple[Request, int, int]] = []  # (request, first position, count)
         embeds_segments = []  # (packed offset, request, first position, end position) fed from embeddings
         lora_ranges = []  # (lora id, first packed token, end) of each request
         for item in ordered:
@@ -169,6 +175,13 @@ class ModelRunner:
                 slot_mapping.extend(_slot_of(block_ids, p, block_size) for p in range(start, end))
             if request.prompt_embeds is not None and start < request.num_prompt_tokens:
                 embeds_segments.append((query_start_loc[-1], request, start, min(end, request.num_prompt_tokens)))
+            if request.needs_prompt_logits:
+                first = max(start, len(request.prompt_logprobs))
+                last = min(end, request.num_prompt_tokens - 1)
+                if first < last:
+                    offset = query_start_loc[-1] - start
+                    prompt_logit_indices.extend(range(offset + first, offset + last))
+                    prompt_logit_rows.append((request, first, last - first))
             if self.lora is not None:
                 lora_ranges.append((request.lora_id, query_start_loc[-1], query_start_loc[-1] + item.num_new_tokens))
             query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
@@ -202,12 +215,16 @@ class ModelRunner:
         else:
             model_inputs["input_ids"] = token_ids
         lora = self.lora.step(lora_ranges, len(input_ids), device) if self.lora is not None else None
+        kept = logit_indices + prompt_logit_indices
         with lora_step(lora):
             if self.takes_logits_to_keep:
-                model_inputs["logits_to_keep"] = torch.tensor(logit_indices, dtype=torch.long, device=device)
-                logits = self.model(**model_inputs).logits[0]  # [num_sampled, V]
+                model_inputs["logits_to_keep"] = torch.tensor(kept, dtype=torch.long, device=device)
+                logits = self.model(**model_inputs).logits[0]  # [num_sampled + num prompt rows, V]
             else:
-                logits = self.model(**model_inputs).logits[0, logit_indices]
+                logits = self.model(**model_inputs).logits[0, kept]
+        if prompt_logit_rows:
+            _keep_prompt_logprobs(logits[len(logit_indices):], prompt_logit_rows)
+            logits = logits[: len(logit_indices)]
         return logits, sampled_requests
 
     def _graph_decode_rows(self, scheduled: list[ScheduledRequest]) -> list[DecodeRow] | None:
@@ -234,6 +251,18 @@ class ModelRunner:
             rows = request.prompt_embeds[first:end]  # [n, H]
             embeds[0, offset : offset + rows.shape[0]] = rows.to(embeds.device, embeds.dtype)
         return embeds
+
+
+def _keep_prompt_logprobs(logits: torch.Tensor, rows: list[tuple[Request, int, int]]) -> None:
+    """Each request's prompt logits of this step -> the logprobs of the prompt tokens they predict, appended
+    to ``Request.prompt_logprobs`` (the positions follow on from those it holds)."""
+    row = 0
+    for request, first, count in rows:
+        targets = request.prompt_token_ids[first + 1 : first + 1 + count]
+        k = request.params.prompt_logprobs
+        assert k is not None  # (rows come only from requests that asked)
+        request.prompt_logprobs.extend(prompt_logprobs(logits[row : row + count], targets, k))
+        row += count
 
 
 def _token_id_at(request: Request, position: int) -> int:

@@ -64,6 +64,9 @@ class RequestOutput:
     finish_reason: FinishReason | None = None  # set once finished
     index: int = 0  # which of the request's n sequences (choices)
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per new token, when the request asked for them
+    # On a sequence's first output, when the request asked for prompt logprobs: one per prompt token after
+    # the first (entry i scores prompt token i + 1).
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(eq=False)
@@ -90,6 +93,9 @@ class Request:
     index: int = 0  # choice index among the request's n sequences
     seq_id: str = ""  # unique among live sequences: request_id for index 0, set in __post_init__
     lora_id: int = 0  # the LoRA adapter's load id (llm_api.lora.registry); 0: the base model
+    # params.prompt_logprobs: the prompt's logprobs computed so far (entry i scores prompt token i + 1); a
+    # recompute after preemption does not compute them twice.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.seq_id:
@@ -112,6 +118,12 @@ class Request:
     def uses_prefix_cache(self) -> bool:
         # Placeholder prompt ids of an embeddings request say nothing about its content.
         return self.prompt_embeds is None
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Asked for prompt logprobs and has not got them all: every prompt position is computed (no
+        prefix-cache hits) and the runner keeps the logits of those still missing."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

@@ -79,6 +79,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the k most likely
     n: int = 1  # sequences (choices) generated from the prompt
+    # None: none; k >= 0: each prompt token's logprob after the tokens before it (the first has none) and the
+    # k most likely there, from the model's raw distribution (the prompt is read, not sampled). The engine
+    # then computes the whole prompt (no prefix-cache hits), as vLLM does for prompt logprobs.
+    prompt_logprobs: int | None = None
     grammar: "CompiledGrammar | None" = None  # structured output: tokens must follow it (compiled by the service)
 
     @property
@@ -330,6 +334,18 @@ def _count_output_tokens(token_ids: torch.Tensor, batch: SamplerBatch) -> None:
             counts = batch.states[row].output_counts
             assert counts is not None  # made by _apply_penalties, which runs first on the same batch
             counts.index_add_(0, token_ids[row : row + 1], torch.ones(1, dtype=counts.dtype, device=counts.device))
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
+    """Logits at prompt positions ``[P, V]`` and the prompt token that follows each -> that token's logprob
+    and the ``k`` most likely tokens there (the raw distribution: no bias, penalty or temperature)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    target_tensor = torch.tensor(targets, dtype=torch.long, device=logits.device)
+    values = logprobs.gather(1, target_tensor[:, None])[:, 0].tolist()
+    if k <= 0:
+        return [TokenLogprob(t, v) for t, v in zip(targets, values)]
+    top_values, top_ids = (x.tolist() for x in logprobs.topk(min(k, logits.shape[-1]), dim=-1))
+    return [TokenLogprob(t, v, tuple(zip(ids, vals))) for t, v, ids, vals in zip(targets, values, top_ids, top_values)]
 
 
 def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams]) -> list[TokenLogprob | None]:

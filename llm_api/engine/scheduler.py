@@ -287,8 +287,10 @@ class Scheduler:
         if reason is not None:
             self._finish(request, reason)
         logprob = sampled_logprobs.get(request.seq_id) if sampled_logprobs else None
+        prompt_logprobs = (tuple(request.prompt_logprobs) if request.params.prompt_logprobs is not None
+                           and len(request.output_token_ids) == 1 else None)
         return RequestOutput(request.request_id, [token_id], reason is not None, reason, request.index,
-                             (logprob,) if logprob is not None else None)
+                             (logprob,) if logprob is not None else None, prompt_logprobs)
 
     def _append_verified(self, scheduled: ScheduledRequest, sampled_token_ids: Mapping[str, Any],
                          sampled_logprobs: Mapping[str, Any] | None) -> RequestOutput:
@@ -323,6 +325,7 @@ class Scheduler:
         sibling.num_computed_tokens = parent.num_computed_tokens
         sibling.block_hashes = list(parent.block_hashes)
         sibling.num_cached_blocks = parent.num_cached_blocks
+        sibling.prompt_logprobs = parent.prompt_logprobs  # (the same prompt; never changed once complete)
         sibling.status = RequestStatus.RUNNING
         self.running.append(sibling)
         self._untold.add(sibling.seq_id)
@@ -404,7 +407,7 @@ class Scheduler:
                 and self.block_pool.ref_counts[request.block_ids[-1]] > 1)
 
     def _find_cached_blocks(self, request: Request) -> list[int]:
-        if not (self.block_pool.enable_prefix_caching and request.uses_prefix_cache):
+        if not (self.block_pool.enable_prefix_caching and request.uses_prefix_cache) or request.needs_prompt_logits:
             return []
         self._extend_block_hashes(request)
         # Keep at least the last token to compute: its logits give the next token.

@@ -26,9 +26,11 @@ request and frees its KV blocks.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, Callable, Mapping, TypeVar
+from typing import Any, AsyncGenerator, Callable, Mapping, Sequence, TypeVar, cast
 
 from llm_api.api import openai
 from llm_api.api.native import parse_request
@@ -36,9 +38,11 @@ from llm_api.api.encoding import AnswerEncoder
 from llm_api.api.native_stream import NativeStream
 from llm_api.api.request import CancelRequest, GenerateRequest
 from llm_api.api.tokenize import TokenizeRequest, parse_detokenize, parse_tokenize
-from llm_api.service.service import ChoiceFinished, ModelService, TextDelta
+from llm_api.api.errors import ApiError
+from llm_api.service.service import ChoiceFinished, Event, Finished, ModelService, TextDelta
 
 LARGE_BODY_BYTES = 64 * 1024  # bodies above this are parsed off the event loop
+BATCH_QUEUE_EVENTS = 64  # events of a several-prompt call waiting for the client (its prompts then wait)
 T = TypeVar("T")
 
 
@@ -76,11 +80,12 @@ async def parse_native(service: ModelService, row: Mapping[str, Any], default_st
     return parse_request(row, service.limits, default_stream)
 
 
-async def parse_openai(service: ModelService, api: str, body: bytes | bytearray) -> tuple[GenerateRequest, openai.OpenAICall]:
+async def parse_openai(service: ModelService, api: str, body: bytes | bytearray
+                       ) -> tuple[list[GenerateRequest], openai.OpenAICall]:
     if len(body) > LARGE_BODY_BYTES:
-        return await service.offload(openai.parse_call, api, body, service.model_name, service.limits,
+        return await service.offload(openai.parse_calls, api, body, service.model_name, service.limits,
                                      service.adapter_names())
-    return openai.parse_call(api, body, service.model_name, service.limits, service.adapter_names())
+    return openai.parse_calls(api, body, service.model_name, service.limits, service.adapter_names())
 
 
 async def parse_large(service: ModelService, parse: Callable[..., T], body: bytes | bytearray, *args: Any) -> T:
@@ -112,14 +117,17 @@ def native_encoder(request: GenerateRequest, marker: str, max_unary_bytes: int |
                         with_logprobs=request.params.logprobs is not None, max_unary_bytes=max_unary_bytes)
 
 
-async def encoded_parts(service: ModelService, request: GenerateRequest, encoder: AnswerEncoder, request_id: str,
-                        marker: str = "", owner: str = "") -> AsyncGenerator[Part, None]:
+async def encoded_parts(service: ModelService, request: GenerateRequest | Sequence[GenerateRequest],
+                        encoder: AnswerEncoder, request_id: str, marker: str = "", owner: str = ""
+                        ) -> AsyncGenerator[Part, None]:
     """``service.generate``'s events through ``encoder``: chunks, then the final part or the refusal.
-    ``marker``: text the detokenizer keeps out of the answer (the native end-of-stream marker); ``owner``:
-    who sent it (``Call.owner``)."""
+    ``request``: one, or the requests of a call with several prompts (``batch_events``). ``marker``: text
+    the detokenizer keeps out of the answer (the native end-of-stream marker); ``owner``: who sent it
+    (``Call.owner``)."""
     started = False
     kind = encoder.content_type
-    async with aclosing(service.generate(request, request_id, marker, owner)) as events:
+    requests = [request] if isinstance(request, GenerateRequest) else list(request)
+    async with aclosing(batch_events(service, requests, request_id, marker, owner)) as events:
         async for event in events:
             if isinstance(event, TextDelta):
                 chunk = encoder.delta(event.text, event.index, event.logprobs)
@@ -139,3 +147,66 @@ async def encoded_parts(service: ModelService, request: GenerateRequest, encoder
                 started = True
                 yield Chunk(chunk, kind)
     raise RuntimeError("the request ended without a final event")
+
+
+async def batch_events(service: ModelService, requests: list[GenerateRequest], request_id: str, marker: str,
+                       owner: str) -> AsyncGenerator[Event, None]:
+    """The events of a call's requests as one answer's. One request: ``service.generate``'s own. Several (a
+    completions call with a list of prompts): each runs as its own request (id ``<request_id>.<p>``) at
+    once, prompt ``p``'s choice ``i`` becomes choice ``p * n + i``, and one ``Finished`` ends the answer:
+    the first prompt's reason with every prompt's token counts, or the first error (a refusal of any
+    prompt included), which closes the other prompts' generations and so frees their KV blocks."""
+    if len(requests) == 1:
+        async with aclosing(service.generate(requests[0], request_id, marker, owner)) as events:
+            async for event in events:
+                yield event
+        return
+    n = requests[0].params.n
+    queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue(maxsize=BATCH_QUEUE_EVENTS)
+
+    async def run(p: int, request: GenerateRequest) -> None:
+        try:
+            async with aclosing(service.generate(request, f"{request_id}.{p}", marker, owner)) as events:
+                async for event in events:
+                    await queue.put((p, event))
+        except ApiError as error:  # (a refusal at admission)
+            await queue.put((p, Finished(None, error, 0, 0)))
+
+    tasks = [asyncio.create_task(run(p, request)) for p, request in enumerate(requests)]
+    try:
+        ends: dict[int, Finished] = {}
+        while len(ends) < len(requests):
+            p, event = await _next_event(queue, tasks)
+            if isinstance(event, TextDelta):
+                yield dataclasses.replace(event, index=p * n + event.index)
+            elif isinstance(event, ChoiceFinished):
+                yield dataclasses.replace(event, index=p * n + event.index)
+            elif event.error is not None:
+                yield dataclasses.replace(event, num_prompt_tokens=sum(e.num_prompt_tokens for e in ends.values()),
+                                          num_generated_tokens=sum(e.num_generated_tokens for e in ends.values()))
+                return
+            else:
+                ends[p] = event
+        yield Finished(ends[0].reason, None, sum(e.num_prompt_tokens for e in ends.values()),
+                       sum(e.num_generated_tokens for e in ends.values()))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _next_event(queue: asyncio.Queue[tuple[int, Event]], tasks: list[asyncio.Task]) -> tuple[int, Event]:
+    """The next queued event; a task that failed without one (a bug: ``service.generate`` ends every request
+    with a ``Finished``) raises here rather than leaving the answer waiting."""
+    getter = asyncio.ensure_future(queue.get())
+    while True:
+        done, _ = await asyncio.wait([getter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        if getter in done:
+            return getter.result()
+        failed = next((t for t in done if t.exception() is not None), None)
+        if failed is not None:
+            getter.cancel()
+            raise cast(BaseException, failed.exception())
+        tasks = [t for t in tasks if not t.done()]
+        if not tasks:
+            return await getter

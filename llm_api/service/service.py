@@ -67,7 +67,7 @@ from llm_api.api.tokenize import TokenizeRequest
 from llm_api.api.tools import detect_tool_format
 from llm_api.engine.engine import EngineConfig, LLMEngine
 from llm_api.engine.reference import ReferenceCore
-from llm_api.engine.request import FinishReason
+from llm_api.engine.request import FinishReason, RequestOutput
 from llm_api.engine.scheduler import PromptTooLongError
 from llm_api.engine.support import unsupported_reason
 from llm_api.model.host_memory import release_freed_heap
@@ -298,6 +298,9 @@ class ModelService:
         refusal = work_refusal(request, 0, self.limits.max_request_work) or self.prompts.too_long(request)
         if refusal is not None:
             raise refusal
+        if request.params.prompt_logprobs is not None and self.engine is None:
+            raise ApiError(400, "unsupported_parameter", "'echo' with 'logprobs' (the prompt's logprobs) needs the "
+                           f"paged engine; this model runs on the {self.path_name}", "echo")
         self._lora_id(request)  # an unknown adapter is refused before the prompt is tokenized
         prompt_ids, prompt_embeds = await self._prepare(request)
         if prompt_ids is not None:
@@ -459,6 +462,9 @@ class Generation:
         self._deadline = deadline
         self.lora_id = 0  # the LoRA adapter's load id (0: the base model) and its name
         self.adapter: str | None = None
+        self._echo = request.echo
+        self._echo_text = request.text  # (None: a prompt of ids or a chat, decoded when echoed)
+        self._echo_only = request.echo_only
 
     def _log_end(self, end: Finished) -> None:
         if end.error is None:
@@ -474,6 +480,7 @@ class Generation:
         choices = [_Choice(TextStream(service.lm.tokenizer, self.params.stop, self._marker))
                    for _ in range(self.params.n)]
         token_texts = service.token_texts if self.params.logprobs is not None else None
+        echoed: set[int] = set()  # choices whose answer began with the prompt
         timer = service.metrics.start(self.num_prompt_tokens, self._arrival)
         end: Finished | None = None
         try:
@@ -499,6 +506,15 @@ class Generation:
                             "infinity); with a LoRA adapter, its weights are the likely cause" if self.adapter else
                             "the model's output for this request was not finite (NaN or infinity)"))
                         break
+                    if self._echo and out.index not in echoed:
+                        echoed.add(out.index)
+                        yield self._echo_delta(out)
+                    if self._echo_only:  # (max_tokens 0: the token sampled after the prompt is not the answer)
+                        choice.reason = FinishReason.LENGTH
+                        yield ChoiceFinished(out.index, choice.reason, 0)
+                        if all(c.reason is not None for c in choices):
+                            end = self._finished(FinishReason.LENGTH)
+                        continue
                     delta, num_used = _push_tokens(choice.text, out.new_token_ids)
                     if choice.text.marker_removed and self.params.grammar is not None:
                         # (never silently: without the marker text the answer would no longer follow its grammar)
@@ -512,8 +528,10 @@ class Generation:
                     self.num_generated_tokens += num_used
                     if token_texts is not None and out.logprobs:
                         # The end-of-sequence token that ended the choice is not part of the answer.
+                        # (Echo keeps it: evaluation harnesses count on one entry per prompt and sampled token.)
                         kept = (out.logprobs[:num_used] if num_used < len(out.new_token_ids)
-                                else out.logprobs[:-1] if out.finish_reason is FinishReason.STOP else out.logprobs)
+                                else out.logprobs[:-1] if out.finish_reason is FinishReason.STOP and not self._echo
+                                else out.logprobs)
                         choice.logprobs.extend(token_texts.item(lp) for lp in kept)
                     if delta.text:
                         yield choice.delta(delta.text, out.index)
@@ -546,6 +564,19 @@ class Generation:
             timer.finish()
         self._log_end(end)
         yield end
+
+    def _echo_delta(self, out: RequestOutput) -> TextDelta:
+        """The prompt, as the first text of choice ``out.index`` (echo), with its tokens' logprobs when asked
+        for: the first token has none (nothing before it scores it), the others come with the first output."""
+        tokenizer = self.service.lm.tokenizer
+        prompt_ids = self._prompt_ids or []
+        text = self._echo_text if self._echo_text is not None else tokenizer.decode(prompt_ids)
+        if self.params.prompt_logprobs is None or not prompt_ids:
+            return TextDelta(text, out.index, ())
+        token_texts = self.service.token_texts
+        items = [LogprobItem(token_texts(prompt_ids[0]), None)]
+        items += [token_texts.item(lp) for lp in out.prompt_logprobs or ()]
+        return TextDelta(text, out.index, tuple(items))
 
     def _finished(self, reason: FinishReason) -> Finished:
         return Finished(reason, None, self.num_prompt_tokens, self.num_generated_tokens)

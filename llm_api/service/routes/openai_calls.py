@@ -10,9 +10,9 @@ from llm_api.service.routes.route import Answer, Call, RouteContext, Streamed
 
 async def _call(kind: str, ctx: RouteContext, call: Call) -> Answer:
     service = ctx.serving()
-    request, encoder = await parse_openai(service, kind, call.json_body())
+    requests, encoder = await parse_openai(service, kind, call.json_body())
     encoder.marker = ctx.marker
-    return Streamed(encoded_parts(service, request, encoder, call.request_id, owner=call.owner), encoder)
+    return Streamed(encoded_parts(service, requests, encoder, call.request_id, owner=call.owner), encoder)
 
 
 async def chat(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:

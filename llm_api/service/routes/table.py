@@ -39,6 +39,8 @@ ROUTES: tuple[Route, ...] = (
           model_paths=("v1/responses/{id}/cancel",)),
     Route("tokenize", "POST", tokenizer.tokenize, paths=("tokenize",), model_paths=("tokenize",)),
     Route("detokenize", "POST", tokenizer.detokenize, paths=("detokenize",), model_paths=("detokenize",)),
+    Route("tokenizer_info", "GET", tokenizer.tokenizer_info, paths=("tokenizer_info",),
+          model_paths=("tokenizer_info",)),
     Route("load_lora_adapter", "POST", lora.load, paths=("v1/load_lora_adapter",),
           model_paths=("v1/load_lora_adapter",)),
     Route("unload_lora_adapter", "POST", lora.unload, paths=("v1/unload_lora_adapter",),
