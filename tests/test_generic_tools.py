@@ -9,7 +9,8 @@ What the tests prove:
   function when one is named); random walks through it always parse into one call that validates;
 * the parser reads the generic form the same whatever the chunking (every split of a two-call answer);
 * ``plan_tools``: ``required`` and named calls on such a model get the generic grammar, prompt and format;
-  ``auto`` is refused naming ``tool_choice``; a model with a tool format keeps its own (no tool prompt);
+  ``auto`` is served there too (text or one call; refused naming ``tool_choice`` under
+  GENERIC_TOOL_CHOICE_AUTO=false); a model with a tool format keeps its own (no tool prompt);
 * the prompt: the exact generic block, added to the first system turn or inserted as one; earlier calls
   written into their assistant turns; tool definitions or calls holding control-token text are refused
   as on every model, and a tool result holding it stays data.
@@ -110,9 +111,11 @@ def test_the_generic_grammar_accepts_exactly_valid_calls(compiler, choice, paral
         assert accepts(compiler, spec, call(name, arguments)) == (choice == "required" or name == choice), name
     for label, text in INVALID:
         assert not accepts(compiler, spec, text), label
-    # One call per answer, whatever parallel_tool_calls (the grammar of the form itself could take more).
+    # One call per answer unless parallel_tool_calls is true in so many words (not said: one call).
     two = call("forecast", {"hours": 2}) + "\n" + call("ping", {})
-    assert not accepts(compiler, spec, two)
+    assert accepts(compiler, spec, two) == (parallel and choice == "required")
+    if parallel:
+        assert not accepts(compiler, plan_tools(TOOLS, choice, None, LIMITS).constraint.spec, two)
     assert accepts(compiler, tool_grammar(GENERIC, TOOLS, "required", parallel=True), two)
 
 
@@ -212,9 +215,20 @@ def test_plan_tools_on_a_model_without_a_tool_format():
     assert [p for p, _ in plan.constraint.parts] == [f"tools[{i}].function.parameters" for i in range(3)]
     named = plan_tools(TOOLS, "tag", False, LIMITS)
     assert json.loads(named.constraint.spec.source)["format"]["begin"] == '{"name": "tag", "arguments": '
-    with pytest.raises(ApiError) as err:
-        plan_tools(TOOLS, "auto", True, LIMITS)
+    auto = plan_tools(TOOLS, "auto", None, LIMITS)  # served in the generic form: text, or one call
+    assert auto.format is GENERIC and auto.tool_prompt == generic_tool_prompt(TOOLS, "auto")
+    body = json.loads(auto.constraint.spec.source)["format"]
+    assert body["type"] == "triggered_tags" and body["stop_after_first"] and body["triggers"] == ['{"name": ']
+    assert not json.loads(plan_tools(TOOLS, "auto", True, LIMITS).constraint.spec.source)["format"]["stop_after_first"]
+    with pytest.raises(ApiError) as err:  # (the operator's choice: GENERIC_TOOL_CHOICE_AUTO=false)
+        plan_tools(TOOLS, "auto", True, Limits(2048, 256, generic_tool_choice_auto=False))
     assert err.value.status == 400 and err.value.param == "tool_choice" and err.value.code == "unsupported_value"
+    # A response format beside auto: the answer is text following it, or calls; a forced call ignores it.
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    either = json.loads(plan_tools(TOOLS, "auto", None, LIMITS, schema).constraint.spec.source)["format"]
+    assert either["type"] == "or" and either["elements"][0]["json_schema"] == schema
+    assert plan_tools(TOOLS, "required", None, LIMITS, schema).constraint == plan_tools(TOOLS, "required", None,
+                                                                                          LIMITS).constraint
     with pytest.raises(ApiError) as err:
         plan_tools(TOOLS + TOOLS[:1], "required", True, LIMITS)
     assert err.value.param == "tools[4].function.name"
@@ -227,7 +241,7 @@ def chat_body(**fields) -> bytes:
                        **fields}).encode()
 
 
-def test_the_chat_route_serves_required_and_named_and_refuses_auto():
+def test_the_chat_route_serves_every_tool_choice_in_the_generic_form():
     request, encoder = parse_call("chat", chat_body(tools=TOOLS, tool_choice="required"), "m", LIMITS)
     assert encoder.tool_format is GENERIC and request.tools == TOOLS
     assert request.tool_prompt == generic_tool_prompt(TOOLS, "required")
@@ -235,9 +249,16 @@ def test_the_chat_route_serves_required_and_named_and_refuses_auto():
         "name": "forecast"}}, parallel_tool_calls=False), "m", LIMITS)
     assert request.tool_prompt == generic_tool_prompt(TOOLS, "forecast")
     for fields in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}):
+        request, encoder = parse_call("chat", chat_body(**fields), "m", LIMITS)
+        assert encoder.tool_format is GENERIC and request.tool_prompt == generic_tool_prompt(TOOLS, "auto")
         with pytest.raises(ApiError) as err:
-            parse_call("chat", chat_body(**fields), "m", LIMITS)
+            parse_call("chat", chat_body(**fields), "m", Limits(2048, 256, generic_tool_choice_auto=False))
         assert err.value.param == "tool_choice"
+    # response_format with tools: served (auto: text in the format or a call; forced: the format ignored)
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}}
+    for choice in ("auto", "required"):
+        request, _ = parse_call("chat", chat_body(tools=TOOLS, tool_choice=choice, response_format=fmt), "m", LIMITS)
+        assert request.constraint is not None and request.constraint.param == "tools"
     request, encoder = parse_call("chat", chat_body(tools=TOOLS, tool_choice="none"), "m", LIMITS)
     assert request.tools is None and request.tool_prompt is None and encoder.tool_format is None
 

@@ -11,7 +11,7 @@
   streamed and whole (equal under greedy decoding), max_output_tokens cut, json_schema, a forced
   function call and its round trip.
 * Forced tool calls without a tool format (the generic form, planned by ``plan_tools`` as on chat): the
-  tools block and the call's grammar, auto refused naming tool_choice, errors in the Responses names.
+  tools block and the call's grammar, auto served there too, errors in the Responses names.
 * Reasoning (a Qwen3 reasoning format): reasoning.effort as template variables, constraints on the answer
   only, the think block as a ``reasoning`` item before the message / calls (streamed events in order,
   read by the openai client), cut inside it, and the stored conversation's ``reasoning_content``.
@@ -380,11 +380,14 @@ def test_refused_parameters_are_named(body, param, code):
 
 def test_forced_tools_without_a_tool_format_are_planned_as_on_chat():
     """No tool format (the embedded model): required and a named function are served in the generic form
-    (tools block in the prompt, one call decoded under the schema); auto is refused naming tool_choice."""
+    (tools block in the prompt, one call decoded under the schema); auto too (text or a call), unless the
+    server refuses it (GENERIC_TOOL_CHOICE_AUTO=false: 400 naming tool_choice)."""
     plain = Limits(2048, 512)
     for body in ({"tools": [WEATHER]}, {"tools": [WEATHER], "tool_choice": "auto"}):
+        request, call = parse({"input": "x", **body}, plain)
+        assert call.tool_format is GENERIC and request.tool_prompt
         with pytest.raises(ApiError) as err:
-            parse({"input": "x", **body}, plain)
+            parse({"input": "x", **body}, Limits(2048, 512, generic_tool_choice_auto=False))
         assert (err.value.param, err.value.code) == ("tool_choice", "unsupported_value"), body
     request, call = parse({"input": "x", "tools": [WEATHER], "tool_choice": "none"}, plain)  # none renders no tools
     assert (request.tools, request.tool_prompt, request.constraint, call.tool_format) == (None, None, None, None)

@@ -10,7 +10,7 @@ What the tests prove, with the real model writing greedily (float32 servers):
 * one call per answer (the generic form's rule), with ``parallel_tool_calls`` true (the default) or false;
 * a follow-up turn carrying the assistant's call and a ``role: "tool"`` result is accepted and answered,
   with the tools sent again (``tool_choice`` none) or without them;
-* ``tool_choice`` ``auto`` (or absent with tools) is refused with a 400 naming ``tool_choice``.
+* ``tool_choice`` ``auto`` (or absent with tools) is served: a text answer or one call that parses back.
 """
 
 from __future__ import annotations
@@ -130,8 +130,32 @@ def test_a_tool_result_turn_is_answered(client):
 
 
 @pytest.mark.parametrize("extra", [{}, {"tool_choice": "auto"}])
-def test_auto_is_refused_naming_tool_choice(client, extra):
-    with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, max_tokens=5, **extra)
-    error = err.value.body
-    assert err.value.status_code == 400 and error["param"] == "tool_choice" and error["code"] == "unsupported_value"
+def test_auto_is_served_as_text_or_a_call(client, extra):
+    """auto (or no tool_choice: the default of every agent framework) in the generic form: the model answers
+    in text or makes one call that parses back; either way the answer ends as it should."""
+    answer = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
+                                            **extra)
+    choice = answer.choices[0]
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        check_calls(choice.message.tool_calls)
+    else:
+        assert choice.message.content and choice.finish_reason in ("stop", "length")
+
+
+def test_a_response_format_beside_tools(client):
+    """OpenAI's rule for ``response_format`` with ``tools``: with auto the answer is either text following the
+    format or a call; a forced call ignores the format (instructor's and pydantic-ai's default requests)."""
+    schema = {"type": "object", "properties": {"summary": {"type": "string", "maxLength": 40}},
+              "required": ["summary"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    answer = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, response_format=fmt,
+                                            max_tokens=80, temperature=0)
+    message = answer.choices[0].message
+    if message.tool_calls:
+        check_calls(message.tool_calls)
+    else:
+        jsonschema.validate(json.loads(message.content), schema)
+    forced = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, response_format=fmt,
+                                            tool_choice=named("pack_bag"), max_tokens=80, temperature=0)
+    check_calls(forced.choices[0].message.tool_calls, only="pack_bag")

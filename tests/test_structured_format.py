@@ -4,6 +4,7 @@ json_schema / regex / grammar), including grammars over the compile-cost limits.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -95,7 +96,6 @@ CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"a": {"type": "string", "maxLength": 300}}}}}}, "response_format.json_schema.schema"),
-    ({"response_format": {"type": "json_object"}, "tools": [TOOL]}, "response_format"),
     ({"tools": {"type": "function"}}, "tools"),
     ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
     ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
@@ -136,9 +136,11 @@ def test_bad_values_are_400s_naming_the_field(fields, param):
     assert set(error.openai_json()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_a_model_without_a_tool_format_serves_forced_calls_only():
-    """(The generic form: tests/test_generic_tools.py.) auto needs the model's own format."""
-    error = refused(chat, NO_TOOLS, tools=[TOOL])
+def test_a_model_without_a_tool_format_serves_tools_in_the_generic_form():
+    """(The generic form: tests/test_generic_tools.py.) auto too, unless the server refuses it."""
+    request, call = chat(NO_TOOLS, tools=[TOOL])
+    assert request.tool_prompt and call.tool_format is not None
+    error = refused(chat, dataclasses.replace(NO_TOOLS, generic_tool_choice_auto=False), tools=[TOOL])
     assert error.param == "tool_choice" and "tool-call format" in error.message
     request, call = chat(NO_TOOLS, tools=[TOOL], tool_choice="required")
     assert request.tools == [TOOL] and request.tool_prompt and call.tool_format is not None

@@ -16,10 +16,12 @@ the field (``response_format``, ``json_schema``, ``regex``, ``grammar``, ``tools
 ``plan_tools(tools, choice, parallel, limits)`` is everything a request's tools decide, for any route that
 takes them (chat completions; the Responses API): the ``ToolPlan`` with the grammar, the tools the prompt
 carries (``GenerateRequest.tools``), the generic tools block for a template without a tool format
-(``GenerateRequest.tool_prompt``) and the format the answer's calls are parsed in. On such a template
-``required`` and a named function are served in the generic form (``llm_api.api.tools.GENERIC``) and
-``auto`` is refused, naming ``tool_choice``, and one call is made per answer (see ``llm_api.api.tools``
-for why).
+(``GenerateRequest.tool_prompt``) and the format the answer's calls are parsed in. On such a template every
+tool choice is served in the generic form (``llm_api.api.tools.GENERIC``): ``auto`` lets the model answer
+in text or make a call (refused, naming ``tool_choice``, where the server is set to refuse it:
+``GENERIC_TOOL_CHOICE_AUTO=false``), and one call is made per answer unless ``parallel_tool_calls`` is
+true (see ``llm_api.api.tools`` for why). With a response format, ``auto`` answers either in text that
+follows the format or with calls; a forced call ignores the format (OpenAI's rule).
 
 ``ignore_eos_conflict(field, code)`` is the one refusal of ``ignore_eos`` together with a constraint, on
 every route that takes both (native, chat completions, the Responses API): a grammar
@@ -110,7 +112,8 @@ def ebnf_constraint(grammar: str, param: str) -> Constraint:
     return Constraint(_checked(GrammarSpec.ebnf, grammar, param), param)
 
 
-def tool_constraint(fmt: ToolFormat, tools: list[dict], choice: str, parallel: bool) -> Constraint:
+def tool_constraint(fmt: ToolFormat, tools: list[dict], choice: str, parallel: bool,
+                    text_schema: dict | None = None) -> Constraint:
     """tools: [{"type": "function", "function": {"name", "parameters"?...}}]; choice: auto | required | a
     function's name. Each tool's parameters schema is a part, so a schema the library rejects is named (and
     one that allows arguments that are not an object is refused here, naming it)."""
@@ -137,7 +140,7 @@ def tool_constraint(fmt: ToolFormat, tools: list[dict], choice: str, parallel: b
             except ValueError as error:
                 raise ApiError(400, "invalid_value", f"{param!r} {error}", param) from None
             parts.append((param, _checked(GrammarSpec.json_schema, schema, param)))
-    spec = _checked(lambda _: tool_grammar(fmt, tools, choice, parallel), None, "tools")
+    spec = _checked(lambda _: tool_grammar(fmt, tools, choice, parallel, text_schema), None, "tools")
     return Constraint(spec, "tools", tuple(parts))
 
 
@@ -151,11 +154,14 @@ class ToolPlan:
     format: ToolFormat  # how the answer's calls are parsed (ToolCallParser)
 
 
-def plan_tools(tools: list[dict], choice: str, parallel: bool, limits: Limits) -> ToolPlan:
+def plan_tools(tools: list[dict], choice: str, parallel: bool | None, limits: Limits,
+               text_schema: dict | None = None) -> ToolPlan:
     """tools: [{"type": "function", "function": {"name", "description"?, "parameters"?}}] (names checked);
-    choice: auto | required | a function's name (not none: no tools are served then); parallel: more than
-    one call allowed. Raises ApiError (400) for repeated names, a schema that is refused, and ``auto`` on a
-    template without a tool format."""
+    choice: auto | required | a function's name (not none: no tools are served then); parallel: the
+    request's ``parallel_tool_calls`` (None: not said). ``text_schema``: the request's response format as a
+    JSON schema: with ``auto`` a text answer must follow it; a forced call ignores it, as OpenAI does.
+    Raises ApiError (400) for repeated names, a schema that is refused, and ``auto`` on a template without
+    a tool format when the server refuses it there (GENERIC_TOOL_CHOICE_AUTO=false)."""
     seen: set[str] = set()  # (a set: 10,000 tools are checked in linear time)
     for i, tool in enumerate(tools):
         name = tool["function"]["name"]
@@ -163,13 +169,17 @@ def plan_tools(tools: list[dict], choice: str, parallel: bool, limits: Limits) -
             raise ApiError(400, "invalid_value", f"'tools[{i}].function.name' repeats the name {name!r}",
                            f"tools[{i}].function.name")
         seen.add(name)
+    if choice != "auto":
+        text_schema = None
     if limits.tool_format is not None:
-        return ToolPlan(tool_constraint(limits.tool_format, tools, choice, parallel), tools, None, limits.tool_format)
-    if choice == "auto":
-        raise ApiError(400, "unsupported_value", "this model's chat template has no tool-call format, so "
-                       "tool_choice auto (the model choosing between text and a call) is not served; send "
-                       "tool_choice required or a named function (the call is decoded under the tool's schema), "
-                       "or none", "tool_choice")
-    # One call per answer in the generic form, whatever ``parallel`` (llm_api.api.tools says why).
-    return ToolPlan(tool_constraint(GENERIC, tools, choice, parallel=False), tools, generic_tool_prompt(tools, choice),
-                    GENERIC)
+        return ToolPlan(tool_constraint(limits.tool_format, tools, choice, parallel is not False, text_schema), tools,
+                        None, limits.tool_format)
+    if choice == "auto" and not limits.generic_tool_choice_auto:
+        raise ApiError(400, "unsupported_value", "this model's chat template has no tool-call format, and this "
+                       "server does not serve tool_choice auto in the generic form (GENERIC_TOOL_CHOICE_AUTO=false); "
+                       "send tool_choice required or a named function (the call is decoded under the tool's "
+                       "schema), or none", "tool_choice")
+    # The generic form: one call per answer unless the request allows more in so many words
+    # (llm_api.api.tools says why).
+    return ToolPlan(tool_constraint(GENERIC, tools, choice, parallel is True, text_schema), tools,
+                    generic_tool_prompt(tools, choice), GENERIC)

@@ -34,9 +34,11 @@ header; ``route()`` maps it to one of the calls below. Contract:
   model's chat template and, with ``tool_choice`` ``auto`` (the default with tools), ``required`` or a
   named function, the answer runs under the tool grammar of the model's format (``llm_api.api.tools``);
   ``none`` renders no tools and allows no call. A template without a tool format (the embedded SmolLM2)
-  gets ``required`` and named calls in the generic form (the tools listed in a system block, the call
-  decoded as ``{"name", "arguments"}`` under the tool's schema) and ``auto`` refused (400 naming
-  ``tool_choice``, as vLLM without a tool parser). Calls in the answer are parsed into ``tool_calls``
+  gets every choice in the generic form (the tools listed in a system block, a call decoded as
+  ``{"name", "arguments"}`` under the tool's schema; with ``auto`` the model answers in text or starts a
+  call; GENERIC_TOOL_CHOICE_AUTO=false refuses ``auto`` there, as vLLM without a tool parser). With
+  ``response_format`` beside tools, ``auto`` answers in text that follows the format or with calls, and
+  a forced call ignores the format (OpenAI's rule). Calls in the answer are parsed into ``tool_calls``
   (streamed as ``delta.tool_calls`` with the arguments in pieces) and the finish reason is
   ``tool_calls``. Messages may carry a conversation's earlier calls: assistant ``tool_calls`` and
   ``role: "tool"`` results (``tool_call_id``).
@@ -653,8 +655,10 @@ def _check_tool_call_arguments(messages: list[ChatMessage]) -> None:
 
 def _structured_output(call: ChatBody, limits: Limits) -> Constraint | ToolPlan | None:
     """response_format, tools, tool_choice, parallel_tool_calls -> the response format's constraint, or the
-    plan of the tools (``llm_api.api.constraints.plan_tools``), or None."""
+    plan of the tools (``llm_api.api.constraints.plan_tools``: with ``auto`` a text answer follows the
+    response format; a forced call ignores it, as OpenAI does), or None."""
     constraint = None
+    text_schema = None  # the response format as a JSON schema (for a text answer beside tools)
     response_format = call.response_format
     if response_format is not None and response_format.type == "json_schema":
         if response_format.json_schema is None:
@@ -663,21 +667,19 @@ def _structured_output(call: ChatBody, limits: Limits) -> Constraint | ToolPlan 
         schema = response_format.json_schema.schema_
         constraint = (json_schema_constraint(schema, "response_format.json_schema.schema") if schema is not None
                       else json_object_constraint("response_format"))
+        text_schema = schema if schema is not None else {"type": "object"}
     elif response_format is not None and response_format.json_schema is not None:
         raise ApiError(400, "invalid_value", "'response_format.json_schema' is only allowed with type json_schema",
                        "response_format.json_schema")
     elif response_format is not None and response_format.type == "json_object":
         constraint = json_object_constraint("response_format")
+        text_schema = {"type": "object"}
 
     choice = _tool_choice(call.tool_choice, call.tools)
     if not call.tools or choice == "none":
         return constraint  # "none": the tools are not rendered, so no call can be made
-    if constraint is not None:
-        raise ApiError(400, "invalid_value", "'response_format' cannot be combined with 'tools' (unless "
-                       "tool_choice is none): the answer is either a tool call or the response format",
-                       "response_format")
     tools = [t.model_dump(exclude_none=True) for t in call.tools]
-    return plan_tools(tools, choice, call.parallel_tool_calls is not False, limits)
+    return plan_tools(tools, choice, call.parallel_tool_calls, limits, text_schema)
 
 
 def tool_choice_keyword(value: Any, has_tools: bool, named_form: str) -> str | None:

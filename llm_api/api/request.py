@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from llm_api.api.reasoning import ReasoningFormat
     from llm_api.api.tools import ToolFormat
 
-INPUT_FIELDS = ("text", "messages", "inputs_embeds", "token_ids")
+INPUT_FIELDS = ("text", "messages", "inputs_embeds")  # the native format's inputs (one of them)
+PROMPT_KINDS = INPUT_FIELDS + ("token_ids",)  # every way a request holds its prompt (completions: token ids too)
 DEFAULT_MAX_NEW_TOKENS = 256
 MAX_SEED = 2**63 - 1
 
@@ -53,6 +54,9 @@ class Limits:
     tool_format: "ToolFormat | None" = None  # how the model writes tool calls; None: no tools served
     max_request_work: int | None = None  # MAX_REQUEST_WORK (request_work); None: no bound
     reasoning_format: "ReasoningFormat | None" = None  # how answers split into reasoning and answer; None: not
+    # tool_choice auto on a template without a tool format, in the generic form (GENERIC_TOOL_CHOICE_AUTO);
+    # false: refused as vLLM refuses auto without a tool parser
+    generic_tool_choice_auto: bool = True
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,7 @@ class GenerateRequest:
 
     @property
     def input_kind(self) -> str:
-        return next(k for k in INPUT_FIELDS if getattr(self, k) is not None)
+        return next(k for k in PROMPT_KINDS if getattr(self, k) is not None)
 
     def num_input_chars(self) -> int:
         """Characters of text the tokenizer would see (a lower bound on work, an upper one on tokens)."""

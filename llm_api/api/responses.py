@@ -537,7 +537,7 @@ def _structured_output(call: ResponsesBody, limits: Limits) -> tuple[Constraint 
     # (tools[i].function.parameters); the Responses names drop the ".function".
     tools = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})} for t in call.tools]
     try:
-        plan = plan_tools(tools, choice, call.parallel_tool_calls is not False, limits)
+        plan = plan_tools(tools, choice, call.parallel_tool_calls, limits)
     except ApiError as error:
         raise _responses_names(error) from None
     parts = tuple((param.replace(".function.", "."), spec) for param, spec in plan.constraint.parts)

@@ -14,17 +14,19 @@ answer.
 
 ``detect_tool_format(tokenizer)`` picks one from the model's chat template (the text that tells the model
 how to call), or None when the template renders no tools or uses another format. Such a model gets
-forced calls in the generic form (``GENERIC``): with ``tool_choice`` ``required`` or a named function the
-tool definitions reach the prompt as a system-message block (``generic_tool_prompt``, added by
-``with_tool_prompt``; the template is not given ``tools``), earlier calls of the conversation are written
-into their assistant turns as the same JSON lines (``calls_as_text``), and the answer is decoded under
-the generic grammar, so it is only calls and every call's arguments follow its schema. ``auto`` is not
-served there (``llm_api.api.constraints.plan_tools`` refuses it, as vLLM refuses ``auto`` without a tool
-parser): the model was never trained to choose between a call and text, so a free answer would be
-guesswork read back from arbitrary text. The generic form makes one call per answer, whatever
-``parallel_tool_calls`` (true permits several calls; it does not ask for them): a model never trained on
-the form does not know when to stop calling, and with several calls allowed the embedded model wrote calls
-until ``max_tokens`` ran out (finish reason ``length`` instead of ``tool_calls``).
+every tool choice in the generic form (``GENERIC``): the tool definitions reach the prompt as a
+system-message block (``generic_tool_prompt``, added by ``with_tool_prompt``; the template is not given
+``tools``), earlier calls of the conversation are written into their assistant turns as the same JSON
+lines (``calls_as_text``), and the answer is decoded under the generic grammar: with ``required`` or a
+named function only calls, with ``auto`` text or a call started by the form's trigger; every call's
+arguments follow its schema. ``auto`` there is the model's own choice between text and a call, which a
+model never trained on the form may make poorly (the embedded SmolLM2 answers in text); operators who
+would rather refuse it, as vLLM refuses ``auto`` without a tool parser, set GENERIC_TOOL_CHOICE_AUTO=false
+(``llm_api.api.constraints.plan_tools``). Agent frameworks send ``auto`` by default, so a refusal broke
+their loops. The generic form makes one call per answer unless ``parallel_tool_calls`` is true in so many
+words (OpenAI's default, "not said", is one call here): a model never trained on the form does not know
+when to stop calling, and with several calls allowed the embedded model wrote calls until ``max_tokens``
+ran out (finish reason ``length`` instead of ``tool_calls``).
 
 ``tool_grammar(format, tools, choice, parallel)`` is the structural tag (xgrammar's format, compiled like
 any other grammar) that every request with tools runs under: with ``auto`` the model writes free text,
@@ -118,9 +120,11 @@ def arguments_schema(parameters: dict | None) -> dict:
     return parameters
 
 
-def tool_grammar(fmt: ToolFormat, tools: list[dict], choice: str | None, parallel: bool = True) -> GrammarSpec:
+def tool_grammar(fmt: ToolFormat, tools: list[dict], choice: str | None, parallel: bool = True,
+                 text_schema: dict | None = None) -> GrammarSpec:
     """The structural tag for a request's ``tools`` ([{"type": "function", "function": {...}}]).
-    choice: "auto", "required", or the name of the one function to call."""
+    choice: "auto", "required", or the name of the one function to call. ``text_schema`` (auto only: the
+    request's response format): the answer is either text that follows it or calls, not free text."""
     def tag(function: dict) -> dict:
         schema = arguments_schema(function.get("parameters"))
         return {"type": "tag", "begin": fmt.call_begin(function["name"]),
@@ -128,7 +132,13 @@ def tool_grammar(fmt: ToolFormat, tools: list[dict], choice: str | None, paralle
                 "end": fmt.end}
 
     functions = [t["function"] for t in tools]
-    if choice == "auto":
+    body: dict
+    if choice == "auto" and text_schema is not None:
+        calls: dict = {"type": "tags_with_separator", "tags": [tag(f) for f in functions], "separator": fmt.call_separator,
+                 "at_least_one": True, "stop_after_first": not parallel}
+        text: dict = {"type": "json_schema", "json_schema": text_schema, "max_whitespace_cnt": JSON_MAX_WHITESPACE}
+        body = {"type": "or", "elements": [text, calls]}
+    elif choice == "auto":
         body = {"type": "triggered_tags", "triggers": [fmt.trigger], "tags": [tag(f) for f in functions],
                 "at_least_one": False, "stop_after_first": not parallel}
     elif choice == "required":
@@ -148,9 +158,8 @@ GENERIC_CALL_SHAPE = '{"name": <the function\'s name>, "arguments": <its argumen
 
 
 def generic_tool_prompt(tools: list[dict], choice: str) -> str:
-    """The system-message block that shows a model without a tool format the tools and how to call them
-    (one call). choice: "required" or the name of the function to call (``auto`` is not served in this
-    form)."""
+    """The system-message block that shows a model without a tool format the tools and how to call them.
+    choice: "auto" (a call or a text answer), "required" or the name of the function to call."""
     lines = []
     for tool in tools:
         function = tool["function"]
@@ -159,7 +168,12 @@ def generic_tool_prompt(tools: list[dict], choice: str) -> str:
             if function.get(key) is not None:
                 shown[key] = function[key]
         lines.append(json.dumps(shown, ensure_ascii=False))
-    if choice == "required":
+    if choice == "auto":
+        # (Worded as measured best with the embedded model: it then answers plain questions plainly.)
+        ask = (f"When a function can answer the user's question, reply with only a JSON object calling it:\n"
+               f"{GENERIC_CALL_SHAPE}\nWhen none can, or when a function's result is already in the "
+               f"conversation, reply in plain text.")
+    elif choice == "required":
         ask = f"Answer with a call of one of these functions and nothing else, written as one JSON object:\n" \
               f"{GENERIC_CALL_SHAPE}"
     else:

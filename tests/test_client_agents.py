@@ -1,0 +1,76 @@
+"""Agent frameworks' default tool paths against both front ends, with the embedded model (a chat template
+without a tool format, so ``tool_choice: auto`` is served in the generic form): the OpenAI Agents SDK's
+default loop with a function tool (its Responses and chat-completions model classes, run and streamed)
+must finish with a text answer, and LangChain's ``bind_tools`` (no ``tool_choice``) and
+``with_structured_output`` must get answers of their shapes. The model may or may not call the tool; what is
+tested is that every default request is served and each loop ends."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytestmark = pytest.mark.server
+agents = pytest.importorskip("agents")
+QUESTION = "What is the weather in Paris?"
+MAX_TOKENS = 48  # (the embedded model's answers are cut short: the loop, not the prose, is under test)
+
+
+def _weather(city: str) -> str:
+    return f"Sunny and 24 degrees Celsius in {city}."
+
+
+@pytest.mark.parametrize("model_class", ["responses", "chat"])
+def test_agents_sdk_default_loop_finishes(async_frontend, model_class):
+    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool,
+                        set_tracing_disabled)
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)  # (no traces sent to OpenAI's servers)
+    client = AsyncOpenAI(base_url=async_frontend.openai_base, api_key=async_frontend.key(), max_retries=0)
+    model = (OpenAIResponsesModel if model_class == "responses" else OpenAIChatCompletionsModel)(
+        model="smollm2", openai_client=client)
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The current weather of a city."""
+        calls.append(city)
+        return _weather(city)
+
+    agent = Agent(name="weather", instructions="Answer briefly.", tools=[get_weather], model=model,
+                  model_settings=ModelSettings(max_tokens=MAX_TOKENS, temperature=0))
+
+    async def run_both():
+        result = await Runner.run(agent, QUESTION, max_turns=4)
+        streamed = Runner.run_streamed(agent, QUESTION, max_turns=4)
+        events = [event async for event in streamed.stream_events()]
+        return result, streamed, events
+
+    result, streamed, events = asyncio.run(run_both())
+    assert isinstance(result.final_output, str) and result.final_output.strip()
+    assert isinstance(streamed.final_output, str) and streamed.final_output == result.final_output
+    assert any(e.type == "raw_response_event" for e in events)
+
+
+def test_langchain_bind_tools_and_structured_output(async_frontend):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    def get_weather(city: str) -> str:
+        """The current weather of a city."""
+        return _weather(city)
+
+    llm = langchain_openai.ChatOpenAI(base_url=async_frontend.openai_base, api_key=async_frontend.key(),
+                                      model="smollm2", temperature=0, max_tokens=MAX_TOKENS, max_retries=0)
+    answer = llm.bind_tools([get_weather]).invoke(QUESTION)
+    assert answer.content or answer.tool_calls
+    for call in answer.tool_calls:
+        assert call["name"] == "get_weather" and isinstance(call["args"].get("city"), str)
+    city = llm.with_structured_output(City).invoke("Which city is the capital of France? Answer in JSON.")
+    assert isinstance(city, City)
