@@ -6,7 +6,7 @@ import pytest
 
 from llm_api.api.errors import ApiError
 from llm_api.engine.request import FinishReason
-from llm_api.api.openai import OpenAICall, models_list, parse_call, route
+from llm_api.api.openai import OpenAICall, models_list, parse_call, parse_calls, route
 from llm_api.api.native import Limits
 
 LIMITS = Limits(max_input_tokens=2048, max_new_tokens=2048, hidden_size=576, vocab_size=49152, max_n=64)
@@ -231,3 +231,41 @@ def test_best_of_has_one_clear_answer():
     with pytest.raises(ApiError) as err:
         parse("chat", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "best_of": 1})
     assert (err.value.param, err.value.code) == ("best_of", "unknown_parameter")
+
+
+CHAT_X = {"model": "smollm2", "messages": [{"role": "user", "content": "x"}]}
+
+
+def test_the_chat_fields_clients_send_are_accepted_and_checked():
+    """store, metadata, service_tier (echoed), modalities and prediction: accepted at their documented values;
+    a bad value is a 400 naming the field, and any other unknown field stays a 400 naming it."""
+    request, call = parse("chat", {**CHAT_X, "store": True, "metadata": {"run": "7"}, "service_tier": "auto",
+                                   "modalities": ["text"], "prediction": {"type": "content", "content": "x y"}})
+    assert request.messages and call.service_tier == "auto"
+    assert call.delta("hi") == "" and json.loads(call.finish(FinishReason.STOP, 1, 1))["service_tier"] == "auto"
+    streamed = parse("chat", {**CHAT_X, "service_tier": "default", "stream": True})[1]
+    assert all(json.loads(e)["service_tier"] == "default" for e in events(streamed.delta("hi")))
+    assert "service_tier" not in json.loads(parse("chat", CHAT_X)[1].finish(FinishReason.STOP, 1, 1))
+    for extra, param in (({"modalities": ["audio"]}, "modalities[0]"), ({"store": "yes"}, "store"),
+                         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+                         ({"metadata": {"k": 1}}, "metadata"), ({"service_tier": "gold"}, "service_tier"),
+                         ({"prediction": {"type": "image", "content": "x"}}, "prediction.type"),
+                         ({"audio": {"voice": "x"}}, "audio")):
+        with pytest.raises(ApiError) as err:
+            parse("chat", {**CHAT_X, **extra})
+        assert err.value.param == param and err.value.status == 400, (extra, err.value.param)
+
+
+def test_completions_take_echo_token_ids_and_lists_of_prompts():
+    requests, call = parse_calls("completions", json.dumps({"model": "smollm2", "prompt": [[1, 2, 3], "abc"], "n": 2,
+                                                            "echo": True, "logprobs": 1, "max_tokens": 0}).encode(),
+                                 "smollm2", LIMITS)
+    assert [r.token_ids for r in requests] == [[1, 2, 3], None] and requests[1].text == "abc"
+    assert all(r.echo and r.echo_only and r.params.prompt_logprobs == 1 and r.params.max_new_tokens == 1
+               for r in requests)
+    assert call.n == 4
+    request, _ = parse("completions", {"model": "smollm2", "prompt": [5, 6], "max_tokens": 3})
+    assert request.token_ids == [5, 6] and not request.echo and request.params.prompt_logprobs is None
+    with pytest.raises(ApiError) as err:
+        parse("completions", {"model": "smollm2", "prompt": ["a", "b"]})
+    assert err.value.param == "prompt"

@@ -292,3 +292,18 @@ def test_tokenizer_info_as_vllm_serves_it(async_frontend):
     info = json.loads(body)
     assert status == 200 and info["eos_token"] == "<|im_end|>" and "im_start" in info["chat_template"]
     assert info["model_max_length"] > 1000 and info["tokenizer_class"]
+
+
+def test_chat_fields_the_openai_package_sends(async_frontend, base_url):
+    """store, metadata, service_tier, modalities and prediction through the openai package: served (nothing
+    stored), the tier echoed."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key=async_frontend.key(), max_retries=0)
+    answer = client.chat.completions.create(
+        model="smollm2", messages=CHAT, max_tokens=8, temperature=0, store=True, metadata={"run": "ci"},
+        service_tier="auto", modalities=["text"], prediction={"type": "content", "content": "Paris"})
+    assert answer.choices[0].message.content and answer.service_tier == "auto"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=8, modalities=["text", "audio"])
+    assert err.value.body["param"] == "modalities[1]"

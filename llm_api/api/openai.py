@@ -42,6 +42,11 @@ header; ``route()`` maps it to one of the calls below. Contract:
   (streamed as ``delta.tool_calls`` with the arguments in pieces) and the finish reason is
   ``tool_calls``. Messages may carry a conversation's earlier calls: assistant ``tool_calls`` and
   ``role: "tool"`` results (``tool_call_id``).
+* Chat fields the openai package and agent frameworks send, accepted: ``store`` and ``metadata`` (at most
+  16 string pairs; nothing is stored: a chat completion cannot be read back, use the Responses API's
+  ``store`` for that), ``service_tier`` (echoed in the answer and every chunk; every request runs alike),
+  ``modalities`` (``["text"]`` only), ``prediction`` (``{"type": "content", "content"}``; not used to draft:
+  the n-gram drafter already proposes from the prompt). Any other unknown field is a 400 naming it.
 * Reasoning models (``llm_api.api.reasoning``): ``chat_template_kwargs`` (an object of at most 16
   identifier keys and 8 KiB of JSON) are extra variables of the chat template's render;
   ``reasoning_effort`` (none | minimal | low | medium | high | xhigh) reaches the template as the variable
@@ -107,6 +112,7 @@ NEUTRAL_VALUES = {
     "best_of": (1, None), "suffix": (None, ""),
 }
 MAX_CHAT_TOP_LOGPROBS = 20
+MAX_METADATA_PAIRS = 16
 MAX_COMPLETION_LOGPROBS = 5
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function and schema names
 TOOL_CHOICES = ("none", "auto", "required")
@@ -148,6 +154,7 @@ class OpenAICall:
     tool_format: ToolFormat | None = None  # set when the call has tools: the answer's calls are parsed
     reasoning_format: ReasoningFormat | None = None  # set for a reasoning model's chat: the think block is split
     marker: str = ""  # the native end-of-stream marker, kept out of refusals here too (no error ever holds it)
+    service_tier: str | None = None  # chat: the tier the request named, echoed in every chunk and answer
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     _text: dict[int, list[str]] = field(default_factory=dict)  # choice -> its content so far (not streaming)
@@ -224,8 +231,7 @@ class OpenAICall:
                  "total_tokens": num_prompt_tokens + num_completion_tokens}
         if not self.stream:
             choices = [self._whole_choice(i) for i in range(self.n)]
-            return json.dumps({"id": self.response_id, "object": self._object, "created": self.created,
-                               "model": self.model, "choices": choices, "usage": usage})
+            return json.dumps({**self._envelope(), "choices": choices, "usage": usage})
         if self.include_usage:
             out += _sse({**self._envelope(), "choices": [], "usage": usage})
         return out + "data: [DONE]\n\n"
@@ -244,7 +250,10 @@ class OpenAICall:
         return "text_completion"
 
     def _envelope(self) -> dict:
-        return {"id": self.response_id, "object": self._object, "created": self.created, "model": self.model}
+        envelope = {"id": self.response_id, "object": self._object, "created": self.created, "model": self.model}
+        if self.service_tier is not None:
+            envelope["service_tier"] = self.service_tier
+        return envelope
 
     def _tool_parser(self, index: int) -> ToolCallParser:
         parser = self._tool_parsers.get(index)
@@ -480,6 +489,25 @@ class ResponseFormat(BaseModel):
     json_schema: ResponseSchema | None = None
 
 
+def _metadata(value: Any) -> Any:
+    # OpenAI's rule: at most 16 pairs, keys up to 64 characters, values strings up to 512.
+    if not isinstance(value, dict) or len(value) > MAX_METADATA_PAIRS or not all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in value.items()):
+        raise ValueError(f"must be an object of at most {MAX_METADATA_PAIRS} string values (keys up to 64 "
+                         "characters, values up to 512)")
+    return value
+
+
+class Prediction(BaseModel):
+    """Predicted output (OpenAI's ``prediction``): accepted; the n-gram drafter (SPECULATIVE_TOKENS) already
+    proposes from the prompt, where a prediction that repeats the prompt's text is found anyway."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["content"]
+    content: Annotated[Text | list[TextPart], BeforeValidator(_content_shape)]
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -519,6 +547,12 @@ class ChatBody(_CallBody):
     parallel_tool_calls: StrictFlag | None = None
     chat_template_kwargs: Any = None  # an object of template variables: checked by template_variables
     reasoning_effort: Any = None  # one of reasoning.REASONING_EFFORTS: checked by template_variables
+    # Fields the openai package and frameworks send: accepted as documented in the module docstring.
+    store: StrictFlag | None = None
+    metadata: Annotated[dict, BeforeValidator(_metadata)] | None = None
+    service_tier: Literal["auto", "default", "flex", "priority", "scale"] | None = None
+    modalities: list[Literal["text"]] | None = None
+    prediction: Prediction | None = None
 
 
 class CompletionBody(_CallBody):
@@ -629,7 +663,8 @@ def parse_calls(kind: str, body: Any, model_name: str, limits: Limits,
     return requests, OpenAICall(kind=kind, model=call.model, stream=call.stream, include_usage=include_usage,
                                 n=call.n * len(requests), with_logprobs=logprobs is not None,
                                 tool_format=tool_format,
-                                reasoning_format=limits.reasoning_format if kind == "chat" else None)
+                                reasoning_format=limits.reasoning_format if kind == "chat" else None,
+                                service_tier=call.service_tier if isinstance(call, ChatBody) else None)
 
 
 def _check_reasoning(messages: list[ChatMessage]) -> None:
