@@ -74,3 +74,32 @@ def test_langchain_bind_tools_and_structured_output(async_frontend):
         assert call["name"] == "get_weather" and isinstance(call["args"].get("city"), str)
     city = llm.with_structured_output(City).invoke("Which city is the capital of France? Answer in JSON.")
     assert isinstance(city, City)
+
+
+@pytest.mark.parametrize("model_class", ["chat", "responses"])
+def test_pydantic_ai_output_type_and_a_tool(async_frontend, model_class):
+    """pydantic-ai's default: an agent with an output type and a tool. Its default output mode is a tool
+    (``final_result``) beside the function tool, with ``tool_choice`` auto or required as it decides; the run
+    must end with an output of the type (retries allowed, as pydantic-ai does)."""
+    pytest.importorskip("pydantic_ai")
+    from pydantic import BaseModel, Field
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel, OpenAIResponsesModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    class Weather(BaseModel):  # (bounded strings: the grammar ends the call within max_tokens)
+        city: str = Field(max_length=24)
+        summary: str = Field(max_length=48)
+
+    provider = OpenAIProvider(base_url=async_frontend.openai_base, api_key=async_frontend.key())
+    model = (OpenAIChatModel if model_class == "chat" else OpenAIResponsesModel)("smollm2", provider=provider)
+    agent = Agent(model, output_type=Weather, retries=3,
+                  model_settings={"max_tokens": MAX_TOKENS * 2, "temperature": 0})
+
+    @agent.tool_plain
+    def get_weather(city: str) -> str:
+        """The current weather of a city."""
+        return _weather(city)
+
+    result = agent.run_sync(QUESTION)
+    assert isinstance(result.output, Weather)
