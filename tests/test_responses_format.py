@@ -349,7 +349,6 @@ def test_sampling_settings():
     ({"input": "x", "tool_choice": "required"}, "tool_choice", "invalid_value"),
     ({"input": "x", "tools": [WEATHER, WEATHER]}, "tools[1].name", "invalid_value"),
     ({"input": "x", "tools": [{**WEATHER, "parameters": {"type": "string"}}]}, "tools[0].parameters", "invalid_value"),
-    ({"input": "x", "tools": [WEATHER], "text": {"format": {"type": "json_object"}}}, "text.format", "invalid_value"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema",
      "missing_required_parameter"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name",
@@ -713,3 +712,16 @@ def test_reasoning_sent_back_cannot_forge_control_tokens(service):
     with pytest.raises(ApiError) as err:
         service.prompts.token_ids(request)
     assert err.value.status == 400 and err.value.param == "messages[1].reasoning_content"
+
+
+def test_text_format_beside_tools_follows_openais_rule():
+    """instructor's RESPONSES_TOOLS and pydantic-ai send a forced tool and ``text.format`` together: served,
+    the format ignored by the forced call; with auto the answer is text in the format, or calls."""
+    fmt = {"format": {"type": "json_schema", "name": "w", "schema": {"type": "object", "properties": {
+        "city": {"type": "string"}}, "required": ["city"]}}}
+    forced, _ = parse({"input": "x", "tools": [WEATHER], "tool_choice": "required", "text": fmt}, Limits(2048, 512))
+    plain, _ = parse({"input": "x", "tools": [WEATHER], "tool_choice": "required"}, Limits(2048, 512))
+    assert forced.constraint == plain.constraint
+    auto, _ = parse({"input": "x", "tools": [WEATHER], "text": fmt}, Limits(2048, 512))
+    body = json.loads(auto.constraint.spec.source)["format"]
+    assert body["type"] == "or" and body["elements"][0]["json_schema"] == fmt["format"]["schema"]

@@ -530,14 +530,17 @@ def _structured_output(call: ResponsesBody, limits: Limits) -> tuple[Constraint 
     choice = _tool_choice(call.tool_choice, call.tools)
     if not call.tools or choice == "none":
         return constraint, None, choice  # none: the tools are not rendered, so no call can be made
-    if constraint is not None:
-        raise ApiError(400, "invalid_value", "'text.format' cannot be combined with 'tools' (unless tool_choice is "
-                       "none): the answer is either a function call or the text format", "text.format")
+    # With tools, OpenAI's rule: auto answers in text that follows text.format, or calls; a forced call ignores it.
+    text_schema = None
+    if fmt is not None and fmt.type == "json_schema":
+        text_schema = fmt.schema_ if isinstance(fmt.schema_, dict) else {"type": "object"}
+    elif fmt is not None and fmt.type == "json_object":
+        text_schema = {"type": "object"}
     # plan_tools takes chat's shape ({"type": "function", "function": {...}}) and names its errors so
     # (tools[i].function.parameters); the Responses names drop the ".function".
     tools = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})} for t in call.tools]
     try:
-        plan = plan_tools(tools, choice, call.parallel_tool_calls, limits)
+        plan = plan_tools(tools, choice, call.parallel_tool_calls, limits, text_schema)
     except ApiError as error:
         raise _responses_names(error) from None
     parts = tuple((param.replace(".function.", "."), spec) for param, spec in plan.constraint.parts)
