@@ -47,6 +47,7 @@ def test_speculative_settings_reach_the_engine_config():
         ("END_OF_STREAM_TOKEN", "<end>\n", "no line breaks"),
         ("MAX_NUM_BATCHED_TOKENS", "8", "below MAX_NUM_SEQS=64"),
         ("GRPC_STREAMING", "sometimes", "allowed values: true, false"),
+        ("GENERIC_TOOL_CHOICE_AUTO", "maybe", "allowed values: true, false"),
         ("ENGINE", "fast", "allowed values: paged, generate"),
         ("GPU_MEMORY_UTILIZATION", "1.5", "allowed values"),
         ("ATTENTION_BACKEND", "flash", "allowed values: auto, torch, triton"),
@@ -174,3 +175,8 @@ def test_transport_limits_have_safe_defaults_and_are_read():
                            "SEND_BUFFER_BYTES": "0", "MAX_CONNECTIONS": "8"})
     assert (s.keepalive_timeout_s, s.body_timeout_s, s.write_timeout_s, s.send_buffer_bytes, s.max_connections) == \
         (2.0, 3.0, 4.0, 0, 8)
+
+
+def test_generic_tool_choice_auto_is_read():
+    assert Settings.from_env({}).generic_tool_choice_auto
+    assert not Settings.from_env({"GENERIC_TOOL_CHOICE_AUTO": "false"}).generic_tool_choice_auto

@@ -59,6 +59,9 @@ class Settings:
     # How a reasoning model's <think> block is split from its answer (llm_api.api.reasoning); auto: from
     # the chat template (none when it has no think tags).
     reasoning_parser: str = "auto"
+    # tool_choice auto on a chat template without a tool format (the generic form, llm_api.api.tools);
+    # false: refused as vLLM refuses auto without a tool parser.
+    generic_tool_choice_auto: bool = True
     # Generation path: the paged engine, or transformers' generate() (the reference).
     engine: str = "paged"
     # Paged KV cache and scheduler limits.
@@ -153,6 +156,7 @@ class Settings:
             or str(default_cache_dir(env) / "offload" / _nonempty(env, "MODEL_NAME", cls.model_name)),
             "end_of_stream_token": _marker(env.get("END_OF_STREAM_TOKEN", cls.end_of_stream_token)),
             "reasoning_parser": _choice(env, "REASONING_PARSER", cls.reasoning_parser, REASONING_PARSERS),
+            "generic_tool_choice_auto": _bool(env, "GENERIC_TOOL_CHOICE_AUTO", cls.generic_tool_choice_auto),
             "engine": _choice(env, "ENGINE", cls.engine, ENGINES),
             "kv_block_size": _int(env, "KV_BLOCK_SIZE", cls.kv_block_size, minimum=1),
             "kv_cache_memory_mib": _int(env, "KV_CACHE_MEMORY_MIB", cls.kv_cache_memory_mib, minimum=0),

@@ -127,7 +127,8 @@ class ModelService:
         self.limits = Limits(settings.max_input_tokens, settings.max_new_tokens, lm.hidden_size,
                              _vocab_size(lm.model), settings.max_num_seqs, detect_tool_format(lm.tokenizer),
                              settings.max_request_work,
-                             reasoning_format(settings.reasoning_parser, lm.tokenizer))
+                             reasoning_format(settings.reasoning_parser, lm.tokenizer),
+                             generic_tool_choice_auto=settings.generic_tool_choice_auto)
         self.lora: LoraRegistry | None = self._build_lora() if settings.lora_enabled else None
         self.engine: LLMEngine | None = self._build_engine() if settings.engine == "paged" else None
         core = self.engine if self.engine is not None else ReferenceCore(lm.model, lm.eos_token_ids,
