@@ -6,7 +6,7 @@ import pytest
 
 from llm_api.api.errors import ApiError
 from llm_api.engine.request import FinishReason
-from llm_api.api.openai import OpenAICall, models_list, parse_call, parse_calls, route
+from llm_api.api.openai import OpenAICall, models_list, parse_call, parse_calls
 from llm_api.api.native import Limits
 
 LIMITS = Limits(max_input_tokens=2048, max_new_tokens=2048, hidden_size=576, vocab_size=49152, max_n=64)
@@ -14,15 +14,6 @@ LIMITS = Limits(max_input_tokens=2048, max_new_tokens=2048, hidden_size=576, voc
 
 def parse(kind, body):
     return parse_call(kind, json.dumps(body).encode(), "smollm2", LIMITS)
-
-
-def test_route():
-    assert route(None) is None and route("") is None and route("/") is None
-    assert route("v1/chat/completions") == "chat" and route("/v1/completions/") == "completions"
-    assert route("v1/models") == "models" and route("v1/health") == "health"
-    with pytest.raises(ApiError) as err:
-        route("v2/nothing")
-    assert err.value.status == 404
 
 
 def test_chat_translation():

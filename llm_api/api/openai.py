@@ -1,7 +1,5 @@
-"""The OpenAI-compatible API: request translation and response encoding (no TorchServe here).
-
-TorchServe hands the handler everything after ``/predictions/<model>/<version>/`` in the ``url_path``
-header; ``route()`` maps it to one of the calls below. Contract:
+"""The OpenAI-compatible API: request translation and response encoding (no TorchServe here; the paths
+are in the one route table, ``llm_api.service.routes.table``). Contract:
 
 * ``POST v1/completions`` and ``POST v1/chat/completions``: the body (JSON bytes) is validated by
   ``parse_call`` into a ``GenerateRequest`` (our native request) plus an ``OpenAICall`` that knows how
@@ -97,15 +95,6 @@ SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
 JSON_CONTENT_TYPE = "application/json"
 MAX_OPENAI_STOP = 4  # OpenAI allows up to 4 stop sequences
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
-ROUTES = {
-    "v1/completions": "completions",
-    "v1/chat/completions": "chat",
-    "v1/models": "models",
-    "v1/health": "health",
-    # vLLM's tokenizer routes (llm_api.api.tokenize), served beside the OpenAI ones below the model
-    "tokenize": "tokenize",
-    "detokenize": "detokenize",
-}
 # Accepted only at the value that means "off" (what the openai client sends when a caller sets them
 # explicitly to their defaults); anything else is refused, naming the parameter.
 NEUTRAL_VALUES = {
@@ -116,23 +105,6 @@ MAX_METADATA_PAIRS = 16
 MAX_COMPLETION_LOGPROBS = 5
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function and schema names
 TOOL_CHOICES = ("none", "auto", "required")
-
-
-def route(url_path: str | None) -> str | None:
-    """``url_path`` header -> "completions" | "chat" | "models" | "health" | "tokenize" | "detokenize";
-    None for the native API.
-
-    Raises ``ApiError`` (404) for any other path below the model, so a typo is not served as a
-    native generation request."""
-    if url_path is None:
-        return None
-    path = url_path.split("?", 1)[0].strip("/")
-    if not path:
-        return None
-    name = ROUTES.get(path)
-    if name is None:
-        raise ApiError(404, "not_found", f"unknown path {echo(path)}; served: {', '.join(ROUTES)}", None)
-    return name
 
 
 @dataclass
