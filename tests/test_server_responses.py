@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import time
 import urllib.parse
 
 import jsonschema
@@ -185,3 +186,35 @@ def _twice_authorized(server, method: str, path: str, authorizations: list[str])
         return response.status, response.read()
     finally:
         conn.close()
+
+
+def _poll(client, response_id: str, until: tuple[str, ...], timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = client.responses.retrieve(response_id)
+        if got.status in until or time.monotonic() > deadline:
+            return got
+        time.sleep(0.1)
+
+
+def test_background_responses_are_queued_polled_and_cancelled(async_frontend):
+    """``background: true``: answered at once (queued), polled with GET until completed and stored as a
+    foreground answer is (the same greedy text); a long one cancelled mid-way ends cancelled (stored so);
+    without ``store`` it is refused. (Owners: the same store as foreground responses, tested above.)"""
+    import openai
+
+    client = client_of(async_frontend)
+    queued = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=24, temperature=0, background=True)
+    assert queued.status == "queued" and queued.background is True
+    done = _poll(client, queued.id, ("completed", "incomplete", "failed"))
+    foreground = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=24, temperature=0)
+    assert done.status == "completed" and done.output_text == foreground.output_text and done.background is True
+    long = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=1500, temperature=0,
+                                   background=True, extra_body={"ignore_eos": True})
+    assert _poll(client, long.id, ("in_progress",), 60).status == "in_progress"
+    # (cancel answers once the response ended, or after 5 s as it stands: a loaded 2-core host may take longer)
+    assert client.responses.cancel(long.id).status in ("cancelled", "in_progress")
+    assert _poll(client, long.id, ("cancelled", "completed", "incomplete"), 60).status == "cancelled"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, input=QUESTION, background=True, store=False)
+    assert err.value.body["param"] == "background"

@@ -34,13 +34,16 @@ Contract (docs/responses.md has the user's view):
   ``response.completed`` (``response.incomplete`` when cut). A failure after the stream began sends
   ``error`` (our code, message, param) and then ``response.failed`` (the Response with its ``error``):
   the openai package yields both as typed events (it raises on neither in a Responses stream).
+* ``background: true`` (with ``store``; not with ``stream``): the call is answered at once with the Response
+  object (status ``queued``) and runs on; ``GET`` shows it ``in_progress`` and then as stored, ``cancel``
+  ends it (the route does this: ``llm_api.service.routes.responses``).
 * ``ignore_eos`` (vLLM's extension, as on chat; true/false): the answer runs to ``max_output_tokens``
   (status incomplete, reason ``max_output_tokens``); refused with ``text.format`` json or tools' grammar.
 * With tools, ``llm_api.api.constraints.plan_tools`` decides how they are served, as on chat (the
   Responses function tools converted to chat's shape, its errors renamed: ``tools[i].parameters``):
   the template renders them, or, on a template without a tool format, the generic tools block
-  (``request.tool_prompt``) serves ``required`` and a named function (one call per answer) and ``auto``
-  is refused naming ``tool_choice``. The answer's text goes through ``ToolCallParser`` (the plan's
+  (``request.tool_prompt``) serves every choice (``auto``: text or a call; one call per answer unless
+  ``parallel_tool_calls`` is true). The answer's text goes through ``ToolCallParser`` (the plan's
   ``ToolFormat``): content becomes a ``message`` item, each call a ``function_call`` item (``call_id``
   "call_...", arguments streamed in pieces exactly as the model wrote them).
 * Reasoning models (``Limits.reasoning_format``): ``reasoning.effort`` becomes the template variables
@@ -281,7 +284,7 @@ class ResponsesBody(_Strict):
     reasoning: ReasoningConfig | None = None
     include: Annotated[list[Text], Field(max_length=0)] | None = None  # nothing optional is served (see below)
     truncation: Literal["disabled"] | None = None
-    background: Literal[False] | None = None
+    background: StrictFlag | None = None  # queued and polled (llm_api.service.routes.responses); needs store
     service_tier: Literal[SERVICE_TIERS] | None = None
     prompt_cache_key: Label | None = None  # a routing hint; the prefix cache here needs none
     safety_identifier: Label | None = None  # like user: a label for abuse reports; nothing here uses it
@@ -359,14 +362,22 @@ def parse_responses(body: Any, model_name: str, limits: Limits,
         "top_p": request.params.top_p,
         "truncation": "disabled",
         "user": call.user,
-        "background": False,
+        "background": bool(call.background),
         "service_tier": "default",
         "prompt_cache_key": call.prompt_cache_key,
         "safety_identifier": call.safety_identifier,
     }
     request.adapter, request.adapter_param = (None if call.model == model_name else call.model), "model"
+    if call.background and not call.store:
+        raise ApiError(400, "invalid_value", "'background' needs 'store' (a background response is read back "
+                       "with GET /v1/responses/{id})", "background")
+    if call.background and call.stream:
+        raise ApiError(400, "unsupported_parameter", "'background' with 'stream' is not served here: create the "
+                       "response in the background and poll it with GET /v1/responses/{id}, or stream it in the "
+                       "foreground", "background")
     responses_call = ResponsesCall(
-        model=call.model, stream=call.stream, store=call.store, tool_format=tool_format,
+        model=call.model, stream=call.stream, store=call.store, background=bool(call.background),
+        tool_format=tool_format,
         reasoning_format=limits.reasoning_format, previous_response_id=call.previous_response_id,
         instructions=call.instructions, input_turns=input_turns, input_items=items, settings=settings)
     return request, responses_call
@@ -395,7 +406,6 @@ def _refuse_unsupported_kinds(data: dict) -> None:
 
 # What a refused field's value means to the client, when pydantic's own message would not say it.
 _REFUSED_VALUES = {
-    "background": "background responses are not served here (only background: false)",
     "truncation": "only truncation 'disabled' is served (a prompt over MAX_INPUT_TOKENS is refused, not cut)",
     "include": "no optional output data is served here ('include' must be empty)",
     "service_tier": "one service tier is served here: 'auto' or 'default'",
@@ -600,6 +610,7 @@ class ResponsesCall:
     model: str
     stream: bool
     store: bool = True
+    background: bool = False  # answered at once (status queued) and run on; polled with GET
     tool_format: ToolFormat | None = None
     previous_response_id: str | None = None
     reasoning_format: ReasoningFormat | None = None  # a reasoning model's: the think block is a reasoning item

@@ -10,6 +10,11 @@
   ``status: in_progress``); delete: removes a stored one (``{"id", "object": "response.deleted",
   "deleted": true}``); cancel: ends a response still being generated (its stream ends, the stored object
   says ``cancelled``) and answers the Response object; a finished one cannot be cancelled (400).
+* background (``"background": true``): the answer is the Response object at once (status ``queued``) and the
+  generation runs on as a task of the event loop (``Responses.run_in_background``), known as in flight
+  (``retrieve`` shows it ``in_progress``, ``cancel`` ends it) and stored when it ends: completed,
+  incomplete, cancelled, or failed with its error (a refusal at admission too, such as 503 overloaded).
+  Streaming a background response (and resuming it with ``starting_after``) is not served: poll it.
 * The store is called on a worker thread (an SQLite store may wait on another process's lock).
 * Owners: the credential the request carried, as its edge derived it once (``Call.owner``,
   ``llm_api.service.owners``): another key gets 404 for an id it did not create, exactly as for an id that
@@ -24,10 +29,10 @@ import logging
 from contextlib import aclosing
 from typing import AsyncGenerator
 
-from llm_api.api.errors import ApiError, echo
+from llm_api.api.errors import ApiError, echo, internal_error
 from llm_api.api.responses import ResponsesCall, parse_responses
 from llm_api.api.request import GenerateRequest
-from llm_api.service.answer import Final, Part, encoded_parts, parse_large
+from llm_api.service.answer import Final, Part, Refusal, encoded_parts, parse_large
 from llm_api.service.live_responses import InFlightResponse
 from llm_api.service.routes.route import Answer, Call, RouteContext, Streamed, Whole
 from llm_api.service.service import ModelService
@@ -55,15 +60,42 @@ async def create(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answe
         if stored is None:
             raise _not_found(encoder.previous_response_id, "previous_response_id")
         encoder.continue_from(json.loads(stored.conversation_json), request)
+    if encoder.background:
+        entry = InFlightResponse(owner, call.request_id, encoder)
+        service.responses.in_flight[encoder.id] = entry  # (before the answer: a poll right after it finds it)
+        service.responses.run_in_background(_background(service, request, encoder, call.request_id, owner, entry))
+        return Whole(200, json.dumps({**encoder.response_json(), "status": "queued"}))
     return Streamed(_tracked(service, request, encoder, call.request_id, owner), encoder)
 
 
+async def _background(service: ModelService, request: GenerateRequest, encoder: ResponsesCall, request_id: str,
+                      owner: str, entry: InFlightResponse) -> None:
+    """A background response to its end; a refusal or an error ends it ``failed`` (stored all the same)."""
+    error: ApiError | None = None
+    try:
+        async with aclosing(_tracked(service, request, encoder, request_id, owner, entry)) as parts:
+            async for part in parts:
+                if isinstance(part, Refusal):
+                    detail = json.loads(part.body).get("error") or {}
+                    error = ApiError(part.status, str(detail.get("code") or "error"), str(detail.get("message")))
+    except ApiError as refused:  # (admission: overloaded, too long, ...)
+        error = refused
+    except Exception:
+        logger.exception("background response %s failed", encoder.id)
+        error = internal_error()
+    if error is not None:
+        encoder.fail(error)
+        await asyncio.to_thread(service.responses.store.put, encoder.id, owner, json.dumps(encoder.response_json()),
+                                json.dumps(encoder.conversation()))
+
+
 async def _tracked(service: ModelService, request: GenerateRequest, encoder: ResponsesCall, request_id: str,
-                   owner: str) -> AsyncGenerator[Part, None]:
+                   owner: str, entry: InFlightResponse | None = None) -> AsyncGenerator[Part, None]:
     """The answer's parts, with the response known as in flight meanwhile and stored before its last part."""
     live = service.responses.in_flight
-    entry = InFlightResponse(owner, request_id, encoder)
-    live[encoder.id] = entry
+    if entry is None:
+        entry = InFlightResponse(owner, request_id, encoder)
+        live[encoder.id] = entry
     try:
         async with aclosing(encoded_parts(service, request, encoder, request_id, owner=owner)) as parts:
             async for part in parts:
