@@ -3,8 +3,9 @@
 ``Responses(store)`` is what ``ModelService.responses`` holds: ``store`` (``llm_api.service.response_store``:
 finished responses, bounded) and ``in_flight`` (response id -> ``InFlightResponse``: its owner, the
 service's request id that ``cancel`` ends, its encoder, whose Response object so far ``retrieve``
-returns, and an event set when it ended), and ``background`` (the tasks running background responses: held
-here so none is collected while it runs; each ends with its generation, which the engine's shutdown ends). Only the event loop touches these.
+returns, and an event set when it ended), and ``background`` (the tasks running background responses:
+held here so none is collected while it runs; each ends with its generation, which the engine's shutdown
+ends). Only the event loop touches these.
 """
 
 from __future__ import annotations
