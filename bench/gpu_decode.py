@@ -44,9 +44,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from harness.host import cpu_model
 
 # Make `llm_api` importable when run as `python bench/gpu_decode.py` from anywhere.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 MODEL_NAMES = ("smollm2-135m", "qwen2.5-0.5b", "llama-3.1-8b")
 SMOKE_MODEL = "tiny-llama"
@@ -229,7 +229,7 @@ def environment(device: torch.device) -> dict:
         name = torch.cuda.get_device_name(device)
         total = torch.cuda.get_device_properties(device).total_memory
     else:
-        name = f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+        name = f"CPU {cpu_model()} ({os.cpu_count()} cores)"
         total = None
     return {
         "device": name, "device_memory_bytes": total, "torch": torch.__version__, "cuda": torch.version.cuda,

@@ -29,10 +29,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gpu_decode import MODEL_NAMES, build_model, cdiv, prompts_for, synchronize  # noqa: E402
+from gpu_decode import MODEL_NAMES, build_model, cdiv, prompts_for, synchronize
 
 
 def parse_args(argv=None):

@@ -166,8 +166,8 @@ class Witness:
     greedy stream and waits for its first chunk; on leaving, the stream is cancelled by its
     ``x-request-id`` and must then end with its ``cancelled`` error line (so it streamed the whole time,
     and the engine still served its cancel). ``max_gap`` is the largest gap between two of its chunks
-    while the block ran, the one from its last chunk to the cancel included; the worker (TorchServe) or the server process (standalone) must be the same
-    one afterwards."""
+    while the block ran, the one from its last chunk to the cancel included; the worker (TorchServe) or the
+    server process (standalone) must be the same one afterwards."""
 
     server: object
     max_new_tokens: int = 1000  # fits the 64 MiB KV pool of the shared async server
