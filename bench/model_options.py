@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from harness.host import cpu_model
 from harness.report import markdown_table, write_json
@@ -63,7 +64,8 @@ def measure(option: str) -> dict:
     rss_before = _rss_mib()
     lm = model_loader.load(Settings.from_env(env))
     service = ModelService(Settings.from_env(env), lm)
-    assert service.path_name == "paged engine"
+    assert service.path_name == "paged engine" and service.engine is not None
+    model: Any = lm.model  # a transformers model (get_memory_footprint)
 
     def run(rows: list[dict]) -> tuple[list[tuple[str, int]], float]:
         """The rows sent together: ((text, generated tokens) per row, seconds)."""
@@ -90,7 +92,7 @@ def measure(option: str) -> dict:
         "option": option,
         "settings": OPTIONS[option],
         "answer": answer,
-        "memory_footprint_mib": lm.model.get_memory_footprint() / 2**20,
+        "memory_footprint_mib": model.get_memory_footprint() / 2**20,
         "rss_growth_mib": _rss_mib() - rss_before,
         "kv_pool_mib": service.engine.kv_cache.num_bytes / 2**20,
         "tokens_per_s_batch1": single[1] / single_s,

@@ -106,7 +106,7 @@ def llamacpp_kernels(info: dict, dtype: str, args) -> dict[str, float]:
            "-r", "1", "-t", str(args.threads), "-o", "json"]
     run = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
     rows = json.loads(run.stdout)
-    out = {}
+    out: dict = {}
     for row in rows:
         kind = "pp" if row["n_prompt"] > 0 and row["n_gen"] == 0 else "tg"
         out[kind] = float(row["avg_ts"])

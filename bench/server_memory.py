@@ -88,6 +88,20 @@ def parse_args():
 # reading a process's memory
 
 
+def running_pid(server: StandaloneServer) -> int:
+    pid = server.server_pid()
+    if pid is None:
+        raise RuntimeError(f"the server in {server.workdir} is not running")
+    return pid
+
+
+def first_group(pattern: re.Pattern[str], log: str) -> str:
+    match = pattern.search(log)
+    if match is None:
+        raise RuntimeError(f"no line matching {pattern.pattern!r} in the server's log")
+    return match.group(1)
+
+
 def status_kib(pid: int, field: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -137,7 +151,7 @@ def llm_api_kv(server: StandaloneServer, dtype: str) -> tuple[int, int]:
     from smaps (a CPU pool is resident only as far as it has been written)."""
     match = re.search(r"paged KV cache: \d+ blocks x \d+ tokens \((\d+) tokens, ", server.model_log())
     assert match, "no KV cache line in the server's log"
-    mappings = kv_mappings(server.server_pid())
+    mappings = kv_mappings(running_pid(server))
     if len(mappings) != 2 * num_layers():
         raise RuntimeError(f"{len(mappings)} KV mappings in smaps, not one per layer's K and V")
     return int(match.group(1)) * bytes_per_token(dtype), sum(resident for _, resident in mappings)
@@ -183,6 +197,7 @@ def measure_memory(info: dict, dtype: str, context: int, args, work: Path) -> di
     peer.start()
     try:
         asyncio.run(load(peer.base, peer.key(), warm, tag=-1))
+        assert peer.proc is not None
         pid = peer.proc.pid
         idle = status_kib(pid, "VmRSS") * 1024
         kv = llamacpp_kv_bytes(context)
@@ -202,7 +217,7 @@ def measure_memory(info: dict, dtype: str, context: int, args, work: Path) -> di
     server = StandaloneServer(work / f"llm_api-{dtype}-{context}", env=env).start(timeout=300)
     try:
         asyncio.run(load(server.openai_base, server.key(), warm, tag=-1))
-        pid = server.server_pid()
+        pid = running_pid(server)
         idle = status_kib(pid, "VmRSS") * 1024
         pool, kv_idle = llm_api_kv(server, dtype)
         with PeakRss(pid) as peak:
@@ -256,8 +271,8 @@ def start_once(cache: Path, busy: bool, args, workdir: Path) -> dict:
             proc.kill()
             proc.wait()
         log = server.model_log()
-        loaded_at = datetime.datetime.strptime(LOG_TIME.search(log).group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-        chosen = int(re.search(r"token budget per step: (\d+)", log).group(1))
+        loaded_at = datetime.datetime.strptime(first_group(LOG_TIME, log), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        chosen = int(first_group(re.compile(r"token budget per step: (\d+)"), log))
         source = "cache" if "from the cache" in log else "probe"
         time.sleep(args.idle_s)
         raised = re.findall(r"token budget per step raised from \d+ to (\d+)", server.model_log())

@@ -137,7 +137,7 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict:
         "throughput_tok_s": out_tokens / wall_s,
         "ttft_s": quantile_summary([r.first - r.sent for r in ok if r.first]),
         "itl_s": quantile_summary(gaps),
-        "e2e_s": quantile_summary([r.done - r.sent for r in ok]),
+        "e2e_s": quantile_summary([r.done - r.sent for r in ok if r.done is not None]),  # (every ok one has it)
     }
 
 
@@ -219,14 +219,14 @@ def main() -> int:
     env = {"MODEL_PATH": args.model, "DTYPE": args.dtype}
     if args.compare == "frontends":
         with tempfile.TemporaryDirectory(prefix="bench-frontends-") as tmp:
-            results = compare_frontends(work, args, env, Path(tmp))
-        print_table(results)
-        torchserve, standalone = results["TorchServe (async)"], results["llm_api serve"]
+            fronts = compare_frontends(work, args, env, Path(tmp))
+        print_table(fronts)
+        torchserve, standalone = fronts["TorchServe (async)"], fronts["llm_api serve"]
         ratios = {"throughput_x": standalone["throughput_tok_s"] / torchserve["throughput_tok_s"],
                   "ttft_p95_x": standalone["ttft_s"]["p95"] / torchserve["ttft_s"]["p95"]}
         print(f"\nllm_api serve / TorchServe: throughput x{ratios['throughput_x']:.2f}, p95 TTFT "
               f"x{ratios['ttft_p95_x']:.2f} (aims: >= 1, <= 1)")
-        return write_report(args, results, ratios)
+        return write_report(args, fronts, ratios)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         root = Path(tmp)

@@ -82,7 +82,9 @@ def usage_after_one_more_request(server) -> tuple[int, int, int]:
     lines = server.wait_for_log_lines(f"request {request_id} ended", timeout=30)
     assert lines, f"no end line for request {request_id}"
     line = lines[-1]
-    free, total, live = map(int, re.search(r"KV blocks free (\d+)/(\d+); live requests (\d+)", line).groups())
+    match = re.search(r"KV blocks free (\d+)/(\d+); live requests (\d+)", line)
+    assert match, f"no KV blocks in the end line: {line}"
+    free, total, live = map(int, match.groups())
     return free, total, live
 
 

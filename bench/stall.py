@@ -131,7 +131,7 @@ async def run_phases(server: TorchServe, tokenizer, max_input_tokens: int) -> di
         }
         for phase, bodies in heavy.items():
             await asyncio.sleep(1.0)
-            stop, latencies = asyncio.Event(), []
+            stop, latencies = asyncio.Event(), list[float]()
             poller = asyncio.create_task(poll_health(session, health_url, headers, stop, latencies))
             start = time.monotonic()
             outcomes = await asyncio.gather(*(timed_post(session, url, headers, b) for b in bodies))
@@ -162,7 +162,7 @@ def main() -> int:
 
     model_path = model_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    report = {"date": datetime.date.today().isoformat(), "machine": f"{cpu_model()}, {os.cpu_count()} cores",
+    report: dict = {"date": datetime.date.today().isoformat(), "machine": f"{cpu_model()}, {os.cpu_count()} cores",
               "torch": torch.__version__, "runs": {}}
     for budget in args.budgets.split(","):
         env = {"MODEL_PATH": str(model_path), "MAX_NUM_BATCHED_TOKENS": budget, "KV_CACHE_MEMORY_MIB": "256"}

@@ -44,7 +44,7 @@ NUM_REQUESTS = 16
 ITEM = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                          "age": {"type": "integer", "minimum": 0, "maximum": 120}},
         "required": ["name", "age"]}
-SCHEMAS = {  # lists that do not end within the token budget
+SCHEMAS: dict[str, dict] = {  # lists that do not end within the token budget
     "people": {"type": "array", "items": ITEM, "minItems": 60},
     "numbers": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9999}, "minItems": 200},
     "words": {"type": "object", "properties": {"words": {"type": "array", "minItems": 100, "items": {
