@@ -15,15 +15,11 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from llm_api.engine.attention.torch_backend import TorchBackend, group_by_length  # noqa: E402
+from llm_api.engine.attention.torch_backend import TorchBackend, group_by_length
 
 LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 9, 3, 64, 16
 

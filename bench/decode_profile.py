@@ -24,14 +24,13 @@ Prints a markdown table; the figures in docs/benchmarks.md ("Where a CPU decode 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
+from harness.host import describe
+from harness.report import markdown_table, write_json
 
 
 def parse_args():
@@ -47,12 +46,6 @@ def parse_args():
     parser.add_argument("--smoke", action="store_true", help="a run of seconds: batch 1, 2 rounds of 2 steps")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     return parser.parse_args()
-
-
-def cpu_flags() -> list[str]:
-    from llm_api.model.cpu import this_cpu_features
-
-    return sorted(this_cpu_features() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma"})
 
 
 def read_bandwidth(gib: float, repeats: int = 5) -> float:
@@ -197,26 +190,21 @@ def main():
     bandwidth = read_bandwidth(args.bandwidth_gib)
     weights = weight_bytes(lm.model)
     packed = type(lm.model.get_output_embeddings()).__name__ == "PackedLinear"
-    host = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "flags": cpu_flags(),
-            "threads": torch.get_num_threads(), "torch": torch.__version__}
+    host = describe()
     results = [profile_batch(engine, b, args.prompt_tokens, args.steps, args.rounds) for b in batch_sizes]
     print(f"\nhost: {host}\n{args.dtype}, packed weights: {packed}; read bandwidth {bandwidth / 1e9:.1f} GB/s "
           f"({args.bandwidth_gib} GiB float32 sum); weights read per step {weights / 1e6:.0f} MB; "
           f"batch-1 roofline {bandwidth / weights:.1f} tok/s\n")
-    print("| part of a decode step | " + " | ".join(f"batch {r['batch_size']} (ms)" for r in results) + " |")
-    print("|---|" + "---|" * len(results))
-    for part in PartTimers.PARTS:
-        cells = [f"{r['parts_s'][part] * 1e3:.1f} ({r['parts_s'][part] / r['step_s']:.0%})" for r in results]
-        print(f"| {part} | " + " | ".join(cells) + " |")
-    print("| **step** | " + " | ".join(f"**{r['step_s'] * 1e3:.1f}** = {r['tokens_per_s']:.1f} tok/s"
-                                       for r in results) + " |")
+    rows = [[part, *(f"{r['parts_s'][part] * 1e3:.1f} ({r['parts_s'][part] / r['step_s']:.0%})" for r in results)]
+            for part in PartTimers.PARTS]
+    rows.append(["**step**", *(f"**{r['step_s'] * 1e3:.1f}** = {r['tokens_per_s']:.1f} tok/s" for r in results)])
+    print(markdown_table(["part of a decode step", *(f"batch {r['batch_size']} (ms)" for r in results)], rows))
     products = results[0]["parts_s"]["weight products"]
     print(f"\nbatch 1: weight products read {weights / products / 1e9:.1f} GB/s "
           f"({weights / products / bandwidth:.0%} of the measured bandwidth)")
     if args.out:
-        Path(args.out).write_text(json.dumps({"host": host, "dtype": args.dtype, "packed": packed,
-                                              "bandwidth_bytes_per_s": bandwidth, "weight_bytes": weights,
-                                              "results": results}, indent=2))
+        write_json(args.out, {"host": host, "dtype": args.dtype, "packed": packed, "bandwidth_bytes_per_s": bandwidth,
+                              "weight_bytes": weights, "results": results})
 
 
 if __name__ == "__main__":

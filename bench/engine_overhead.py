@@ -17,14 +17,14 @@ ratio is printed beside them. Prints a table and writes JSON (with every step's 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
+from harness.host import cpu_model
+from harness.models import model_dir
+from harness.report import write_json
 
 
 def parse_args():
@@ -40,13 +40,6 @@ def parse_args():
     parser.add_argument("--bare-cache", default="dynamic", choices=["dynamic", "static"])
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     return parser.parse_args()
-
-
-def default_model_dir() -> Path:
-    from llm_api.model.settings import default_model_path
-    from llm_api.model.embedded import prepare
-
-    return prepare(default_model_path(os.environ))
 
 
 def load_model(path, dtype):
@@ -160,11 +153,11 @@ def measure(bare_model, engine_model, batch_size, context_len, args):
 def main():
     args = parse_args()
     dtype = getattr(torch, args.dtype)
-    model_dir = args.model or default_model_dir()
-    bare_model = load_model(model_dir, dtype)
-    engine_model = load_model(model_dir, dtype)  # the engine switches its attention to the paged one
+    model_path = model_dir(args.model)
+    bare_model = load_model(model_path, dtype)
+    engine_model = load_model(model_path, dtype)  # the engine switches its attention to the paged one
     rows = []
-    print(f"model {model_dir} dtype {args.dtype} threads {torch.get_num_threads()} bare cache {args.bare_cache}")
+    print(f"model {model_path} dtype {args.dtype} threads {torch.get_num_threads()} bare cache {args.bare_cache}")
     print(f"{'batch':>5} {'context':>7} {'bare tok/s':>11} {'engine tok/s':>12} {'engine/bare':>11} {'median ratio':>12}")
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
         for context_len in [int(c) for c in args.context_lens.split(",")]:
@@ -178,14 +171,14 @@ def main():
             print(f"{batch_size:>5} {context_len:>7} {bare:>11.1f} {engine:>12.1f} {engine / bare:>11.2f}"
                   f" {median_ratio:>12.2f}", flush=True)
     result = {
-        "model": str(model_dir), "dtype": args.dtype, "steps": args.steps, "rounds": args.rounds,
+        "model": str(model_path), "dtype": args.dtype, "steps": args.steps, "rounds": args.rounds,
         "warmup": args.warmup,
         "block_size": args.block_size, "bare_cache": args.bare_cache, "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "machine": cpu_model(),
         "rows": rows,
     }
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+        write_json(args.out, result)
         print(f"wrote {args.out}")
 
 

@@ -18,22 +18,19 @@ one-time costs show as the difference between the last two.
 from __future__ import annotations
 
 import argparse
-import os
 import queue
 import statistics
-import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness.models import model_dir
 
-from llm_api.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from llm_api.engine.sampler import SamplingParams  # noqa: E402
-from llm_api.model.loader import load  # noqa: E402
-from llm_api.model.settings import Settings, default_model_path  # noqa: E402
+from llm_api.engine.engine import EngineConfig, LLMEngine
+from llm_api.engine.sampler import SamplingParams
+from llm_api.model.loader import load
+from llm_api.model.settings import Settings
 
 
 def decode_rate(engine: LLMEngine, tokenizer, batch: int, tokens: int, tag: str) -> float:
@@ -95,7 +92,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
-    model_path = os.environ.get("MODEL_PATH") or str(default_model_path(os.environ))
+    model_path = str(model_dir())
     lm = load(Settings.from_env({"MODEL_PATH": model_path, "DTYPE": args.dtype}))
     engine = LLMEngine(lm.model, EngineConfig(kv_cache_memory_mib=256, max_num_batched_tokens=2048),
                        set(lm.eos_token_ids))

@@ -42,11 +42,12 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from harness.host import cpu_model
 
 # Make `llm_api` importable when run as `python bench/gpu_decode.py` from anywhere.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 MODEL_NAMES = ("smollm2-135m", "qwen2.5-0.5b", "llama-3.1-8b")
 SMOKE_MODEL = "tiny-llama"
@@ -229,7 +230,7 @@ def environment(device: torch.device) -> dict:
         name = torch.cuda.get_device_name(device)
         total = torch.cuda.get_device_properties(device).total_memory
     else:
-        name = f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+        name = f"CPU {cpu_model()} ({os.cpu_count()} cores)"
         total = None
     return {
         "device": name, "device_memory_bytes": total, "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -546,7 +547,7 @@ class Results:
     def __init__(self, settings: BenchSettings, out: Path | None, device: torch.device, clock: Clock):
         self.out = out
         self.clock = clock
-        self.doc = {
+        self.doc: dict[str, Any] = {
             "benchmark": "bench/gpu_decode.py", "smoke": settings.smoke, "complete": False,
             "environment": environment(device), "settings": asdict(settings),
             "bandwidth": None, "models": {}, "rows": [], "cuda_graphs": skipped("not run"),
@@ -608,7 +609,7 @@ def summarize_row(row: dict) -> None:
 
 def run_model(name: str, settings: BenchSettings, device: torch.device, dtype: torch.dtype, bandwidth: float,
               results: Results, clock: Clock) -> None:
-    model_doc = {"status": "ok"}
+    model_doc: dict[str, Any] = {"status": "ok"}
     results.doc["models"][name] = model_doc
     started = clock.elapsed()
     if clock.spent():
@@ -633,9 +634,9 @@ def run_model(name: str, settings: BenchSettings, device: torch.device, dtype: t
           f"KV {facts.kv_bytes_per_token} B/token", flush=True)
 
     mean_context = settings.context_len + settings.warmup_steps + (settings.decode_steps + 1) / 2
-    rows = []
+    rows: list[dict[str, Any]] = []
     for batch_size in settings.batch_sizes:
-        row = {"model": name, "batch_size": batch_size, "context_len": settings.context_len,
+        row: dict[str, Any] = {"model": name, "batch_size": batch_size, "context_len": settings.context_len,
                "roofline": roofline(facts, batch_size, mean_context, bandwidth),
                "engine": skipped("not run"), "generate": skipped("not run"),
                "static_compile": skipped("not in --compile-batches")}
@@ -657,7 +658,7 @@ def run_model(name: str, settings: BenchSettings, device: torch.device, dtype: t
 
     if name == settings.graphs_model:
         batch_size = settings.graphs_batch_size
-        graphs = {"model": name, "batch_size": batch_size, "off": skipped("not run"), "on": skipped("not run")}
+        graphs: dict[str, Any] = {"model": name, "batch_size": batch_size, "off": skipped("not run"), "on": skipped("not run")}
         results.doc["cuda_graphs"] = graphs
         for key, on in (("off", False), ("on", True)):
             measure(results, clock, graphs, key, f"{name}: engine B={batch_size} cuda_graphs={on}", run_engine,
@@ -701,7 +702,7 @@ def format_rate(measurement: dict, key: str = "decode_tokens_per_s") -> str:
     status = measurement.get("status")
     if status == "ok" and measurement.get(key):
         return f"{measurement[key]:.1f}"
-    return {"skipped": "skip", "error": "error"}.get(status, "-")
+    return {"skipped": "skip", "error": "error"}.get(str(status), "-")
 
 
 def print_table(doc: dict) -> None:

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 
 import torch
+from harness.host import cpu_model
+from harness.models import model_dir
 
 SCHEMAS = {
     "person": {
@@ -112,13 +114,6 @@ def parse_args():
                              "oversubscribing its cores)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     return parser.parse_args()
-
-
-def default_model_dir() -> Path:
-    from llm_api.model.embedded import prepare
-    from llm_api.model.settings import default_model_path
-
-    return prepare(default_model_path(os.environ))
 
 
 def ms(seconds: float) -> str:
@@ -268,10 +263,10 @@ def bench_batch_fill(compiler, vocab_size, args):
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def bench_model_forward(model_dir, batch, rounds):
+def bench_model_forward(model_path, batch, rounds):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
     input_ids = torch.randint(0, model.config.vocab_size, (batch, 1))
     times = []
     with torch.inference_mode():
@@ -341,12 +336,12 @@ def main():
 
     from llm_api.engine.grammar import GrammarCompiler
 
-    model_dir = Path(args.model) if args.model else default_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model_vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    model_path = model_dir(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model_vocab = AutoConfig.from_pretrained(model_path).vocab_size
     stop_ids = [tokenizer.eos_token_id]
     load_start = os.getloadavg()
-    machine = (f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, torch {torch.__version__} "
+    machine = (f"{platform.machine()} {cpu_model()} {os.cpu_count()} cores, torch {torch.__version__} "
                f"({torch.get_num_threads()} threads), xgrammar {version('xgrammar')}, "
                f"python {platform.python_version()}")
     print(machine)
@@ -354,7 +349,7 @@ def main():
     start = time.perf_counter()
     compiler = GrammarCompiler(tokenizer, args.bench_vocab, stop_ids)
     build_s = time.perf_counter() - start
-    print(f"\nGrammarCompiler for {model_dir.name} (V={args.bench_vocab}): built in {build_s:.2f} s "
+    print(f"\nGrammarCompiler for {model_path.name} (V={args.bench_vocab}): built in {build_s:.2f} s "
           f"(once per model); compile threads: xgrammar spawns num_threads per compilation")
 
     compile_results = bench_compile(compiler, args.rounds)
@@ -385,10 +380,10 @@ def main():
 
     forward_s = None
     if not args.no_model_forward:
-        forward_s = bench_model_forward(model_dir, args.batch, args.rounds)
+        forward_s = bench_model_forward(model_path, args.batch, args.rounds)
         step_c = steps["(c) bf16, model V"]
         added_s = step_c["masked.total_median_s"] - step_c["plain.total_median_s"]
-        print(f"reference: {model_dir.name} bf16 forward of {args.batch} rows x 1 token (no KV cache) "
+        print(f"reference: {model_path.name} bf16 forward of {args.batch} rows x 1 token (no KV cache) "
               f"{forward_s * 1e3:.1f} ms; the masked step adds {added_s / forward_s * 100:.1f}% of it")
 
     gil = bench_gil(compiler, args.rounds)

@@ -22,23 +22,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness.host import cpu_model
 
-from llm_api.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from llm_api.engine.sampler import SamplingParams  # noqa: E402
-from llm_api.lora.layer import TARGET_NAMES  # noqa: E402
-from llm_api.lora.registry import LoraRegistry  # noqa: E402
-from llm_api.model.loader import load  # noqa: E402
-from llm_api.model.settings import Settings  # noqa: E402
+from llm_api.engine.engine import EngineConfig, LLMEngine
+from llm_api.engine.sampler import SamplingParams
+from llm_api.lora.layer import TARGET_NAMES
+from llm_api.lora.registry import LoraRegistry
+from llm_api.model.loader import load
+from llm_api.model.settings import Settings
 
 NUM_ADAPTERS = 4
 
@@ -89,7 +87,7 @@ def main() -> int:
     settings = Settings.from_env()
     result: dict = {"benchmark": "bench/lora.py", "smoke": args.smoke, "requests": args.requests,
                     "tokens": args.tokens, "rank": args.rank, "dtype": settings.dtype,
-                    "cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads()}
+                    "cpu": cpu_model(), "torch_threads": torch.get_num_threads()}
     with tempfile.TemporaryDirectory() as tmp:
         engines, registries, ids = {}, {}, {}
         for kind, max_loras in (("mixed", NUM_ADAPTERS), ("swapped", 2)):

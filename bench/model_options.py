@@ -27,8 +27,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from harness.host import cpu_model
+from harness.report import markdown_table, write_json
+
 OPTIONS = {  # name -> environment for Settings
     "bf16": {"DTYPE": "bfloat16"},
     "8bit": {"DTYPE": "bfloat16", "QUANTIZATION": "8bit"},
@@ -48,21 +51,21 @@ def _rss_mib() -> float:
 
 
 def measure(option: str) -> dict:
-    sys.path.insert(0, str(REPO))
     import torch
+    from harness.models import model_dir
 
     from llm_api.model import loader as model_loader
-    from llm_api.model.settings import Settings, default_model_path
-    from llm_api.model.embedded import prepare
+    from llm_api.model.settings import Settings
     from llm_api.api.native import parse_request
     from llm_api.service.service import Finished, ModelService, TextDelta
 
-    model_path = prepare(Path(os.environ.get("MODEL_PATH") or default_model_path(os.environ)))
+    model_path = model_dir()
     env = {"MODEL_PATH": str(model_path), "KV_CACHE_MEMORY_MIB": "64", **OPTIONS[option]}
     rss_before = _rss_mib()
     lm = model_loader.load(Settings.from_env(env))
     service = ModelService(Settings.from_env(env), lm)
-    assert service.path_name == "paged engine"
+    assert service.path_name == "paged engine" and service.engine is not None
+    model: Any = lm.model  # a transformers model (get_memory_footprint)
 
     def run(rows: list[dict]) -> tuple[list[tuple[str, int]], float]:
         """The rows sent together: ((text, generated tokens) per row, seconds)."""
@@ -89,7 +92,7 @@ def measure(option: str) -> dict:
         "option": option,
         "settings": OPTIONS[option],
         "answer": answer,
-        "memory_footprint_mib": lm.model.get_memory_footprint() / 2**20,
+        "memory_footprint_mib": model.get_memory_footprint() / 2**20,
         "rss_growth_mib": _rss_mib() - rss_before,
         "kv_pool_mib": service.engine.kv_cache.num_bytes / 2**20,
         "tokens_per_s_batch1": single[1] / single_s,
@@ -114,17 +117,15 @@ def main() -> int:
             print(child.stderr, file=sys.stderr)
             return child.returncode
         results.append(json.loads(child.stdout.strip().splitlines()[-1]))
-    print(f"| option | greedy answer | get_memory_footprint | RSS growth (incl. {results[0]['kv_pool_mib']:.0f} MiB "
-          f"KV pool) | tokens/s, 1 request | tokens/s, {BATCH} requests |")
-    print("|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['option']} | {r['answer']!r} | {r['memory_footprint_mib']:.0f} MiB | {r['rss_growth_mib']:.0f} MiB "
-              f"| {r['tokens_per_s_batch1']:.1f} | {r[f'tokens_per_s_batch{BATCH}']:.1f} |")
+    print(markdown_table(
+        ("option", "greedy answer", "get_memory_footprint", f"RSS growth (incl. {results[0]['kv_pool_mib']:.0f} MiB KV pool)",
+         "tokens/s, 1 request", f"tokens/s, {BATCH} requests"),
+        [(r["option"], repr(r["answer"]), f"{r['memory_footprint_mib']:.0f} MiB", f"{r['rss_growth_mib']:.0f} MiB",
+          f"{r['tokens_per_s_batch1']:.1f}", f"{r[f'tokens_per_s_batch{BATCH}']:.1f}") for r in results]))
     if args.out:
-        machine = f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.processor() or 'cpu'}"
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"date": datetime.datetime.now().isoformat(timespec="seconds"),
-                                        "machine": machine, "results": results}, indent=2) + "\n")
+        machine = f"{platform.machine()}, {os.cpu_count()} CPU cores, {cpu_model()}"
+        write_json(args.out, {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine,
+                              "results": results})
     return 0
 
 

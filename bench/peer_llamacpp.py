@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
-import platform
 import random
 import signal
 import socket
@@ -48,14 +46,13 @@ from pathlib import Path
 
 import aiohttp
 import torch
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))  # the `llm_api serve` launcher the other benches use
-
-from standalone_server import StandaloneServer  # noqa: E402
+from harness.host import CPU_FLAGS, cpu_flags, cpu_model
+from harness.report import markdown_table, results_path, write_json
+from harness.server_process import REPO
+from harness.standalone_server import StandaloneServer
+from harness.stats import nearest_rank
 
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
-CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 TOPICS = ("a lighthouse keeper", "a river town", "a clockmaker", "a mountain pass", "a lost letter", "a winter market",
           "an old library", "a ship's cook", "a desert well", "a night train", "a glass blower", "a beekeeper")
 
@@ -86,23 +83,6 @@ def parse_args():
 # the host and the build
 
 
-def cpu_flags() -> list[str]:
-    from llm_api.model.cpu import this_cpu_features
-
-    features = this_cpu_features()
-    return [flag for flag in CPU_FLAGS if flag in features]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def build_info(llamacpp_dir: Path) -> dict[str, str]:
     path = llamacpp_dir / "build-info.txt"
     if not path.is_file():
@@ -126,7 +106,7 @@ def llamacpp_kernels(info: dict, dtype: str, args) -> dict[str, float]:
            "-r", "1", "-t", str(args.threads), "-o", "json"]
     run = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
     rows = json.loads(run.stdout)
-    out = {}
+    out: dict = {}
     for row in rows:
         kind = "pp" if row["n_prompt"] > 0 and row["n_gen"] == 0 else "tg"
         out[kind] = float(row["avg_ts"])
@@ -330,16 +310,10 @@ async def load(base: str, key: str, args, tag: int) -> dict:
         start = time.perf_counter()
         records = await asyncio.gather(*(limited(p) for p in prompts))
         wall = time.perf_counter() - start
-    ttfts = sorted(r["ttft"] for r in records if r["ttft"] is not None)
+    ttfts = [r["ttft"] for r in records if r["ttft"] is not None]
     tokens = sum(r["tokens"] for r in records)
-    return {"throughput": tokens / wall, "ttft_p95": percentile(ttfts, 95), "ttft_p50": percentile(ttfts, 50),
+    return {"throughput": tokens / wall, "ttft_p95": nearest_rank(ttfts, 95), "ttft_p50": nearest_rank(ttfts, 50),
             "tokens": tokens, "wall_s": wall, "short_answers": sum(r["tokens"] < args.max_tokens for r in records)}
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    return values[min(len(values) - 1, max(0, round(q / 100 * len(values) + 0.5) - 1))]  # nearest rank
 
 
 def serving(info: dict, dtype: str, args, workdir: Path) -> dict:
@@ -372,7 +346,7 @@ def serving(info: dict, dtype: str, args, workdir: Path) -> dict:
 
 
 def table(results: dict, args) -> str:
-    lines = ["| precision | measure | llama.cpp | llm_api | llm_api / llama.cpp |", "|---|---|---|---|---|"]
+    lines = []
     for dtype, parts in results.items():
         rows = []
         if "kernels" in parts:
@@ -384,9 +358,8 @@ def table(results: dict, args) -> str:
             load_ = f"{args.requests} chats, {args.concurrency} concurrent, {args.max_tokens} tokens"
             rows += [(f"serving tok/s ({load_})", m["llama.cpp"]["throughput"], m["llm_api"]["throughput"]),
                      ("serving TTFT p95 s", m["llama.cpp"]["ttft_p95"], m["llm_api"]["ttft_p95"])]
-        for name, peer, ours in rows:
-            lines.append(f"| {dtype} | {name} | {peer:.2f} | {ours:.2f} | {ours / peer:.2f} |")
-    return "\n".join(lines)
+        lines += [(dtype, name, f"{peer:.2f}", f"{ours:.2f}", f"{ours / peer:.2f}") for name, peer, ours in rows]
+    return markdown_table(("precision", "measure", "llama.cpp", "llm_api", "llm_api / llama.cpp"), lines)
 
 
 def main():
@@ -408,15 +381,12 @@ def main():
                 results[dtype]["serving"] = serving(info, dtype, args, Path(work))
     print()
     print(table(results, args))
-    out = Path(args.out) if args.out else (
-        REPO / "bench" / "results" / f"peer_llamacpp-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
+    out = write_json(results_path("peer_llamacpp", args.out), {
         "cpu": cpu_model(), "cpu_flags": flags, "cpu_count": os.cpu_count(), "threads": args.threads,
         "llama_cpp": info, "torch": torch.__version__, "smoke": args.smoke, "rounds": args.rounds,
         "pp": args.pp, "tg": args.tg, "requests": args.requests, "concurrency": args.concurrency,
         "max_tokens": args.max_tokens, "results": results,
-    }, indent=2))
+    })
     print(f"wrote {out}")
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import uuid
 from pathlib import Path
 
 import openai
+from harness.host import cpu_model
 
 MODEL = "smollm2"
 TEXT = ("The river town kept its old customs. Every spring the ferrymen painted their boats, the bakers "
@@ -64,14 +64,11 @@ def ttft(client, **kwargs) -> tuple[float, str, str]:
 
 
 def start_server(key: str) -> tuple[subprocess.Popen, str]:
-    from llm_api.model.embedded import prepare
-    from llm_api.model.settings import default_model_path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from server_process import free_ports
+    from harness.models import model_dir
+    from harness.server_process import free_ports
 
     port = free_ports(1)[0]
-    env = {**os.environ, "MODEL_PATH": str(prepare(default_model_path(os.environ))), "DTYPE": "float32",
+    env = {**os.environ, "MODEL_PATH": str(model_dir()), "DTYPE": "float32",
            "LLM_API_KEY": key, "TMPDIR": tempfile.mkdtemp()}
     process = subprocess.Popen([sys.executable, "-m", "llm_api.server", "serve", "--port", str(port),
                                 "--grpc-port", "0"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -115,7 +112,7 @@ def main():
         if args.out:
             args.out.write_text(json.dumps({"rounds": rounds, "median": med, "second_over_first": ratio_first,
                                             "cold_over_second": ratio_cold, "prompt_tokens": args.prompt_tokens,
-                                            "machine": platform.processor() or platform.machine()}, indent=2))
+                                            "machine": cpu_model()}, indent=2))
     finally:
         if process is not None:
             process.terminate()

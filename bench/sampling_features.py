@@ -24,14 +24,15 @@ Prints a table; writes JSON (with every round's numbers) to ``--out``. Run it al
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
+from harness.host import cpu_model
+from harness.models import model_dir
+from harness.report import markdown_table, write_json
 
 
 def parse_args():
@@ -54,10 +55,7 @@ def parse_args():
 def load(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llm_api.model.embedded import prepare
-    from llm_api.model.settings import default_model_path
-
-    path = args.model or prepare(default_model_path(os.environ))
+    path = model_dir(args.model)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     return model, AutoTokenizer.from_pretrained(path)
@@ -169,28 +167,27 @@ def main():
     batch_gain = med([c["tokens_per_s"] / s["tokens_per_s"]
                       for c, s in zip(n_runs["four_concurrent"], n_runs["four_sequential"])])
     result = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
+        "machine": {"platform": platform.platform(), "processor": cpu_model(), "cpus": os.cpu_count(),
                     "torch": torch.__version__, "threads": torch.get_num_threads()},
         "args": vars(args),
         "logprobs": {**logprobs_runs, "median_cost": cost, "median_paired_cost": paired_cost},
         "n": {**n_runs, "median_speedup": speedup, "median_concurrent_speedup": batch_gain},
     }
     print()
-    print("| comparison | A | B | B vs A |")
-    print("|---|---:|---:|---:|")
-    print(f"| decode, batch {args.batch}, greedy (tok/s) | no logprobs {med(logprobs_runs['none']):.1f} | "
-          f"logprobs={args.top_logprobs} {med(logprobs_runs['logprobs']):.1f} | cost {paired_cost * 100:.1f}% |")
-    print(f"| {args.new_tokens} tokens x 4 from a {args.n_prompt_tokens}-token prompt (tok/s) | 4 sequential "
-          f"{med([s['tokens_per_s'] for s in n_runs['four_sequential']]):.1f} | n=4 "
-          f"{med([s['tokens_per_s'] for s in n_runs['n4']]):.1f} | {speedup:.2f}x |")
-    print(f"| the same, as 4 separate requests at once (tok/s) | 4 sequential "
-          f"{med([s['tokens_per_s'] for s in n_runs['four_sequential']]):.1f} | 4 concurrent "
-          f"{med([s['tokens_per_s'] for s in n_runs['four_concurrent']]):.1f} | {batch_gain:.2f}x |")
+    sequential = med([s["tokens_per_s"] for s in n_runs["four_sequential"]])
+    print(markdown_table(("comparison", "A", "B", "B vs A"), [
+        (f"decode, batch {args.batch}, greedy (tok/s)", f"no logprobs {med(logprobs_runs['none']):.1f}",
+         f"logprobs={args.top_logprobs} {med(logprobs_runs['logprobs']):.1f}", f"cost {paired_cost * 100:.1f}%"),
+        (f"{args.new_tokens} tokens x 4 from a {args.n_prompt_tokens}-token prompt (tok/s)",
+         f"4 sequential {sequential:.1f}", f"n=4 {med([s['tokens_per_s'] for s in n_runs['n4']]):.1f}",
+         f"{speedup:.2f}x"),
+        ("the same, as 4 separate requests at once (tok/s)", f"4 sequential {sequential:.1f}",
+         f"4 concurrent {med([s['tokens_per_s'] for s in n_runs['four_concurrent']]):.1f}", f"{batch_gain:.2f}x"),
+    ], "lrrr"))
     print(f"peak KV blocks: n=4 {n_runs['n4'][0]['peak_blocks']}, 4 concurrent {n_runs['four_concurrent'][0]['peak_blocks']}, "
           f"one of the sequential requests {n_runs['four_sequential'][0]['peak_blocks']}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import datetime
 import functools
-import json
 import math
 import os
 import re
@@ -44,13 +43,14 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))  # the `llm_api serve` launcher the other benches use
+from harness.host import cpu_flags, cpu_model
+from harness.models import model_dir
+from harness.report import markdown_table, results_path, write_json
+from harness.server_process import REPO
+from harness.standalone_server import StandaloneServer
+from peer_llamacpp import LlamaServer, build_info, load  # the llama.cpp peer and the load its comparison runs
 
-from peer_llamacpp import LlamaServer, build_info, cpu_flags, cpu_model, load  # noqa: E402
-from standalone_server import StandaloneServer  # noqa: E402
-
-from llm_api.engine.kv_cache import KV_MAPPING_NAME  # noqa: E402
+from llm_api.engine.kv_cache import KV_MAPPING_NAME
 
 MIB = 1 << 20
 NEIGHBOUR = """
@@ -86,6 +86,20 @@ def parse_args():
 
 # -------------------------------------------------------------------------------------------------
 # reading a process's memory
+
+
+def running_pid(server: StandaloneServer) -> int:
+    pid = server.server_pid()
+    if pid is None:
+        raise RuntimeError(f"the server in {server.workdir} is not running")
+    return pid
+
+
+def first_group(pattern: re.Pattern[str], log: str) -> str:
+    match = pattern.search(log)
+    if match is None:
+        raise RuntimeError(f"no line matching {pattern.pattern!r} in the server's log")
+    return match.group(1)
 
 
 def status_kib(pid: int, field: str) -> int:
@@ -137,7 +151,7 @@ def llm_api_kv(server: StandaloneServer, dtype: str) -> tuple[int, int]:
     from smaps (a CPU pool is resident only as far as it has been written)."""
     match = re.search(r"paged KV cache: \d+ blocks x \d+ tokens \((\d+) tokens, ", server.model_log())
     assert match, "no KV cache line in the server's log"
-    mappings = kv_mappings(server.server_pid())
+    mappings = kv_mappings(running_pid(server))
     if len(mappings) != 2 * num_layers():
         raise RuntimeError(f"{len(mappings)} KV mappings in smaps, not one per layer's K and V")
     return int(match.group(1)) * bytes_per_token(dtype), sum(resident for _, resident in mappings)
@@ -158,9 +172,7 @@ def llamacpp_kv_bytes(context: int) -> int:
 def model_config():
     from transformers import AutoConfig
 
-    from llm_api.model.settings import Settings
-
-    return AutoConfig.from_pretrained(Settings.from_env(os.environ).model_path)
+    return AutoConfig.from_pretrained(model_dir())
 
 
 def num_layers() -> int:
@@ -185,6 +197,7 @@ def measure_memory(info: dict, dtype: str, context: int, args, work: Path) -> di
     peer.start()
     try:
         asyncio.run(load(peer.base, peer.key(), warm, tag=-1))
+        assert peer.proc is not None
         pid = peer.proc.pid
         idle = status_kib(pid, "VmRSS") * 1024
         kv = llamacpp_kv_bytes(context)
@@ -204,7 +217,7 @@ def measure_memory(info: dict, dtype: str, context: int, args, work: Path) -> di
     server = StandaloneServer(work / f"llm_api-{dtype}-{context}", env=env).start(timeout=300)
     try:
         asyncio.run(load(server.openai_base, server.key(), warm, tag=-1))
-        pid = server.server_pid()
+        pid = running_pid(server)
         idle = status_kib(pid, "VmRSS") * 1024
         pool, kv_idle = llm_api_kv(server, dtype)
         with PeakRss(pid) as peak:
@@ -222,19 +235,20 @@ def measure_memory(info: dict, dtype: str, context: int, args, work: Path) -> di
 
 
 def memory_table(results: dict) -> str:
-    lines = ["| precision | KV tokens | server | idle MB | loaded MB | KV pool MB (resident idle / loaded) | "
-             "beyond KV idle MB | beyond KV loaded MB |", "|---|---:|---|---:|---:|---:|---:|---:|"]
+    rows: list[tuple[object, ...]] = []
     for (dtype, context), servers in results.items():
         for who, r in servers.items():
-            lines.append(f"| {dtype} | {context:,} | {who} | {r['idle'] / 1e6:,.0f} | {r['loaded'] / 1e6:,.0f} | "
+            rows.append((dtype, f"{context:,}", who, f"{r['idle'] / 1e6:,.0f}", f"{r['loaded'] / 1e6:,.0f}",
                          f"{r['kv_pool'] / 1e6:,.0f} ({r['kv_resident_idle'] / 1e6:,.0f} / "
-                         f"{r['kv_resident_loaded'] / 1e6:,.0f}) | {r['beyond_kv_idle'] / 1e6:,.0f} | "
-                         f"{r['beyond_kv_loaded'] / 1e6:,.0f} |")
+                         f"{r['kv_resident_loaded'] / 1e6:,.0f})", f"{r['beyond_kv_idle'] / 1e6:,.0f}",
+                         f"{r['beyond_kv_loaded'] / 1e6:,.0f}"))
         ours, peer = servers["llm_api"], servers["llama.cpp"]
-        lines.append(f"| {dtype} | {context:,} | ratio llm_api / llama.cpp | | | | "
-                     f"**{ours['beyond_kv_idle'] / peer['beyond_kv_idle']:.2f}** | "
-                     f"**{ours['beyond_kv_loaded'] / peer['beyond_kv_loaded']:.2f}** |")
-    return "\n".join(lines)
+        rows.append((dtype, f"{context:,}", "ratio llm_api / llama.cpp", "", "", "",
+                     f"**{ours['beyond_kv_idle'] / peer['beyond_kv_idle']:.2f}**",
+                     f"**{ours['beyond_kv_loaded'] / peer['beyond_kv_loaded']:.2f}**"))
+    return markdown_table(("precision", "KV tokens", "server", "idle MB", "loaded MB",
+                           "KV pool MB (resident idle / loaded)", "beyond KV idle MB", "beyond KV loaded MB"),
+                          rows, "lrlrrrrr")
 
 
 # -------------------------------------------------------------------------------------------------
@@ -246,13 +260,8 @@ LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*loaded \S+: dt
 
 def start_once(cache: Path, busy: bool, args, workdir: Path) -> dict:
     neighbours = [subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) for _ in range(args.neighbours if busy else 0)]
-    env = {"LLM_API_CACHE": str(cache), "OMP_NUM_THREADS": str(args.threads)}
-    if args.model:
-        env["MODEL_PATH"] = args.model
-    else:
-        from llm_api.model.settings import Settings
-
-        env["MODEL_PATH"] = Settings.from_env(os.environ).model_path  # (prepared in the user cache, not this one)
+    # MODEL_PATH given: the model is prepared in the user's cache, not in the fresh LLM_API_CACHE of this start
+    env = {"LLM_API_CACHE": str(cache), "OMP_NUM_THREADS": str(args.threads), "MODEL_PATH": str(model_dir(args.model))}
     server = StandaloneServer(workdir, env=env)
     try:
         spawned = time.time()
@@ -262,8 +271,8 @@ def start_once(cache: Path, busy: bool, args, workdir: Path) -> dict:
             proc.kill()
             proc.wait()
         log = server.model_log()
-        loaded_at = datetime.datetime.strptime(LOG_TIME.search(log).group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-        chosen = int(re.search(r"token budget per step: (\d+)", log).group(1))
+        loaded_at = datetime.datetime.strptime(first_group(LOG_TIME, log), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        chosen = int(first_group(re.compile(r"token budget per step: (\d+)"), log))
         source = "cache" if "from the cache" in log else "probe"
         time.sleep(args.idle_s)
         raised = re.findall(r"token budget per step raised from \d+ to (\d+)", server.model_log())
@@ -289,12 +298,10 @@ def startup(args, work: Path) -> list[dict]:
 
 
 def startup_table(records: list[dict]) -> str:
-    lines = ["| neighbour | start | spawn -> ready s | weights loaded -> ready s | step budget (from) | "
-             "budget after idle |", "|---|---|---:|---:|---|---:|"]
-    for r in records:
-        lines.append(f"| {'busy' if r['busy'] else 'quiet'} | {r['start']} | {r['spawn_to_ready_s']:.1f} | "
-                     f"{r['loaded_to_ready_s']:.1f} | {r['budget']} ({r['budget_source']}) | {r['budget_after_idle']} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ("neighbour", "start", "spawn -> ready s", "weights loaded -> ready s", "step budget (from)", "budget after idle"),
+        [("busy" if r["busy"] else "quiet", r["start"], f"{r['spawn_to_ready_s']:.1f}", f"{r['loaded_to_ready_s']:.1f}",
+          f"{r['budget']} ({r['budget_source']})", r["budget_after_idle"]) for r in records], "llrrlr")
 
 
 def main():
@@ -326,10 +333,7 @@ def main():
             records = startup(args, work)
             print("\n" + startup_table(records) + "\n")
             report["startup"] = records
-    out = Path(args.out) if args.out else (
-        REPO / "bench" / "results" / f"server_memory-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    out = write_json(results_path("server_memory", args.out), report)
     print(f"wrote {out}")
 
 

@@ -30,11 +30,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import os
 import platform
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -43,14 +41,14 @@ from pathlib import Path
 
 import aiohttp
 import torch
+from harness.models import model_dir
+from harness.report import write_json
+from harness.standalone_server import StandaloneServer
+from harness.stats import quantile_summary
+from harness.torchserve_server import REPO, TorchServe
 from transformers import AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the TorchServe test launcher
-
-from llm_api.client import AsyncHTTPClient  # noqa: E402
-from llm_api.model.settings import default_model_path  # noqa: E402
-from standalone_server import StandaloneServer  # noqa: E402
-from torchserve_server import REPO, TorchServe  # noqa: E402
+from llm_api.client import AsyncHTTPClient
 
 TEXT = (
     "The history of the city begins with a small settlement on the bank of a wide river, where traders "
@@ -125,13 +123,6 @@ async def run_workload(server, work, args) -> tuple[list[RequestRecord], float]:
         return records, time.perf_counter() - start
 
 
-def percentiles(values: list[float]) -> dict:
-    if not values:
-        return {"p50": None, "p95": None, "p99": None, "mean": None}
-    qs = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else [values[0]] * 99
-    return {"p50": qs[49], "p95": qs[94], "p99": qs[98], "mean": statistics.fmean(values)}
-
-
 def summarize(records: list[RequestRecord], wall_s: float) -> dict:
     ok = [r for r in records if r.ok]
     out_tokens = sum(r.max_new_tokens for r in ok)
@@ -144,9 +135,9 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict:
         "wall_s": wall_s,
         "output_tokens": out_tokens,
         "throughput_tok_s": out_tokens / wall_s,
-        "ttft_s": percentiles([r.first - r.sent for r in ok if r.first]),
-        "itl_s": percentiles(gaps),
-        "e2e_s": percentiles([r.done - r.sent for r in ok]),
+        "ttft_s": quantile_summary([r.first - r.sent for r in ok if r.first]),
+        "itl_s": quantile_summary(gaps),
+        "e2e_s": quantile_summary([r.done - r.sent for r in ok if r.done is not None]),  # (every ok one has it)
     }
 
 
@@ -200,7 +191,7 @@ def compare_frontends(work, args, env: dict, root: Path) -> dict[str, dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(default_model_path(os.environ)))
+    parser.add_argument("--model", default=None, help="HF checkpoint folder (default: $MODEL_PATH, else the embedded model)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-requests", type=int, default=96)
     parser.add_argument("--in-flight", type=int, default=32)
@@ -218,6 +209,7 @@ def main() -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=128,
                         help="--compare frontends: the engine's per-step token budget, the same for both")
     args = parser.parse_args()
+    args.model = str(model_dir(args.model))
     if args.out is None:
         args.out = str(REPO / "bench" / "results" / ("serving-frontends.json" if args.compare == "frontends"
                                                      else "serving.json"))
@@ -227,14 +219,14 @@ def main() -> int:
     env = {"MODEL_PATH": args.model, "DTYPE": args.dtype}
     if args.compare == "frontends":
         with tempfile.TemporaryDirectory(prefix="bench-frontends-") as tmp:
-            results = compare_frontends(work, args, env, Path(tmp))
-        print_table(results)
-        torchserve, standalone = results["TorchServe (async)"], results["llm_api serve"]
+            fronts = compare_frontends(work, args, env, Path(tmp))
+        print_table(fronts)
+        torchserve, standalone = fronts["TorchServe (async)"], fronts["llm_api serve"]
         ratios = {"throughput_x": standalone["throughput_tok_s"] / torchserve["throughput_tok_s"],
                   "ttft_p95_x": standalone["ttft_s"]["p95"] / torchserve["ttft_s"]["p95"]}
         print(f"\nllm_api serve / TorchServe: throughput x{ratios['throughput_x']:.2f}, p95 TTFT "
               f"x{ratios['ttft_p95_x']:.2f} (aims: >= 1, <= 1)")
-        return write_report(args, results, ratios)
+        return write_report(args, fronts, ratios)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         root = Path(tmp)
@@ -277,8 +269,7 @@ def write_report(args, results: dict, ratios: dict) -> int:
         "results": results,
         "ratios": ratios,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    write_json(args.out, report)
     print(f"wrote {args.out}")
     return 0
 

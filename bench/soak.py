@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import tempfile
 import threading
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -84,7 +82,9 @@ def usage_after_one_more_request(server) -> tuple[int, int, int]:
     lines = server.wait_for_log_lines(f"request {request_id} ended", timeout=30)
     assert lines, f"no end line for request {request_id}"
     line = lines[-1]
-    free, total, live = map(int, re.search(r"KV blocks free (\d+)/(\d+); live requests (\d+)", line).groups())
+    match = re.search(r"KV blocks free (\d+)/(\d+); live requests (\d+)", line)
+    assert match, f"no KV blocks in the end line: {line}"
+    free, total, live = map(int, match.groups())
     return free, total, live
 
 
@@ -146,16 +146,15 @@ def _error_type(body: str) -> str | None:
 
 
 def main() -> int:
-    from llm_api.model.settings import default_model_path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the TorchServe test launcher
-    from torchserve_server import REPO, TorchServe
+    from harness.models import model_dir
+    from harness.torchserve_server import REPO, TorchServe
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=10)
     parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--model", default=str(default_model_path(os.environ)))
+    parser.add_argument("--model", default=None, help="HF checkpoint folder (default: $MODEL_PATH, else the embedded model)")
     args = parser.parse_args()
+    args.model = str(model_dir(args.model))
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         server = TorchServe(Path(tmp), model_config=(REPO / "model-config.yaml").read_text(),
                             env={"MODEL_PATH": args.model, "DTYPE": "float32"})

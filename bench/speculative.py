@@ -26,12 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from harness.host import cpu_model
+from harness.models import model_dir
 
 CODE = '''def total_price(items, tax_rate):
     subtotal = 0
@@ -81,13 +82,6 @@ def parse_args():
     return args
 
 
-def default_model_dir() -> Path:
-    from llm_api.model.embedded import prepare
-    from llm_api.model.settings import default_model_path
-
-    return prepare(default_model_path(os.environ))
-
-
 def chat_ids(tokenizer, text: str) -> list[int]:
     return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                          tokenize=True, return_dict=True)["input_ids"]
@@ -126,7 +120,7 @@ def main():
     from llm_api.model.settings import Settings
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    path = Path(args.model) if args.model else default_model_dir()
+    path = model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     grounded = [chat_ids(tokenizer, text) for text in GROUNDED]
     open_ = [chat_ids(tokenizer, text) for text in OPEN]
@@ -144,7 +138,7 @@ def main():
             raise SystemExit(f"unknown workload {name!r}")
     results = []
     print(f"device {device}, k={args.k}, ngram {args.ngram_min}..{args.ngram_max}, {args.max_new_tokens} tokens, "
-          f"{args.rounds} rounds; torch {torch.__version__}, {platform.processor() or platform.machine()}")
+          f"{args.rounds} rounds; torch {torch.__version__}, {cpu_model()}")
     for dtype_name in args.dtypes.split(","):
         # Loaded as the servers load it (on a CPU: CPU_PACKED_WEIGHTS as set, auto by default).
         model = load(Settings.from_env({**os.environ, "MODEL_PATH": str(path), "DTYPE": dtype_name,

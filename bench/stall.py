@@ -22,19 +22,15 @@ import asyncio
 import datetime
 import json
 import os
-import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the TorchServe test launcher
-
-from llm_api.model.settings import default_model_path  # noqa: E402
-from torchserve_server import REPO, TorchServe  # noqa: E402
+from harness.host import cpu_model
+from harness.models import model_dir
+from harness.torchserve_server import REPO, TorchServe
 
 NUM_STREAMS = 4
 HIDDEN_SIZE = 576
@@ -135,7 +131,7 @@ async def run_phases(server: TorchServe, tokenizer, max_input_tokens: int) -> di
         }
         for phase, bodies in heavy.items():
             await asyncio.sleep(1.0)
-            stop, latencies = asyncio.Event(), []
+            stop, latencies = asyncio.Event(), list[float]()
             poller = asyncio.create_task(poll_health(session, health_url, headers, stop, latencies))
             start = time.monotonic()
             outcomes = await asyncio.gather(*(timed_post(session, url, headers, b) for b in bodies))
@@ -164,9 +160,9 @@ def main() -> int:
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
-    model_path = Path(os.environ.get("MODEL_PATH") or default_model_path(os.environ))
+    model_path = model_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    report = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+    report: dict = {"date": datetime.date.today().isoformat(), "machine": f"{cpu_model()}, {os.cpu_count()} cores",
               "torch": torch.__version__, "runs": {}}
     for budget in args.budgets.split(","):
         env = {"MODEL_PATH": str(model_path), "MAX_NUM_BATCHED_TOKENS": budget, "KV_CACHE_MEMORY_MIB": "256"}

@@ -26,24 +26,25 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from harness.host import cpu_model
+from harness.models import model_dir
 
 from llm_api.engine.engine import EngineConfig, LLMEngine
 from llm_api.engine.grammar import GrammarCompiler, GrammarSpec
 from llm_api.engine.sampler import SamplingParams
 from llm_api.model import loader
-from llm_api.model.settings import Settings, default_model_path
+from llm_api.model.settings import Settings
 
 NUM_REQUESTS = 16
 ITEM = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                          "age": {"type": "integer", "minimum": 0, "maximum": 120}},
         "required": ["name", "age"]}
-SCHEMAS = {  # lists that do not end within the token budget
+SCHEMAS: dict[str, dict] = {  # lists that do not end within the token budget
     "people": {"type": "array", "items": ITEM, "minItems": 60},
     "numbers": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9999}, "minItems": 200},
     "words": {"type": "object", "properties": {"words": {"type": "array", "minItems": 100, "items": {
@@ -58,15 +59,7 @@ QUESTIONS = ["List some people with their ages.", "Give me many numbers.", "Name
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    return f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def prompts(tokenizer) -> list[list[int]]:
@@ -192,7 +185,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    model_path = os.environ.get("MODEL_PATH") or str(default_model_path(os.environ))
+    model_path = str(model_dir())
     settings = Settings.from_env({**os.environ, "MODEL_PATH": model_path})
     lm = loader.load(settings)
     # Two engines on one model (each its own KV pool), the second with the step budget the first measured.

@@ -5,7 +5,7 @@ model with the Hermes tool template of the tests (float32, a 64 MiB KV pool: the
 then, ``--runs`` times and one after another: a witness stream alone for 1.5 s (the baseline gap), and a
 witness while a chat request with a tool schema of ``--props`` properties (66,000: the 5.8 MB schema of
 ``tests/test_hostile_tools.py``, near max_request_size) is sent and answered. Prints each run's longest
-witness gap (``tests/hostile.py``'s ``Witness``: chunk arrivals at the client, the gap still open at the
+witness gap (``bench/harness/hostile.py``'s ``Witness``: chunk arrivals at the client, the gap still open at the
 cancel included), the answer and its time, then min / median as JSON. ``--spy FILE`` records the worker's
 GIL-holding stacks with py-spy (installed separately) while the runs go, in py-spy's raw format. Usage:
 
@@ -26,21 +26,18 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the launchers and the witness
-os.environ.setdefault("LLM_API_STALL_LIMIT_S", "1000")  # (measured here, not asserted)
+os.environ.setdefault("LLM_API_STALL_LIMIT_S", "1000")  # (measured here, not asserted: read when hostile is imported)
 
-import hostile  # noqa: E402
-from standalone_server import StandaloneServer  # noqa: E402
-from torchserve_server import REPO, TorchServe  # noqa: E402
-
-from llm_api.model.embedded import prepare  # noqa: E402
-from llm_api.model.settings import default_model_path  # noqa: E402
+from harness import hostile  # noqa: E402
+from harness.models import model_dir  # noqa: E402
+from harness.standalone_server import StandaloneServer  # noqa: E402
+from harness.torchserve_server import REPO, TorchServe  # noqa: E402
 
 
 def hermes_model(folder: Path) -> Path:
     """The embedded model with the tests' Hermes tool template (links to its files)."""
     folder.mkdir(parents=True)
-    for item in prepare(default_model_path(os.environ)).iterdir():
+    for item in model_dir().iterdir():
         if item.name != "chat_template.jinja":
             (folder / item.name).symlink_to(item)
     (folder / "chat_template.jinja").write_text((REPO / "tests" / "assets" / "hermes_tools.jinja").read_text())

@@ -85,7 +85,7 @@ def tokenizer_folder(request) -> Path:
 
 def _serve(tmp_path_factory, embedded_model_path, name: str, model_config: str | None, wait_ready: bool = True,
            **kw):
-    from torchserve_server import TorchServe
+    from bench.harness.torchserve_server import TorchServe
 
     env = {"MODEL_PATH": str(embedded_model_path), **kw.pop("env", {})}
     server = TorchServe(tmp_path_factory.mktemp(name), model_config=model_config, env=env, **kw)
@@ -98,7 +98,7 @@ def _serve(tmp_path_factory, embedded_model_path, name: str, model_config: str |
 
 
 def _serve_standalone(tmp_path_factory, embedded_model_path, name: str, env: dict | None = None, **kw):
-    from standalone_server import StandaloneServer
+    from bench.harness.standalone_server import StandaloneServer
 
     server = StandaloneServer(tmp_path_factory.mktemp(name), env={"MODEL_PATH": str(embedded_model_path),
                                                                  **(env or {})}, **kw)
@@ -218,7 +218,7 @@ def async_server(group_shared, tmp_path_factory, embedded_model_path):
     float32 on every host, like the other shared servers: its tests compare greedy tokens and logprob
     order (the bfloat16 paths are tested on purpose elsewhere: README, "Testing"). Speculative decoding is
     on (SPECULATIVE_TOKENS=4), as on standalone_server: greedy answers are the same with it."""
-    from torchserve_server import REPO
+    from bench.harness.torchserve_server import REPO
 
     config = (REPO / "model-config.yaml").read_text()
     return group_shared.get("async_server", lambda: _serve(
@@ -264,7 +264,7 @@ def hermes_server(group_shared, tmp_path_factory, embedded_model_path):
     template above), a 64 MiB KV pool, gRPC streaming on. float32 on every host: the tool-call tests rely
     on what the model writes greedily, and a bfloat16 tie could turn a call into prose on one host kind
     only."""
-    from torchserve_server import REPO
+    from bench.harness.torchserve_server import REPO
 
     def start():
         model = hermes_model(tmp_path_factory, embedded_model_path)
@@ -280,7 +280,7 @@ FRONT_ENDS = ["torchserve", "standalone"]
 
 @pytest.fixture(params=FRONT_ENDS)
 def frontend(request):
-    """A running front end of each kind (same surface: tests/standalone_server.py): TorchServe in classic
+    """A running front end of each kind (same surface: bench/harness/standalone_server.py): TorchServe in classic
     batching (float32), or `llm_api serve`."""
     return request.getfixturevalue("classic_server" if request.param == "torchserve" else "standalone_server")
 

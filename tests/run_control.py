@@ -20,7 +20,7 @@ makes that case fail fast and loud instead:
 ``ProcessSweep`` (controller, and a serial run's only process) makes the run's root a *child subreaper*
 (``PR_SET_CHILD_SUBREAPER``): a process whose parent died is re-parented to it instead of to pid 1. At the
 end of the run every process still below it is listed in the summary as a leak and ended by its pid: SIGTERM,
-then SIGKILL after a grace. The servers' own guard (``tests/process_guard.py``) ends a server when the test
+then SIGKILL after a grace. The servers' own guard (``bench/harness/process_guard.py``) ends a server when the test
 process that started it dies; the sweep is the net beneath it.
 """
 

@@ -47,7 +47,7 @@ def shipped_server(start_server):
     """Shipped settings: model-config.yaml (async), gRPC streaming off; a small KV pool. bfloat16 on purpose on
     every host (what DTYPE unset gives on a CPU with bfloat16 instructions): nothing here depends on precision,
     and so the shipped bfloat16 serving path meets hostile input on every host kind."""
-    from torchserve_server import REPO
+    from bench.harness.torchserve_server import REPO
 
     server = start_server("fuzz", (REPO / "model-config.yaml").read_text(),
                           env={"KV_CACHE_MEMORY_MIB": "64", "DTYPE": "bfloat16"})

@@ -89,7 +89,7 @@ SERVING_ENV = {"DTYPE": "bfloat16", "CUDA_GRAPHS": "true"}
 
 
 def test_standalone_streams_from_the_gpu(tmp_path_factory, random_checkpoint):
-    from standalone_server import StandaloneServer
+    from bench.harness.standalone_server import StandaloneServer
 
     _start_and_check(StandaloneServer(tmp_path_factory.mktemp("gpu-standalone"),
                                       env={"MODEL_PATH": str(random_checkpoint), **SERVING_ENV}))
@@ -99,7 +99,7 @@ def test_torchserve_streams_from_the_gpu(tmp_path_factory, random_checkpoint):
     if shutil.which("java") is None:
         pytest.skip("TorchServe's frontend needs Java, and there is no java on the PATH "
                     "(on a GPU machine: scripts/gpu_check.sh torchserve brings one)")
-    from torchserve_server import REPO, TorchServe
+    from bench.harness.torchserve_server import REPO, TorchServe
 
     _start_and_check(TorchServe(tmp_path_factory.mktemp("gpu-torchserve"),
                                 model_config=(REPO / "model-config.yaml").read_text(),

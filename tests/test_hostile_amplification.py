@@ -2,7 +2,7 @@
 one work limit, MAX_REQUEST_WORK, on every route of both front ends.
 
 What these tests prove, against TorchServe (the shipped async mode) and `llm_api serve`, with a witness
-stream running beside the hostile requests (``tests/hostile.py``):
+stream running beside the hostile requests (``bench/harness/hostile.py``):
 
 * the extreme products the separate caps let through (64 choices x 2,048 tokens x 20 logprobs: 2.9 million
   units, an answer of hundreds of MB) get a 400 ``work_limit_exceeded`` at once, in the route's error
@@ -31,7 +31,7 @@ from collections import Counter
 import grpc
 import pytest
 
-from hostile import (MARKER, Answer, Witness, openai_path, native_path, outcome, post_json, raw_request, refusal_problems,
+from bench.harness.hostile import (MARKER, Answer, Witness, openai_path, native_path, outcome, post_json, raw_request, refusal_problems,
                      report, tokenizer_path)
 from llm_api.proto import inference_pb2, inference_pb2_grpc
 

@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-import hostile
-from hostile import MARKER, Witness, native_path, outcome, post_json, raw_request
+from bench.harness import hostile
+from bench.harness.hostile import MARKER, Witness, native_path, outcome, post_json, raw_request
 
 pytestmark = pytest.mark.server
 

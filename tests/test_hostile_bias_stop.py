@@ -2,7 +2,7 @@
 the end of a stream.
 
 What these tests prove, against TorchServe (the shipped async mode) and `llm_api serve`, with a witness
-stream running beside (``tests/hostile.py``), on every generate route: the native text stream and JSON
+stream running beside (``bench/harness/hostile.py``), on every generate route: the native text stream and JSON
 lines, OpenAI chat and completions, streamed and whole. Every case is generated from parameters (which
 tokens are biased and how much, which stop strings, which route) and every answer must be either a
 clean 200 or a 4xx in its route's error shape:
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import pytest
 from tokenizers import Tokenizer
 
-from hostile import (MARKER, Answer, Witness, error_type, native_path, openai_path, outcome, post_json,
+from bench.harness.hostile import (MARKER, Answer, Witness, error_type, native_path, openai_path, outcome, post_json,
                      refusal_problems, report, tokenizer_path)
 
 pytestmark = pytest.mark.server

@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-import hostile
+from bench.harness import hostile
 import pytest
 
 pytestmark = pytest.mark.server

@@ -24,7 +24,7 @@ from collections import Counter
 
 import pytest
 
-import hostile
+from bench.harness import hostile
 
 pytestmark = pytest.mark.server
 MODEL = "smollm2"

@@ -31,7 +31,7 @@ from collections import Counter
 
 import pytest
 
-import hostile
+from bench.harness import hostile
 
 pytestmark = pytest.mark.server
 

@@ -33,9 +33,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-import hostile
+from bench.harness import hostile
 from bench.soak import usage_after_one_more_request
-from hostile import Answer, Witness, native_path, openai_path, outcome, refusal_problems
+from bench.harness.hostile import Answer, Witness, native_path, openai_path, outcome, refusal_problems
 
 pytestmark = pytest.mark.server
 

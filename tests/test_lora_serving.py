@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hostile import (STALL_LIMIT_S, Witness, native_path, openai_path, post_json, raw_request, refusal_problems,
+from bench.harness.hostile import (STALL_LIMIT_S, Witness, native_path, openai_path, post_json, raw_request, refusal_problems,
                      report)
 from lora_helpers import HOSTILE_ADAPTERS, make_adapter, make_hostile_adapters, peft_greedy
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hostile import STALL_LIMIT_S, Witness, openai_path, post_json, raw_request, refusal_problems, report
+from bench.harness.hostile import STALL_LIMIT_S, Witness, openai_path, post_json, raw_request, refusal_problems, report
 from lora_helpers import HOSTILE_ADAPTERS, make_adapter, make_hostile_adapters
 
 pytest.importorskip("peft")

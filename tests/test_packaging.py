@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from llm_api.client import HTTPClient
-from server_process import free_ports, launch
-from torchserve_server import TorchServe
+from bench.harness.server_process import free_ports, launch
+from bench.harness.torchserve_server import TorchServe
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

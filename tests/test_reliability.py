@@ -24,7 +24,7 @@ import urllib.request
 import pytest
 
 from bench.soak import MARKER, PROMPTS, post, run_load, usage_after_one_more_request
-from torchserve_server import REPO
+from bench.harness.torchserve_server import REPO
 
 pytestmark = pytest.mark.server
 # 20 s: every kind of request in the mix still runs many times over (272 requests in 30 s against TorchServe

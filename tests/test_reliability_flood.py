@@ -2,7 +2,7 @@
 TorchServe in the shipped async mode and against `llm_api serve`, each started with small limits of its own.
 
 (A module of its own, apart from tests/test_reliability.py: a test process runs at most two servers at once,
-tests/server_process.py, and that module's servers live as long as its tests.)
+bench/harness/server_process.py, and that module's servers live as long as its tests.)
 """
 
 import json
@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from bench.soak import MARKER, PROMPTS, post
-from torchserve_server import REPO
+from bench.harness.torchserve_server import REPO
 
 pytestmark = pytest.mark.server
 

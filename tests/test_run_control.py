@@ -4,7 +4,7 @@
   the others skip what is left, and the run ends within a minute naming the worker and the signal
   (tests/run_control.py), in a nested run with the flags ``scripts/test.sh`` uses.
 * A server started by a process that is then SIGKILLed ends with every process it started (TorchServe's
-  launcher, its Java frontend and model worker; ``llm_api serve``): tests/process_guard.py.
+  launcher, its Java frontend and model worker; ``llm_api serve``): bench/harness/process_guard.py.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ QUESTIONS = {"france": "What is the capital of France?", "japan": "What is the c
 
 
 def test_the_guides_config_properties_serves_every_stream_its_own_answer(start_server):
-    from torchserve_server import REPO
+    from bench.harness.torchserve_server import REPO
 
     # float32 pinned on every host: with DTYPE unset the host's CPU picks the dtype, and in bfloat16 a batched greedy answer
     # may part from the solo one at a one-ulp tie (what this test compares is the guide's batching).

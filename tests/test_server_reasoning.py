@@ -192,7 +192,7 @@ def test_torchserve_splits_the_same_way(start_server, reasoning_checkpoint):
     """The same answer through TorchServe (shipped async mode): the split lives in the shared service path."""
     import openai
 
-    from torchserve_server import REPO
+    from bench.harness.torchserve_server import REPO
 
     server = start_server("reasoning-ts", (REPO / "model-config.yaml").read_text(),
                           env={"MODEL_PATH": str(reasoning_checkpoint), "DTYPE": "float32", "KV_CACHE_MEMORY_MIB": "16"})

@@ -218,7 +218,7 @@ def test_an_answer_larger_than_max_response_size_arrives_whole(start_server):
     worker for any message over max_response_size, so it must go out in pieces (here the limit is 200 kB)."""
     import openai
 
-    from torchserve_server import REPO
+    from bench.harness.torchserve_server import REPO
 
     # bfloat16 on purpose on every host: the size of an answer does not depend on precision, and so the
     # chunked non-streamed answer is also checked in the precision a bfloat16 host serves by default.

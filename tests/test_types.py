@@ -1,5 +1,5 @@
-"""The package type-checks clean under mypy (configured in pyproject.toml: ``[tool.mypy]``, the generated
-gRPC stubs left out). A wrong annotation, an unchecked ``None`` or a call that does not fit its signature
+"""The package and bench/ (the benchmarks and their harness) type-check clean under mypy (configured in
+pyproject.toml: ``[tool.mypy]``, the generated gRPC stubs left out). A wrong annotation, an unchecked ``None`` or a call that does not fit its signature
 fails here with mypy's own report."""
 
 import subprocess

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
-from server_process import REPO, ServerProcess
+from .server_process import REPO, ServerProcess
 
 BIN = Path(sys.executable).parent
 
@@ -76,7 +76,8 @@ class TorchServe(ServerProcess):
 
     def _command(self) -> list[str]:
         shipped = (REPO / "config.properties").read_text()
-        props = re.sub(r"(?m)^(inference|management|metrics)_address=.*$", lambda m: f"{m.group(1)}_address=http://127.0.0.1:{self.ports[m.group(1)]}", shipped)
+        props = re.sub(r"(?m)^(inference|management|metrics)_address=.*$",
+                       lambda m: f"{m.group(1)}_address=http://127.0.0.1:{self.ports[m.group(1)]}", shipped)
         props = re.sub(r"(?m)^grpc_inference_port=.*$", f"grpc_inference_port={self.ports['grpc']}", props)
         props = re.sub(r"(?m)^grpc_management_port=.*$", f"grpc_management_port={self.ports['grpc_mgmt']}", props)
         props = re.sub(r"(?m)^model_store=.*$", f"model_store={self._store}", props)

@@ -3,7 +3,7 @@
 A subclass says what its server is (``_command``: the command line; its URLs, key file, log files and
 worker probes); the base class runs it the same way for all of them: its own working directory, free
 loopback ports (``port_names``), an environment with its own TMPDIR, the process started in a new
-session under ``tests/process_guard.py`` (``launch``: the guard and everything the server forks form one
+session under ``bench/harness/process_guard.py`` (``launch``: the guard and everything the server forks form one
 process group, and the guard ends that group when the process that started it dies, however it dies),
 ``wait_ready`` polling ``worker_status()`` until READY, the log helpers, and ``stop()``: SIGTERM to that
 process group, SIGKILL if it has not ended in time, never a signal to any other process.
@@ -32,7 +32,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import ClassVar, Self
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GUARD = Path(__file__).resolve().parent / "process_guard.py"
 MAX_LIVE_SERVERS = 2  # per test process (module docstring, footprint)
 # Enough for one request of the default MAX_INPUT_TOKENS + MAX_NEW_TOKENS (4,096 tokens) in float32, the
@@ -200,8 +200,9 @@ class ServerProcess(ABC):
     def start(self, wait_ready: bool = True, timeout: float = 240) -> Self:
         alive = [server for server in ServerProcess.live if server is not self and server._running()]
         if len(alive) >= MAX_LIVE_SERVERS:
-            raise RuntimeError(f"{len(alive)} servers already run in this test process ({', '.join(str(s.workdir) for s in alive)}); "
-                               f"the suite allows {MAX_LIVE_SERVERS} at once (tests/server_process.py): stop one first")
+            names = ", ".join(str(s.workdir) for s in alive)
+            raise RuntimeError(f"{len(alive)} servers already run in this test process ({names}); the suite allows "
+                               f"{MAX_LIVE_SERVERS} at once (bench/harness/server_process.py): stop one first")
         ServerProcess.live[:] = alive
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.ports = dict(zip(self.port_names, free_ports(len(self.port_names))))

@@ -1,6 +1,6 @@
 """Run a command so that it, and everything it starts, ends when the process that launched it ends.
 
-    python tests/process_guard.py --parent PID --pid-file FILE -- COMMAND...
+    python bench/harness/process_guard.py --parent PID --pid-file FILE -- COMMAND...
 
 Why: a test server is a tree (TorchServe: a launcher, its Java frontend, the model workers that Java forks;
 ``make serve``: make, a shell, then that tree). ``PR_SET_PDEATHSIG`` in the first child reaches only that

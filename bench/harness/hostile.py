@@ -27,6 +27,8 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field
 
+from .server_process import ServerProcess
+
 MARKER = "<|endoftext|>"
 STALL_LIMIT_S = float(os.environ.get("LLM_API_STALL_LIMIT_S")
                       or (8.0 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else 2.5))
@@ -166,10 +168,10 @@ class Witness:
     greedy stream and waits for its first chunk; on leaving, the stream is cancelled by its
     ``x-request-id`` and must then end with its ``cancelled`` error line (so it streamed the whole time,
     and the engine still served its cancel). ``max_gap`` is the largest gap between two of its chunks
-    while the block ran, the one from its last chunk to the cancel included; the worker (TorchServe) or the server process (standalone) must be the same
-    one afterwards."""
+    while the block ran, the one from its last chunk to the cancel included; the worker (TorchServe) or the
+    server process (standalone) must be the same one afterwards."""
 
-    server: object
+    server: ServerProcess
     max_new_tokens: int = 1000  # fits the 64 MiB KV pool of the shared async server
     max_gap: float = 0.0
     chunks: int = 0
@@ -185,7 +187,7 @@ class Witness:
     def __enter__(self) -> "Witness":
         self._pid = self.server.worker_pid()
         url = urllib.parse.urlsplit(self.server.http)
-        self._conn = http.client.HTTPConnection(url.hostname, url.port, timeout=300)
+        self._conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=300)
         body = json.dumps({"text": "Once upon a time, in a quiet village by the sea,",
                            "max_new_tokens": self.max_new_tokens, "ignore_eos": True})
         self._conn.request("POST", native_path(self.server), body=body,

@@ -16,7 +16,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server_process import REPO, ServerProcess
+from .server_process import REPO, ServerProcess
 
 
 @dataclass(kw_only=True)
