@@ -240,3 +240,20 @@ def test_unset_variables_read_as_the_declared_defaults():
     for name, d in declared_settings().items():
         if d.derive is None:
             assert getattr(read, name) == getattr(plain, name) == d.default, name
+
+
+def test_sub_configs_default_to_the_settings_defaults():
+    """EngineConfig and SpeculativeConfig built directly agree with the settings' defaults, except where the
+    engine's meaning differs: a fixed token budget instead of a measured one, the model's own length limit and
+    no budget cache."""
+    import dataclasses
+
+    from llm_api.engine.engine import EngineConfig
+    from llm_api.engine.speculative.drafter import SpeculativeConfig
+
+    built, plain = EngineConfig.from_settings(Settings()), EngineConfig()
+    differ = {f.name for f in dataclasses.fields(EngineConfig) if getattr(built, f.name) != getattr(plain, f.name)}
+    assert differ == {"max_num_batched_tokens", "max_model_len", "step_budget_cache"}
+    spec = SpeculativeConfig()
+    assert (spec.num_tokens, spec.ngram_min, spec.ngram_max, spec.max_batch) == \
+        (plain.speculative_tokens, plain.ngram_min, plain.ngram_max, plain.speculative_max_batch)
