@@ -141,3 +141,61 @@ def test_every_route_is_one_table_line_served_by_the_edges():
         "llm_api.service.routes.route", "llm_api.service.routes.table"}
     used = {r.answer.__module__ for r in table.ROUTES}
     assert route_modules == used, route_modules ^ used
+
+
+# ---------------------------------------------------------------------------------------------------
+# One reader of the environment: llm_api.model.settings. The exceptions, each a variable that a library
+# reads itself (the reason is given where the code touches it):
+ENVIRONMENT_EXCEPTIONS = {
+    # Triton reads TRITON_INTERPRET when it decorates a kernel; the kernels ask the same variable at that
+    # moment so they agree with it (a Settings value read at start could disagree).
+    ("llm_api.kernels", "TRITON_INTERPRET"),
+    # TorchServe's worker reads TS_DECODE_INPUT_REQUEST for every message; the handler sets it (a write).
+    ("llm_api.torchserve.llm_handler", "TS_DECODE_INPUT_REQUEST"),
+}
+ENVIRONMENT_READER = "llm_api.model.settings"
+_OS_ENVIRONMENT = ("environ", "environb", "getenv", "getenvb", "putenv", "unsetenv")
+
+
+def _environment_uses(path: Path) -> set[str]:
+    """The variables a module touches through ``os`` (``os.environ[...]``, ``os.environ.get(...)``,
+    ``os.getenv(...)``, ...); ``*`` for any other use (the mapping passed on, ``from os import environ``)."""
+    tree = ast.parse(path.read_text())
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "os" and any(
+                alias.name in _OS_ENVIRONMENT for alias in node.names):
+            found.add("*")
+        if not (isinstance(node, ast.Attribute) and node.attr in _OS_ENVIRONMENT
+                and isinstance(node.value, ast.Name) and node.value.id == "os"):
+            continue
+        parent = parents.get(node)
+        if isinstance(parent, ast.Attribute) and isinstance(parents.get(parent), ast.Call):
+            parent = parents[parent]  # os.environ.get(...), os.environ.pop(...)
+        if isinstance(parent, ast.Call) and parent.args and isinstance(parent.args[0], ast.Constant):
+            found.add(str(parent.args[0].value))
+        elif isinstance(parent, ast.Subscript) and isinstance(parent.slice, ast.Constant):
+            found.add(str(parent.slice.value))
+        else:
+            found.add("*")
+    return found
+
+
+def test_only_settings_reads_the_environment():
+    """Every setting is read, validated and documented in one place; a module that reads a variable itself
+    would bypass all three. The listed exceptions are variables other libraries read themselves."""
+    uses = {module: _environment_uses(path) for module, path in _modules().items() if module != ENVIRONMENT_READER}
+    stray = sorted(f"{module} reads {'the environment' if name == '*' else name}"
+                   for module, names in uses.items() for name in names
+                   if (module, name) not in ENVIRONMENT_EXCEPTIONS)
+    assert not stray, "\n".join(stray)
+    unused = {exc for exc in ENVIRONMENT_EXCEPTIONS if exc[1] not in uses.get(exc[0], set())}
+    assert not unused, f"exceptions nothing needs any more: {unused}"
+
+
+def test_the_environment_rule_can_fail(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os\nfrom os import getenv\nA = os.environ.get('MAX_NUM_SEQS')\nB = os.getenv('DTYPE')\n"
+                   "C = os.environ['HOME']\nD = dict(os.environ)\n")
+    assert _environment_uses(bad) == {"MAX_NUM_SEQS", "DTYPE", "HOME", "*"}

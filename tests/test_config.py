@@ -180,3 +180,86 @@ def test_transport_limits_have_safe_defaults_and_are_read():
 def test_generic_tool_choice_auto_is_read():
     assert Settings.from_env({}).generic_tool_choice_auto
     assert not Settings.from_env({"GENERIC_TOOL_CHOICE_AUTO": "false"}).generic_tool_choice_auto
+
+
+# ---------------------------------------------------------------------------------------------------
+# Each setting declared once (llm_api.model.settings.setting): the README's table and the reading follow.
+
+def _settings_table_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "settings_table.py"
+    spec = importlib.util.spec_from_file_location("settings_table", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_readme_table_is_generated_from_the_declarations():
+    from llm_api.model.settings import readme_table
+
+    script = _settings_table_script()
+    readme = script.README.read_text()
+    assert readme.count(script.BEGIN) == 1 and readme.count(script.END) == 1
+    assert script.with_table(readme, readme_table()) == readme, \
+        "README.md's settings table is stale: run python scripts/settings_table.py --write"
+
+
+def test_a_changed_doc_makes_the_readme_stale():
+    from llm_api.model.settings import readme_table
+
+    script = _settings_table_script()
+    readme = script.README.read_text()
+    edited = readme_table().replace("tokens per KV-cache block", "tokens per block")
+    assert edited != readme_table() and script.with_table(readme, edited) != readme
+
+
+def test_every_field_is_one_declared_variable():
+    """A field is a setting or derived; each variable is declared once; the annotation is the default's type,
+    a number has its bound, a choice's default is allowed and the doc names each choice."""
+    import dataclasses
+
+    from llm_api.model.settings import DERIVED_FIELDS, declared_settings
+
+    declared = declared_settings()
+    names = [f.name for f in dataclasses.fields(Settings)]
+    assert sorted(names) == sorted([*declared, *DERIVED_FIELDS])
+    variables = [d.env for d in declared.values()]
+    assert len(variables) == len(set(variables)), variables
+    types = {f.name: f.type for f in dataclasses.fields(Settings)}
+    for name, d in declared.items():
+        assert types[name] == type(d.default).__name__ or d.derive is not None, name
+        if isinstance(d.default, (int, float)) and not isinstance(d.default, bool):
+            assert d.minimum is not None, name
+        if d.choices:
+            assert d.default in d.choices, name
+            assert all(f"`{choice}`" in d.doc.lower() for choice in d.choices), name
+        assert d.doc or d.joins_previous, name
+
+
+def test_unset_variables_read_as_the_declared_defaults():
+    """from_env({}) and Settings() agree on every setting not derived from several variables."""
+    from llm_api.model.settings import declared_settings
+
+    read, plain = Settings.from_env({}), Settings()
+    for name, d in declared_settings().items():
+        if d.derive is None:
+            assert getattr(read, name) == getattr(plain, name) == d.default, name
+
+
+def test_sub_configs_default_to_the_settings_defaults():
+    """EngineConfig and SpeculativeConfig built directly agree with the settings' defaults, except where the
+    engine's meaning differs: a fixed token budget instead of a measured one, the model's own length limit and
+    no budget cache."""
+    import dataclasses
+
+    from llm_api.engine.engine import EngineConfig
+    from llm_api.engine.speculative.drafter import SpeculativeConfig
+
+    built, plain = EngineConfig.from_settings(Settings()), EngineConfig()
+    differ = {f.name for f in dataclasses.fields(EngineConfig) if getattr(built, f.name) != getattr(plain, f.name)}
+    assert differ == {"max_num_batched_tokens", "max_model_len", "step_budget_cache"}
+    spec = SpeculativeConfig()
+    assert (spec.num_tokens, spec.ngram_min, spec.ngram_max, spec.max_batch) == \
+        (plain.speculative_tokens, plain.ngram_min, plain.ngram_max, plain.speculative_max_batch)

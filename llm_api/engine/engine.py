@@ -51,6 +51,7 @@ from llm_api.engine.speculative.verify import split_drafted_rows, verify
 from llm_api.engine.step_budget import CUDA_TOKEN_BUDGET, BudgetCache, CpuStepBudget
 from llm_api.engine.support import check_supported
 from llm_api.engine.sampler import Sampler, SamplerBatch, SamplingParams, SamplingState
+from llm_api.model.settings import Settings
 
 __all__ = ["LLMEngine", "EngineConfig", "EngineStats", "RequestOutput", "PromptTooLongError"]
 
@@ -59,27 +60,31 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EngineConfig:
-    block_size: int = 16
+    """What the engine runs with. A field that is also a setting takes its default from ``Settings`` (the one
+    declaration of each default); ``from_settings`` maps a whole ``Settings`` onto these fields."""
+
+    block_size: int = Settings.kv_block_size
     num_blocks: int | None = None  # None: sized from kv_cache_memory_mib / free memory / CPU default
-    kv_cache_memory_mib: int = 0
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = 2048  # tokens per step; None: sized to the device (step_budget)
+    kv_cache_memory_mib: int = Settings.kv_cache_memory_mib
+    gpu_memory_utilization: float = Settings.gpu_memory_utilization
+    max_num_seqs: int = Settings.max_num_seqs
+    # Tokens per step; None: sized to the device (step_budget), which MAX_NUM_BATCHED_TOKENS=0 asks for. Built
+    # directly, an engine takes the fixed CUDA budget instead and measures nothing.
+    max_num_batched_tokens: int | None = CUDA_TOKEN_BUDGET
     max_model_len: int | None = None  # prompt + output tokens; None: the model's position limit
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # auto | torch | triton (llm_api.kernels; auto: triton on CUDA)
-    cuda_graphs: bool = True  # capture the decode step on CUDA (ignored elsewhere)
-    cuda_graph_max_batch_size: int = 128  # largest captured decode batch (capped by max_num_seqs)
-    fused_kernels: bool = True  # one Triton kernel per RMSNorm and per rotary embedding (CUDA only)
-    speculative_tokens: int = 0  # k draft tokens per step (n-gram prompt lookup); 0: off
-    ngram_min: int = 1
-    ngram_max: int = 4
-    speculative_max_batch: int = 8  # no drafts on steps with more decoding sequences
+    attention_backend: str = Settings.attention_backend  # auto | torch | triton (llm_api.kernels; auto: triton on CUDA)
+    cuda_graphs: bool = Settings.cuda_graphs  # capture the decode step on CUDA (ignored elsewhere)
+    cuda_graph_max_batch_size: int = Settings.cuda_graph_max_batch_size  # largest captured decode batch (<= max_num_seqs)
+    fused_kernels: bool = Settings.fused_kernels  # one Triton kernel per RMSNorm and per rotary embedding (CUDA only)
+    speculative_tokens: int = Settings.speculative_tokens  # k draft tokens per step (n-gram prompt lookup); 0: off
+    ngram_min: int = Settings.ngram_min
+    ngram_max: int = Settings.ngram_max
+    speculative_max_batch: int = Settings.speculative_max_batch  # no drafts on steps with more decoding sequences
     step_budget_cache: str = ""  # where measured CPU step budgets are kept (step_budget.BudgetCache); "": nowhere
 
     @classmethod
-    def from_settings(cls, settings) -> "EngineConfig":
-        """From ``llm_api.model.settings.Settings``."""
+    def from_settings(cls, settings: Settings) -> "EngineConfig":
         return cls(
             block_size=settings.kv_block_size,
             kv_cache_memory_mib=settings.kv_cache_memory_mib,

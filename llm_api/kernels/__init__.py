@@ -42,7 +42,9 @@ def _triton_importable() -> bool:
 
 def interpreter_enabled() -> bool:
     """Triton's CPU interpreter is on (``TRITON_INTERPRET=1``). The engine's settings do not own this variable:
-    Triton itself reads it when kernels are decorated, so this reads the same variable to agree with Triton."""
+    Triton itself reads it when kernels are decorated, so this reads the same variable, at the same moment, to
+    agree with Triton (a value fixed in ``Settings`` at start could disagree; the kernel tests set it). The one
+    read of the environment outside llm_api.model.settings that tests/test_architecture.py allows here."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 

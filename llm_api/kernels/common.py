@@ -13,12 +13,13 @@ Only long-stable Triton APIs are used (the GPU machine runs Triton 3.6, this one
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from llm_api.kernels import interpreter_enabled
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -79,10 +80,6 @@ def check_out(out: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def dot_options(dtype: torch.dtype) -> tuple[str, bool]:
     """(input_precision, upcast) for ``dot`` on operands of ``dtype``.
 
@@ -91,7 +88,7 @@ def dot_options(dtype: torch.dtype) -> tuple[str, bool]:
     whose tl.dot multiplies bf16 operands as their raw uint16 storage (3.9: ``create_dot`` calls
     np.matmul on the bits); compiled kernels never upcast."""
     precision = "ieee" if dtype == torch.float32 else "tf32"
-    return precision, interpreting() and dtype == torch.bfloat16
+    return precision, interpreter_enabled() and dtype == torch.bfloat16
 
 
 def device_guard(tensor: torch.Tensor):

@@ -115,7 +115,7 @@ def _convert(gguf_dir: Path, out_dir: Path) -> None:
 def main(argv: list[str]) -> int:
     from llm_api.model.settings import default_model_path
 
-    target = Path(argv[1]) if len(argv) > 1 else default_model_path(os.environ)
+    target = Path(argv[1]) if len(argv) > 1 else default_model_path()
     print(prepare(target))
     return 0
 

@@ -1,8 +1,19 @@
-"""Settings, built once from the environment.
+"""Settings, declared once and built once from the environment.
 
-This is the only module that reads ``os.environ``. ``Settings.from_env`` validates every variable and
-raises ``ConfigError`` naming the variable and its allowed values, so a bad value stops the model from
-loading with a message a user can act on. Tests build settings from a plain dict.
+Contract:
+
+- Each setting is one field of ``Settings``, declared with ``setting(...)``: its environment variable, its
+  default, its bounds or allowed values and its doc (the README's "values" column); the field's annotation
+  is its type. Everything else is made from these declarations: ``Settings.from_env`` reads and validates
+  every variable, ``readme_table()`` writes the README's table of variables (scripts/settings_table.py puts
+  it between the README's markers, and tests/test_config.py fails while the README is stale), and the
+  sub-configs (``llm_api.engine.engine.EngineConfig``, ...) take their defaults from ``Settings``' class
+  attributes instead of repeating them. A field declared without ``setting`` is derived, not a variable
+  (``DERIVED_FIELDS``).
+- This is the only module of ``llm_api`` that reads ``os.environ``; tests/test_architecture.py enforces it
+  and lists the exceptions, each with its reason where it is made.
+- A bad value raises ``ConfigError`` naming the variable and its allowed values, so it stops the model from
+  loading with a message a user can act on. Tests build settings from a plain dict.
 """
 
 from __future__ import annotations
@@ -10,235 +21,31 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-DTYPES = ("bfloat16", "float16", "float32", "auto")
-QUANTIZATIONS = ("none", "8bit", "4bit")
-BNB_4BIT_QUANT_TYPES = ("nf4", "fp4")
-CPU_PACKED_WEIGHTS_MODES = ("auto", "true", "false")  # llm_api.model.packed_linear
-ENGINES = ("paged", "generate")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
-REASONING_PARSERS = ("none", "auto", "deepseek_r1", "qwen3")  # llm_api.api.reasoning
 DEFAULT_MODEL_DIR_NAME = "SmolLM2-135M-Instruct"
+# A byte bound below one small entry would refuse every response; 1 KiB is still tiny.
+MIN_RESPONSES_STORE_BYTES = 1024
+MIN_API_KEY_CHARS = 8
 
 
 class ConfigError(ValueError):
     """A setting has a value the server cannot run with."""
 
 
-def default_cache_dir(env: Mapping[str, str]) -> Path:
+def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:
     """Where prepared models and measured step budgets live (outside git): $LLM_API_CACHE, else ~/.cache/llm_api."""
+    env = os.environ if env is None else env
     if env.get("LLM_API_CACHE"):
         return Path(env["LLM_API_CACHE"])
     return Path(env.get("HOME", str(Path.home()))) / ".cache" / "llm_api"
 
 
-def default_model_path(env: Mapping[str, str]) -> Path:
+def default_model_path(env: Mapping[str, str] | None = None) -> Path:
+    """The embedded model's folder in the cache dir (``env``: the process's environment when None)."""
     return default_cache_dir(env) / "models" / DEFAULT_MODEL_DIR_NAME
-
-
-@dataclass(frozen=True)
-class Settings:
-    model_name: str = "smollm2"
-    model_path: str = ""  # empty: the embedded default model in the cache dir
-    cache_dir: str = ""  # LLM_API_CACHE, else ~/.cache/llm_api: prepared models, measured CPU step budgets
-    device_map: str = "auto"  # auto | cpu | cuda | cuda:N | an integer | a JSON object
-    max_input_tokens: int = 2048
-    max_new_tokens: int = 2048
-    dtype: str = "bfloat16"
-    dtype_from_env: bool = False  # DTYPE was set: always honoured (else a CPU may run float32, see loader)
-    quantization: str = "none"
-    bnb_4bit_quant_type: str = "nf4"  # the 4-bit data type of QUANTIZATION=4bit
-    # CPU only: linear weights reordered once at load into oneDNN's blocked layout (llm_api.model.packed_linear);
-    # auto: bfloat16 models, and float32 ones on AMD CPUs (where it was measured to win), true: float32 too.
-    cpu_packed_weights: str = "auto"
-    offload_folder: str = ""  # where DEVICE_MAP "disk" entries put weights; empty: <cache dir>/offload/<model>
-    end_of_stream_token: str = "<|endoftext|>"
-    # How a reasoning model's <think> block is split from its answer (llm_api.api.reasoning); auto: from
-    # the chat template (none when it has no think tags).
-    reasoning_parser: str = "auto"
-    # tool_choice auto on a chat template without a tool format (the generic form, llm_api.api.tools);
-    # false: refused as vLLM refuses auto without a tool parser.
-    generic_tool_choice_auto: bool = True
-    # Generation path: the paged engine, or transformers' generate() (the reference).
-    engine: str = "paged"
-    # Paged KV cache and scheduler limits.
-    kv_block_size: int = 16
-    kv_cache_memory_mib: int = 0  # 0: sized automatically (GPU: free memory x utilization)
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 0  # tokens per engine step; 0: sized to the device (2048 on CUDA, probed on CPU)
-    # GPU fast path: attention kernels (auto: Triton on CUDA when importable, else torch) and the
-    # CUDA-graph-captured decode step for batch sizes up to the maximum (then eager).
-    attention_backend: str = "auto"
-    cuda_graphs: bool = True
-    fused_kernels: bool = True
-    cuda_graph_max_batch_size: int = 128
-    # Speculative decoding by n-gram prompt lookup (llm_api.engine.speculative): draft tokens per step
-    # (0: off), the n-gram sizes looked up (longest first) and the largest decoding batch that drafts.
-    speculative_tokens: int = 0
-    ngram_min: int = 1
-    ngram_max: int = 4
-    speculative_max_batch: int = 8
-    request_timeout_s: float = 600.0
-    # TorchServe only: stream gRPC answers when a request asks ("stream": "true"). TorchServe's backend
-    # cannot tell a unary Predictions call from StreamPredictions, and a second message to a unary call
-    # kills the worker, so this is off unless every gRPC client is trusted (docs/reliability.md).
-    grpc_streaming: bool = False
-    # Backpressure (async mode): requests beyond these get 503 at once instead of queueing unbounded.
-    max_waiting_requests: int = 256  # accepted but not yet running, on top of MAX_NUM_SEQS
-    max_tokens_in_flight: int = 1_048_576  # sum over live requests of prompt + max_new_tokens
-    # One request's work (llm_api.api.request.request_work): prompt tokens + n x max_new_tokens x (1 + logprob
-    # entries per token). The other caps bound each factor alone; this bounds their product (400 above it).
-    max_request_work: int = 262_144
-    # The standalone server (llm_api serve). Its bearer keys: LLM_API_KEY (comma-separated, see api_keys), or
-    # one generated per start.
-    api_key: str = field(default="", repr=False)
-    drain_grace_s: float = 30.0  # after SIGTERM: how long in-flight requests may take to finish
-    max_request_bytes: int = 6_553_500  # largest request body (TorchServe's max_request_size default)
-    # The standalone server's transport limits (llm_api.server.transport says how each is enforced).
-    keepalive_timeout_s: float = 15.0  # a connection's deadline for a complete request head, when idle too
-    body_timeout_s: float = 60.0  # a request's deadline for its whole body, from its head
-    write_timeout_s: float = 30.0  # a deadline for each write of an answer (a client that stopped reading)
-    send_buffer_bytes: int = 262_144  # the kernel's send buffer per connection (SO_SNDBUF); 0: the kernel's own
-    max_connections: int = 512  # open connections served at once; those beyond get 503 and are closed
-    # Connections that no authenticated request has used yet (llm_api.server.connections): their own budget,
-    # a cap per client address, and a deadline to start a request.
-    max_untrusted_connections: int = 64
-    max_connections_per_client: int = 128
-    header_timeout_s: float = 5.0
-    # Stored responses (the Responses API's store: true; llm_api.service.response_store): oldest evicted
-    # first past either bound, each gone after the TTL; an empty path keeps them in memory only.
-    responses_store_max_entries: int = 10_000  # 0: nothing is stored
-    responses_store_max_bytes: int = 64 * 1024 * 1024
-    responses_store_ttl_s: float = 86_400.0
-    # One owner's (key's) share of the store: its own oldest entries are evicted first past these.
-    responses_store_owner_max_entries: int = 2_500
-    responses_store_owner_max_bytes: int = 16 * 1024 * 1024
-    responses_store_path: str = ""
-    # LoRA adapters (llm_api.lora, docs/lora.md): PEFT adapter folders served beside the base model, by name.
-    lora_adapters: tuple[tuple[str, str], ...] = ()  # LORA_ADAPTERS=name=path,name2=path2
-    max_lora_rank: int = 64
-    max_loras: int = 4  # adapters resident in one step; more are kept on the host and swapped in
-    lora_runtime_loading: bool = False  # POST v1/load_lora_adapter / v1/unload_lora_adapter
-    lora_adapter_root: str = ""  # the only folder runtime loading reads from
-
-    @property
-    def lora_enabled(self) -> bool:
-        return bool(self.lora_adapters) or self.lora_runtime_loading
-
-    def with_lora_base(self, folder: str) -> "Settings":
-        """LORA_ADAPTERS' relative paths read below ``folder`` (TorchServe: the archive's extracted folder,
-        where ``torch-model-archiver --extra-files`` puts packaged adapters)."""
-        from dataclasses import replace
-
-        return replace(self, lora_adapters=tuple((name, path if os.path.isabs(path) else os.path.join(folder, path))
-                                                 for name, path in self.lora_adapters))
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
-        env = os.environ if env is None else env
-        values: dict[str, Any] = {
-            "model_name": _nonempty(env, "MODEL_NAME", cls.model_name),
-            "model_path": env.get("MODEL_PATH", "") or str(default_model_path(env)),
-            "cache_dir": str(default_cache_dir(env)),
-            "device_map": _device_map(env.get("DEVICE_MAP", cls.device_map)),
-            "max_input_tokens": _int(env, "MAX_INPUT_TOKENS", cls.max_input_tokens, minimum=1),
-            "max_new_tokens": _int(env, "MAX_NEW_TOKENS", cls.max_new_tokens, minimum=1),
-            "dtype": _choice(env, "DTYPE", cls.dtype, DTYPES),
-            "dtype_from_env": bool(env.get("DTYPE", "").strip()),
-            "quantization": _choice(env, "QUANTIZATION", cls.quantization, QUANTIZATIONS),
-            "bnb_4bit_quant_type": _choice(env, "BNB_4BIT_QUANT_TYPE", cls.bnb_4bit_quant_type, BNB_4BIT_QUANT_TYPES),
-            "cpu_packed_weights": _choice(env, "CPU_PACKED_WEIGHTS", cls.cpu_packed_weights, CPU_PACKED_WEIGHTS_MODES),
-            "offload_folder": env.get("OFFLOAD_FOLDER", "")
-            or str(default_cache_dir(env) / "offload" / _nonempty(env, "MODEL_NAME", cls.model_name)),
-            "end_of_stream_token": _marker(env.get("END_OF_STREAM_TOKEN", cls.end_of_stream_token)),
-            "reasoning_parser": _choice(env, "REASONING_PARSER", cls.reasoning_parser, REASONING_PARSERS),
-            "generic_tool_choice_auto": _bool(env, "GENERIC_TOOL_CHOICE_AUTO", cls.generic_tool_choice_auto),
-            "engine": _choice(env, "ENGINE", cls.engine, ENGINES),
-            "kv_block_size": _int(env, "KV_BLOCK_SIZE", cls.kv_block_size, minimum=1),
-            "kv_cache_memory_mib": _int(env, "KV_CACHE_MEMORY_MIB", cls.kv_cache_memory_mib, minimum=0),
-            "gpu_memory_utilization": _float(
-                env, "GPU_MEMORY_UTILIZATION", cls.gpu_memory_utilization, 0.0, 1.0
-            ),
-            "max_num_seqs": _int(env, "MAX_NUM_SEQS", cls.max_num_seqs, minimum=1),
-            "max_num_batched_tokens": _int(
-                env, "MAX_NUM_BATCHED_TOKENS", cls.max_num_batched_tokens, minimum=0
-            ),
-            "attention_backend": _choice(env, "ATTENTION_BACKEND", cls.attention_backend, ATTENTION_BACKENDS),
-            "cuda_graphs": _bool(env, "CUDA_GRAPHS", cls.cuda_graphs),
-            "fused_kernels": _bool(env, "FUSED_KERNELS", cls.fused_kernels),
-            "cuda_graph_max_batch_size": _int(env, "CUDA_GRAPH_MAX_BATCH_SIZE", cls.cuda_graph_max_batch_size,
-                                              minimum=1),
-            "speculative_tokens": _int(env, "SPECULATIVE_TOKENS", cls.speculative_tokens, minimum=0),
-            "ngram_min": _int(env, "NGRAM_MIN", cls.ngram_min, minimum=1),
-            "ngram_max": _int(env, "NGRAM_MAX", cls.ngram_max, minimum=1),
-            "speculative_max_batch": _int(env, "SPECULATIVE_MAX_BATCH", cls.speculative_max_batch, minimum=0),
-            "request_timeout_s": _float(env, "REQUEST_TIMEOUT_S", cls.request_timeout_s, 0.0, None),
-            "grpc_streaming": _bool(env, "GRPC_STREAMING", cls.grpc_streaming),
-            "max_waiting_requests": _int(env, "MAX_WAITING_REQUESTS", cls.max_waiting_requests, minimum=0),
-            "max_tokens_in_flight": _int(env, "MAX_TOKENS_IN_FLIGHT", cls.max_tokens_in_flight, minimum=1),
-            "max_request_work": _int(env, "MAX_REQUEST_WORK", cls.max_request_work, minimum=1),
-            "api_key": _api_key(env.get("LLM_API_KEY", "")),
-            "drain_grace_s": _float(env, "DRAIN_GRACE_S", cls.drain_grace_s, 0.0, None),
-            "max_request_bytes": _int(env, "MAX_REQUEST_BYTES", cls.max_request_bytes, minimum=1024),
-            "keepalive_timeout_s": _float(env, "KEEPALIVE_TIMEOUT_S", cls.keepalive_timeout_s, 0.0, None),
-            "body_timeout_s": _float(env, "BODY_TIMEOUT_S", cls.body_timeout_s, 0.0, None),
-            "write_timeout_s": _float(env, "WRITE_TIMEOUT_S", cls.write_timeout_s, 0.0, None),
-            "send_buffer_bytes": _int(env, "SEND_BUFFER_BYTES", cls.send_buffer_bytes, minimum=0),
-            "max_connections": _int(env, "MAX_CONNECTIONS", cls.max_connections, minimum=1),
-            "max_untrusted_connections": _int(env, "MAX_UNTRUSTED_CONNECTIONS", cls.max_untrusted_connections,
-                                              minimum=1),
-            "max_connections_per_client": _int(env, "MAX_CONNECTIONS_PER_CLIENT", cls.max_connections_per_client,
-                                               minimum=1),
-            "header_timeout_s": _float(env, "HEADER_TIMEOUT_S", cls.header_timeout_s, 0.0, None),
-            "responses_store_max_entries": _int(env, "RESPONSES_STORE_MAX_ENTRIES", cls.responses_store_max_entries,
-                                                minimum=0),
-            "responses_store_max_bytes": _int(env, "RESPONSES_STORE_MAX_BYTES", cls.responses_store_max_bytes,
-                                              minimum=MIN_RESPONSES_STORE_BYTES),
-            "responses_store_ttl_s": _float(env, "RESPONSES_STORE_TTL_S", cls.responses_store_ttl_s, 0.0, None),
-            "responses_store_owner_max_entries": _int(env, "RESPONSES_STORE_OWNER_MAX_ENTRIES",
-                                                      cls.responses_store_owner_max_entries, minimum=1),
-            "responses_store_owner_max_bytes": _int(env, "RESPONSES_STORE_OWNER_MAX_BYTES",
-                                                    cls.responses_store_owner_max_bytes,
-                                                    minimum=MIN_RESPONSES_STORE_BYTES),
-            "responses_store_path": _store_path(env.get("RESPONSES_STORE_PATH", "")),
-            "lora_adapters": _lora_adapters(env.get("LORA_ADAPTERS", "")),
-            "max_lora_rank": _int(env, "MAX_LORA_RANK", cls.max_lora_rank, minimum=1),
-            "max_loras": _int(env, "MAX_LORAS", cls.max_loras, minimum=1),
-            "lora_runtime_loading": _bool(env, "LORA_RUNTIME_LOADING", cls.lora_runtime_loading),
-            "lora_adapter_root": env.get("LORA_ADAPTER_ROOT", "").strip(),
-        }
-        if values["lora_runtime_loading"] and not values["lora_adapter_root"]:
-            raise ConfigError("LORA_RUNTIME_LOADING=true needs LORA_ADAPTER_ROOT: the folder runtime loads may read "
-                              "adapters from")
-        if values["lora_adapter_root"] and not Path(values["lora_adapter_root"]).is_dir():
-            raise ConfigError(f"LORA_ADAPTER_ROOT={values['lora_adapter_root']!r} is not a folder")
-        if (values["lora_adapters"] or values["lora_runtime_loading"]) and values["engine"] != "paged":
-            raise ConfigError("LoRA adapters (LORA_ADAPTERS, LORA_RUNTIME_LOADING) need ENGINE=paged")
-        if 0 < values["max_num_batched_tokens"] < values["max_num_seqs"]:
-            # The scheduler serves running requests first: a smaller budget would starve the newest.
-            raise ConfigError(f"MAX_NUM_BATCHED_TOKENS={values['max_num_batched_tokens']} is below MAX_NUM_SEQS="
-                              f"{values['max_num_seqs']}; allowed values: 0 (sized to the device) or >= MAX_NUM_SEQS")
-        if values["ngram_min"] > values["ngram_max"]:
-            raise ConfigError(f"NGRAM_MIN={values['ngram_min']} is above NGRAM_MAX={values['ngram_max']}; allowed "
-                              "values: 1 <= NGRAM_MIN <= NGRAM_MAX")
-        return cls(**values)
-
-    @property
-    def api_keys(self) -> tuple[str, ...]:
-        """The keys of LLM_API_KEY (empty when unset): any one of them is accepted, each its own owner of
-        stored responses."""
-        return split_api_keys(self.api_key)
-
-
-def _nonempty(env: Mapping[str, str], name: str, default: str) -> str:
-    value = env.get(name, default)
-    if not value.strip():
-        raise ConfigError(f"{name} must not be empty")
-    return value
 
 
 def _marker(raw: str) -> str:
@@ -249,9 +56,6 @@ def _marker(raw: str) -> str:
     if len(raw) < 2 or raw[0] in ' \t{}[]":,\\-0123456789' or any(c in raw for c in "\r\n"):
         raise ConfigError(f"END_OF_STREAM_TOKEN={raw!r} is not supported; allowed values: {allowed}")
     return raw
-
-
-MIN_API_KEY_CHARS = 8
 
 
 def split_api_keys(raw: str) -> tuple[str, ...]:
@@ -277,10 +81,6 @@ def _api_key(raw: str) -> str:
     if len(set(keys)) != len(keys):
         raise ConfigError(f"LLM_API_KEY is not usable (a key is listed twice); allowed values: {allowed}")
     return raw
-
-
-# A byte bound below one small entry would refuse every response; 1 KiB is still tiny.
-MIN_RESPONSES_STORE_BYTES = 1024
 
 
 def _store_path(raw: str) -> str:
@@ -313,11 +113,12 @@ def _lora_adapters(raw: str) -> tuple[tuple[str, str], ...]:
 _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
-def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...]) -> str:
+def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...],
+            aliases: tuple[str, ...] = ()) -> str:
     raw = env.get(name, default)
     value = raw.strip().lower()
-    if name == "QUANTIZATION" and value in ("", "none", "null", "no", "off"):
-        value = "none"
+    if value in aliases:
+        value = allowed[0]
     if value not in allowed:
         shown = ", ".join("None" if a == "none" else a for a in allowed)
         raise ConfigError(f"{name}={raw!r} is not supported; allowed values: {shown}")
@@ -392,6 +193,416 @@ def _is_device(device) -> bool:
     if not isinstance(device, str):
         return False
     return device in ("cpu", "disk", "cuda", "mps") or (device.startswith("cuda:") and device[5:].isdigit())
+
+
+# A derived setting's reader: the environment, and the values of the settings declared before it.
+Derive = Callable[[Mapping[str, str], Mapping[str, Any]], Any]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable: how it is read and validated, and how the README shows it.
+
+    How ``read`` turns the variable into a value follows from the declaration: ``derive`` when given (a value
+    made from several variables); else ``choices`` (one of them, case-insensitive); else the default's type:
+    a bool, an int (``>= minimum``), a float (``> minimum`` and ``<= maximum`` when given) or a string, passed
+    through ``parse`` when given. Unset (and for bool, int and float also empty) is the default."""
+
+    env: str
+    default: Any
+    doc: str  # the README's "values" column (markdown)
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()  # raw values also read as choices[0] ("", "off": QUANTIZATION=none)
+    parse: Callable[[str], Any] | None = None
+    derive: Derive | None = None
+    shown_default: str | None = None  # the README's default column, where the default alone would mislead
+    default_note: str = ""  # said after the shown default: "(auto)"
+    joins_previous: bool = False  # shares the README row of the setting declared before it
+
+    def read(self, env: Mapping[str, str], earlier: Mapping[str, Any]) -> Any:
+        if self.derive is not None:
+            return self.derive(env, earlier)
+        if self.choices:
+            return _choice(env, self.env, self.default, self.choices, self.aliases)
+        if isinstance(self.default, bool):
+            return _bool(env, self.env, self.default)
+        if isinstance(self.default, int):
+            assert self.minimum is not None, self.env
+            return _int(env, self.env, self.default, int(self.minimum))
+        if isinstance(self.default, float):
+            assert self.minimum is not None, self.env
+            return _float(env, self.env, self.default, self.minimum, self.maximum)
+        raw = env.get(self.env, self.default)
+        return self.parse(raw) if self.parse is not None else raw
+
+    def readme_default(self) -> str:
+        if self.shown_default is not None:
+            return self.shown_default
+        value = self.default
+        if isinstance(value, bool):
+            shown = "`true`" if value else "`false`"
+        elif isinstance(value, float):
+            shown = f"`{value:g}`"
+        elif value in ("", ()):
+            shown = "empty"
+        else:
+            shown = f"`{value}`"
+        return f"{shown} {self.default_note}" if self.default_note else shown
+
+
+def setting(env: str, default: Any, doc: str, *, repr: bool = True, **options: Any) -> Any:
+    """A ``Settings`` field read from the variable ``env`` (``options``: the rest of ``Setting``)."""
+    return field(default=default, repr=repr, metadata={"setting": Setting(env, default, doc, **options)})
+
+
+def _model_name(raw: str) -> str:
+    if not raw.strip():
+        raise ConfigError("MODEL_NAME must not be empty")
+    return raw
+
+
+def _model_path(env: Mapping[str, str], earlier: Mapping[str, Any]) -> str:
+    return env.get("MODEL_PATH", "") or str(default_model_path(env))
+
+
+def _cache_dir(env: Mapping[str, str], earlier: Mapping[str, Any]) -> str:
+    return str(default_cache_dir(env))
+
+
+def _offload_folder(env: Mapping[str, str], earlier: Mapping[str, Any]) -> str:
+    return env.get("OFFLOAD_FOLDER", "") or str(default_cache_dir(env) / "offload" / earlier["model_name"])
+
+
+def _lora_adapters_setting(env: Mapping[str, str], earlier: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    return _lora_adapters(env.get("LORA_ADAPTERS", ""))
+
+
+@dataclass(frozen=True)
+class Settings:
+    model_name: str = setting("MODEL_NAME", "smollm2", "name of the archive and of the `/predictions/<name>` path",
+                              parse=_model_name)
+    model_path: str = setting(
+        "MODEL_PATH", "", "any local Hugging Face checkpoint folder", derive=_model_path,
+        shown_default="the embedded model (`~/.cache/llm_api/models/SmolLM2-135M-Instruct`)")
+    device_map: str = setting(
+        "DEVICE_MAP", "auto", "`auto`, `cpu`, `cuda`, `cuda:N`, an integer, or a JSON map of module names to devices",
+        parse=_device_map)
+    max_input_tokens: int = setting("MAX_INPUT_TOKENS", 2048,
+                                    "prompt length limit (tokens, or `inputs_embeds` positions)", minimum=1)
+    max_new_tokens: int = setting("MAX_NEW_TOKENS", 2048, "the largest `max_new_tokens` a request may ask for",
+                                  minimum=1)
+    # The field's default is what an unset DTYPE reads as; whether a CPU keeps it is the loader's choice
+    # (llm_api.model.loader.resolve_dtype, from dtype_from_env and the CPU's instructions).
+    dtype: str = setting(
+        "DTYPE", "bfloat16", "`bfloat16`, `float16`, `float32`, `auto` (the checkpoint's); a value you set is always used",
+        choices=("bfloat16", "float16", "float32", "auto"),
+        shown_default="`bfloat16` on a GPU and on a CPU with bfloat16 matrix instructions (`avx512_bf16` or `amx_bf16` "
+                      "on x86-64, `bf16` on aarch64); `float32` on any other CPU (said in one log line; "
+                      "`llm_api/model/cpu.py` says why)")
+    dtype_from_env: bool = False  # derived: DTYPE was set, so it is always honoured (see DERIVED_FIELDS)
+    quantization: str = setting(
+        "QUANTIZATION", "none", "`None`, `8bit`, `4bit` (bitsandbytes: `QUANTIZATION=8bit make serve` installs it)",
+        choices=("none", "8bit", "4bit"), aliases=("", "null", "no", "off"), shown_default="`None`")
+    bnb_4bit_quant_type: str = setting("BNB_4BIT_QUANT_TYPE", "nf4", "`nf4`, `fp4` (the 4-bit data type)",
+                                       choices=("nf4", "fp4"))
+    cpu_packed_weights: str = setting(  # llm_api.model.packed_linear
+        "CPU_PACKED_WEIGHTS", "auto",
+        "`auto`, `true`, `false`: on a CPU, reorder the linear layers' weights once at load into oneDNN's blocked "
+        "layout, so decode reads them faster: +21% batch-1 decode in bfloat16 on an AMX Xeon (docs/benchmarks.md, "
+        "\"Where a CPU decode step goes\"). `auto`: bfloat16 models (a CPU without bfloat16 instructions cannot pack "
+        "them and keeps `F.linear`, logged), and float32 models on AMD CPUs (where torch's float32 products, MKL's, "
+        "read memory at half oneDNN's speed; on an Intel Xeon a packed float32 decode step took 47.6 ms against "
+        "32.6); `true`: float32 everywhere; `false`: never; a tied `lm_head` costs one more copy of the embedding",
+        choices=("auto", "true", "false"))
+    offload_folder: str = setting(
+        "OFFLOAD_FOLDER", "", "where `\"disk\"` entries of a JSON `DEVICE_MAP` keep their weights",
+        derive=_offload_folder, shown_default="`$LLM_API_CACHE/offload/$MODEL_NAME`")
+    end_of_stream_token: str = setting(
+        "END_OF_STREAM_TOKEN", "<|endoftext|>",
+        "the marker that ends every stream: 2+ characters, no line breaks, not starting with a space, digit, `-` or "
+        "one of `{}[]\":,\\` (so an error object can always be written without it)", parse=_marker)
+    reasoning_parser: str = setting(  # llm_api.api.reasoning
+        "REASONING_PARSER", "auto",
+        "how a reasoning model's `<think>` block is split from its answer (chat `reasoning` / `reasoning_content`; "
+        "see Reasoning models): `auto` (from the chat template: DeepSeek-R1 style when the generation prompt opens "
+        "`<think>`, Qwen3 style when the template writes `</think>` otherwise, none without think tags), "
+        "`deepseek_r1`, `qwen3`, `none` (never split)",
+        choices=("none", "auto", "deepseek_r1", "qwen3"))
+    generic_tool_choice_auto: bool = setting(  # llm_api.api.tools, llm_api.api.constraints.plan_tools
+        "GENERIC_TOOL_CHOICE_AUTO", True,
+        "`tool_choice` `auto` (the default with tools) on a chat template without a tool-call format, in the "
+        "generic form (text or a call; see Tool calls); `false` refuses it with a 400 naming `tool_choice`, as "
+        "vLLM does without a tool parser")
+    cache_dir: str = setting(
+        "LLM_API_CACHE", "",
+        "where the embedded model is prepared and measured CPU step budgets are kept (`step-budget/`)",
+        derive=_cache_dir, shown_default="`~/.cache/llm_api`")
+    engine: str = setting("ENGINE", "paged",
+                          "`paged` (the engine below) or `generate` (transformers' `generate()`, the reference)",
+                          choices=("paged", "generate"))
+    # Paged KV cache and scheduler limits.
+    kv_block_size: int = setting("KV_BLOCK_SIZE", 16, "tokens per KV-cache block", minimum=1)
+    kv_cache_memory_mib: int = setting(
+        "KV_CACHE_MEMORY_MIB", 0,
+        "KV pool size; auto: on GPU what is left of total memory x `GPU_MEMORY_UTILIZATION` after the weights and a "
+        "profiled activation peak, on CPU enough for `MAX_NUM_SEQS` requests of `MAX_INPUT_TOKENS` + `MAX_NEW_TOKENS` "
+        "tokens, at most 1/32 of the host's memory (its cgroup limit where lower; 768 MiB on a 24 GiB host) and at "
+        "least one such request. A CPU pool is resident only as far as it has been used (see [Memory and "
+        "start-up](#memory-and-start-up))",
+        minimum=0, default_note="(auto)")
+    gpu_memory_utilization: float = setting(
+        "GPU_MEMORY_UTILIZATION", 0.9,
+        "share of the GPU's total memory the server may use (weights, activations, KV pool, CUDA graphs)",
+        minimum=0.0, maximum=1.0)
+    attention_backend: str = setting(
+        "ATTENTION_BACKEND", "auto",
+        "`auto` (Triton kernels on CUDA, torch elsewhere), `torch`, `triton` (on CPU only under `TRITON_INTERPRET=1`, "
+        "for tests)",
+        choices=("auto", "torch", "triton"))
+    cuda_graphs: bool = setting("CUDA_GRAPHS", True,
+                                "capture the decode step in CUDA graphs (GPU only); `false` runs it eagerly")
+    fused_kernels: bool = setting(
+        "FUSED_KERNELS", True,
+        "on a GPU, one Triton kernel for each RMSNorm and each layer's rotary embedding instead of transformers' eight "
+        "and ten small ones (only where the model's code is Llama's, checked by bytecode: Llama, Mistral, Qwen2/3, "
+        "Granite, ...; docs/benchmarks.md \"GPU\"); `false` keeps transformers' code")
+    cuda_graph_max_batch_size: int = setting(
+        "CUDA_GRAPH_MAX_BATCH_SIZE", 128,
+        "largest captured decode batch (capped by `MAX_NUM_SEQS`); larger batches run eagerly", minimum=1)
+    # Speculative decoding by n-gram prompt lookup (llm_api.engine.speculative).
+    speculative_tokens: int = setting(
+        "SPECULATIVE_TOKENS", 0,
+        "speculative decoding by n-gram prompt lookup: each decoding sequence drafts up to this many tokens per step "
+        "from earlier text of its own (prompt + answer), verified in one forward; greedy answers are unchanged and "
+        "sampled ones keep their distribution (docs/architecture.md, \"Speculative decoding\"). Pays off where "
+        "answers copy their prompt (edits, quotes, code): with `4` on a 2-core CPU, 2.7x (bfloat16) and 2.0x "
+        "(float32) on such answers, 1.3x on open ones, 1.0x at 16 sequences (docs/benchmarks.md). Off by default: "
+        "speculative steps run without CUDA graphs (unmeasured on a GPU), and a seeded sampled request draws other "
+        "(equally distributed) tokens with it on; the paged engine only (`ENGINE=generate` ignores it)",
+        minimum=0, default_note="(off)")
+    ngram_min: int = setting(
+        "NGRAM_MIN", 1,
+        "n-gram sizes looked up, longest first (vLLM's `prompt_lookup_min` / `prompt_lookup_max`); "
+        "`1 <= NGRAM_MIN <= NGRAM_MAX`", minimum=1)
+    ngram_max: int = setting("NGRAM_MAX", 4, "", minimum=1, joins_previous=True)
+    speculative_max_batch: int = setting(
+        "SPECULATIVE_MAX_BATCH", 8,
+        "no drafts on a step with more decoding sequences than this (a big batch gains less than verifying drafts "
+        "costs; measured, docs/benchmarks.md \"Speculative decoding\")", minimum=0)
+    max_num_seqs: int = setting("MAX_NUM_SEQS", 64, "requests decoded together at most", minimum=1)
+    max_num_batched_tokens: int = setting(
+        "MAX_NUM_BATCHED_TOKENS", 0,
+        "tokens per engine step, at least `MAX_NUM_SEQS`; long prompts are prefilled in chunks of it, so it bounds "
+        "how long running streams wait while a long prompt arrives. `0`: 2048 on CUDA; on a CPU the largest budget "
+        "whose step takes about 0.4 s, as measured on this host with this model and these settings: read from "
+        "`$LLM_API_CACHE/step-budget/` when measured before (no probe: ready seconds after the weights load), else "
+        "measured at start (at most 6 s), then re-measured while the server is idle and raised if it finds more, "
+        "never lowered, and never below what the model's arithmetic allows a slow core (see [Memory and "
+        "start-up](#memory-and-start-up); logged with its source; set it to pin a benchmark)",
+        minimum=0, default_note="(sized to the device)")
+    # TorchServe's backend cannot tell a unary Predictions call from StreamPredictions, and a second message
+    # to a unary call kills the worker, so this is off unless every gRPC client is trusted (docs/reliability.md).
+    grpc_streaming: bool = setting(
+        "GRPC_STREAMING", False,
+        "TorchServe only: `true` streams gRPC answers that ask for it (see gRPC above for the risk)")
+    request_timeout_s: float = setting(
+        "REQUEST_TIMEOUT_S", 600.0, "deadline of every request (a request's own `timeout` may only shorten it)",
+        minimum=0.0)
+    # Backpressure (async mode): requests beyond these get 503 at once instead of queueing unbounded.
+    max_waiting_requests: int = setting(
+        "MAX_WAITING_REQUESTS", 256,
+        "async mode: requests accepted beyond `MAX_NUM_SEQS`; more get 503 `overloaded` at once", minimum=0)
+    max_tokens_in_flight: int = setting(
+        "MAX_TOKENS_IN_FLIGHT", 1_048_576,
+        "async mode: sum of prompt + `max_new_tokens` over live requests; more get 503", minimum=1)
+    # The other caps bound each factor of a request's work alone; this bounds their product
+    # (llm_api.api.request.request_work).
+    max_request_work: int = setting(
+        "MAX_REQUEST_WORK", 262_144,
+        "one request's work: prompt tokens + `n` x `max_new_tokens` x (1 + logprob entries per token: the "
+        "alternatives asked for and the token's own); above it 400 `work_limit_exceeded` naming the limit and the "
+        "request's fields, on every generate route (formula: `llm_api/api/request.py`)", minimum=1)
+    # The standalone server (llm_api serve). Its bearer keys (see api_keys), or one generated per start.
+    api_key: str = setting(
+        "LLM_API_KEY", "",
+        f"`llm_api serve` only: its bearer keys, one or more separated by commas (any is accepted; each is its own "
+        f"owner of stored responses), each at least {MIN_API_KEY_CHARS} visible ASCII characters without spaces or "
+        f"commas (never logged)",
+        parse=_api_key, repr=False, shown_default="unset (a key is generated per start)")
+    drain_grace_s: float = setting(
+        "DRAIN_GRACE_S", 30.0,
+        "`llm_api serve` only: seconds requests in flight may take to finish after SIGTERM (> 0)", minimum=0.0)
+    max_request_bytes: int = setting(
+        "MAX_REQUEST_BYTES", 6_553_500,
+        "`llm_api serve` only: the largest request body (HTTP 413 above; also the gRPC message limit), TorchServe's "
+        "default", minimum=1024)
+    # The standalone server's transport limits (llm_api.server.transport says how each is enforced).
+    keepalive_timeout_s: float = setting(
+        "KEEPALIVE_TIMEOUT_S", 15.0,
+        "`llm_api serve` only: a connection must deliver a complete request head within this many seconds of opening "
+        "or of its previous answer, else it is closed (slow headers and idle keep-alive alike; aiohttp's "
+        "`keepalive_timeout`)", minimum=0.0)
+    body_timeout_s: float = setting(
+        "BODY_TIMEOUT_S", 60.0,
+        "`llm_api serve` only: a request's whole body must arrive within this many seconds of its head (HTTP 408 "
+        "`request_timeout`, then the connection closes)", minimum=0.0)
+    write_timeout_s: float = setting(
+        "WRITE_TIMEOUT_S", 30.0,
+        "`llm_api serve` only: each write of an answer must finish within this many seconds; a client that stopped "
+        "reading has its connection and request aborted (KV blocks freed)", minimum=0.0)
+    send_buffer_bytes: int = setting(
+        "SEND_BUFFER_BYTES", 262_144,
+        "`llm_api serve` only: the kernel send buffer per connection (`SO_SNDBUF`) of a streamed answer, so a client "
+        "that stops reading holds little; `0`: the kernel's own sizing", minimum=0)
+    max_connections: int = setting(
+        "MAX_CONNECTIONS", 512,
+        "`llm_api serve` only: connections in use by authenticated clients at once; a request with a valid key on one "
+        "more first closes the idle authenticated connection least recently used, and only when all are busy gets "
+        "503 `too_many_connections` with `Retry-After` (its connection closes; the probes still answer). Connections "
+        "no authenticated request has used never count here: see the next two rows. Request lines and header fields "
+        "are limited to 8190 bytes and 128 fields (aiohttp's parser: 400/431)", minimum=1)
+    # Connections that no authenticated request has used yet (llm_api.server.connections): their own budget,
+    # a cap per client address, and a deadline to start a request.
+    max_untrusted_connections: int = setting(
+        "MAX_UNTRUSTED_CONNECTIONS", 64,
+        "`llm_api serve` only: connections that no request with a valid key has used yet (idle, half-sent, or only "
+        "refused) kept at once; one more closes the oldest of them (each new connection has 0.2 s to send its head "
+        "before it may be closed), so unauthenticated sockets cannot lock key holders out", minimum=1)
+    max_connections_per_client: int = setting(
+        "MAX_CONNECTIONS_PER_CLIENT", 128,
+        "`llm_api serve` only: connections from one client address at once; one more closes that address's oldest "
+        "connection not in the middle of a request (untrusted first)", minimum=1)
+    header_timeout_s: float = setting(
+        "HEADER_TIMEOUT_S", 5.0,
+        "`llm_api serve` only: a new connection must start a request within this many seconds, else it is closed "
+        "(`KEEPALIVE_TIMEOUT_S` still bounds every connection)", minimum=0.0)
+    # Stored responses (the Responses API's store: true; llm_api.service.response_store).
+    responses_store_max_entries: int = setting(
+        "RESPONSES_STORE_MAX_ENTRIES", 10_000,
+        "stored responses (`store: true`, the Responses API's default) kept at most; the oldest is evicted first. "
+        "`0`: none is kept", minimum=0)
+    responses_store_max_bytes: int = setting(
+        "RESPONSES_STORE_MAX_BYTES", 64 * 1024 * 1024,
+        f"their size at most (>= {MIN_RESPONSES_STORE_BYTES}): the UTF-8 bytes of each response object and its "
+        f"conversation, plus 560 bytes per entry (what an entry costs in memory besides its text, measured); the "
+        f"oldest is evicted first, and one larger than this alone is not stored",
+        minimum=MIN_RESPONSES_STORE_BYTES, default_note="(64 MiB)")
+    responses_store_ttl_s: float = setting(
+        "RESPONSES_STORE_TTL_S", 86_400.0,
+        "seconds a stored response can be read (or continued with `previous_response_id`) after it was stored "
+        "(> 0); then it is gone, on access or by a sweep each minute", minimum=0.0, default_note="(a day)")
+    # One owner's (key's) share of the store: its own oldest entries are evicted first past these.
+    responses_store_owner_max_entries: int = setting(
+        "RESPONSES_STORE_OWNER_MAX_ENTRIES", 2_500,
+        "one owner's (key's) stored responses at most (>= 1; at most `RESPONSES_STORE_MAX_ENTRIES`): past it its own "
+        "oldest entries are evicted first, and when the whole store is full the oldest entry of the key holding the "
+        "most goes, so one key's flood pushes out its own history, never a smaller holder's", minimum=1)
+    responses_store_owner_max_bytes: int = setting(
+        "RESPONSES_STORE_OWNER_MAX_BYTES", 16 * 1024 * 1024,
+        f"one owner's stored bytes at most (>= {MIN_RESPONSES_STORE_BYTES}; counted as `RESPONSES_STORE_MAX_BYTES` "
+        f"counts them: echoed tools and instructions included), with the same eviction; a response larger than this "
+        f"alone is not stored",
+        minimum=MIN_RESPONSES_STORE_BYTES, default_note="(16 MiB)")
+    responses_store_path: str = setting(
+        "RESPONSES_STORE_PATH", "",
+        "an SQLite file (WAL, created mode 0600; give an absolute path: a relative one is taken from the process's "
+        "working folder) that keeps stored responses across restarts, under the same bounds (the file holds 0.5x to "
+        "1.2x the counted bytes, measured, plus a write-ahead log of at most about 4 MiB), and that several "
+        "TorchServe workers of one model share; a path that cannot be opened stops the start naming this variable",
+        parse=_store_path, default_note="(memory)")
+    # LoRA adapters (llm_api.lora, docs/lora.md): PEFT adapter folders served beside the base model, by name.
+    lora_adapters: tuple[tuple[str, str], ...] = setting(
+        "LORA_ADAPTERS", (),
+        "`name=path,...`: PEFT LoRA adapters served beside the base model, selected by `model` (OpenAI routes) or "
+        "`adapter` (native, gRPC); relative paths are read below the archive under TorchServe "
+        "([docs/lora.md](docs/lora.md))", derive=_lora_adapters_setting)
+    max_lora_rank: int = setting("MAX_LORA_RANK", 64,
+                                 "the largest adapter rank accepted; a larger one stops the start naming the adapter",
+                                 minimum=1)
+    max_loras: int = setting("MAX_LORAS", 4,
+                             "adapters running in one engine step; more are kept on the host and swapped in", minimum=1)
+    lora_runtime_loading: bool = setting(
+        "LORA_RUNTIME_LOADING", False,
+        "serve `POST v1/load_lora_adapter` / `v1/unload_lora_adapter` (under TorchServe: with its management key in "
+        "`X-Management-Key`)")
+    lora_adapter_root: str = setting(
+        "LORA_ADAPTER_ROOT", "",
+        "the only folder runtime loads may read (paths resolved with symlinks; required with `LORA_RUNTIME_LOADING`)",
+        parse=str.strip)
+
+    @property
+    def lora_enabled(self) -> bool:
+        return bool(self.lora_adapters) or self.lora_runtime_loading
+
+    def with_lora_base(self, folder: str) -> "Settings":
+        """LORA_ADAPTERS' relative paths read below ``folder`` (TorchServe: the archive's extracted folder,
+        where ``torch-model-archiver --extra-files`` puts packaged adapters)."""
+        from dataclasses import replace
+
+        return replace(self, lora_adapters=tuple((name, path if os.path.isabs(path) else os.path.join(folder, path))
+                                                 for name, path in self.lora_adapters))
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for name, declared in declared_settings().items():
+            values[name] = declared.read(env, values)
+        values["dtype_from_env"] = bool(env.get("DTYPE", "").strip())
+        # Checks across settings.
+        if values["lora_runtime_loading"] and not values["lora_adapter_root"]:
+            raise ConfigError("LORA_RUNTIME_LOADING=true needs LORA_ADAPTER_ROOT: the folder runtime loads may read "
+                              "adapters from")
+        if values["lora_adapter_root"] and not Path(values["lora_adapter_root"]).is_dir():
+            raise ConfigError(f"LORA_ADAPTER_ROOT={values['lora_adapter_root']!r} is not a folder")
+        if (values["lora_adapters"] or values["lora_runtime_loading"]) and values["engine"] != "paged":
+            raise ConfigError("LoRA adapters (LORA_ADAPTERS, LORA_RUNTIME_LOADING) need ENGINE=paged")
+        if 0 < values["max_num_batched_tokens"] < values["max_num_seqs"]:
+            # The scheduler serves running requests first: a smaller budget would starve the newest.
+            raise ConfigError(f"MAX_NUM_BATCHED_TOKENS={values['max_num_batched_tokens']} is below MAX_NUM_SEQS="
+                              f"{values['max_num_seqs']}; allowed values: 0 (sized to the device) or >= MAX_NUM_SEQS")
+        if values["ngram_min"] > values["ngram_max"]:
+            raise ConfigError(f"NGRAM_MIN={values['ngram_min']} is above NGRAM_MAX={values['ngram_max']}; allowed "
+                              "values: 1 <= NGRAM_MIN <= NGRAM_MAX")
+        return cls(**values)
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys of LLM_API_KEY (empty when unset): any one of them is accepted, each its own owner of
+        stored responses."""
+        return split_api_keys(self.api_key)
+
+
+# Fields of Settings that no variable sets: from_env computes them from the settings.
+DERIVED_FIELDS = ("dtype_from_env",)
+
+
+def declared_settings() -> dict[str, Setting]:
+    """Each setting's declaration by its ``Settings`` field name, in declaration order."""
+    return {f.name: f.metadata["setting"] for f in fields(Settings) if "setting" in f.metadata}
+
+
+README_HEADER = ("| variable | default | values |", "|---|---|---|")
+
+
+def readme_table() -> str:
+    """The README's table of variables, one row per setting (a ``joins_previous`` one in its predecessor's row).
+    A ``|`` inside a cell is escaped: GitHub splits cells there even inside backticks."""
+    rows: list[tuple[list[str], list[str], str]] = []
+    for declared in declared_settings().values():
+        name, default = f"`{declared.env}`", declared.readme_default()
+        if declared.joins_previous:
+            rows[-1][0].append(name)
+            rows[-1][1].append(default)
+        else:
+            rows.append(([name], [default], declared.doc))
+    lines = list(README_HEADER)
+    for names, defaults, doc in rows:
+        cells = (", ".join(names), ", ".join(defaults), doc)
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def parse_device_map(value: str) -> str | int | dict:

@@ -60,7 +60,8 @@ class LLMHandler(BaseHandler):
             settings = settings.with_lora_base(model_dir)
         # Parse request bodies ourselves: TorchServe's own JSON decoding accepts NaN, duplicate keys
         # and invalid UTF-8 silently (it falls back to bytes), and we want one clear error per case.
-        # The worker reads this variable for every incoming message.
+        # The worker reads this variable for every incoming message (so it is set here, not a setting:
+        # tests/test_architecture.py allows this one use of the environment outside llm_api.model.settings).
         os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
         yaml_config = getattr(context, "model_yaml_config", None) or {}
         self.async_mode = bool(yaml_config.get("asyncCommunication", False))

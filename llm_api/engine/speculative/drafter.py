@@ -25,14 +25,16 @@ from dataclasses import dataclass, field
 
 from llm_api.engine.request import Request
 from llm_api.engine.speculative.ngram import TokenBuffer, propose
+from llm_api.model.settings import Settings  # torch-free, like this module
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    num_tokens: int = 0  # k, draft tokens per step; 0: off
-    ngram_min: int = 1
-    ngram_max: int = 4
-    max_batch: int = 8  # no drafts on a step with more decoding sequences than this
+    # The defaults of SPECULATIVE_TOKENS, NGRAM_MIN, NGRAM_MAX and SPECULATIVE_MAX_BATCH (one declaration each).
+    num_tokens: int = Settings.speculative_tokens  # k, draft tokens per step; 0: off
+    ngram_min: int = Settings.ngram_min
+    ngram_max: int = Settings.ngram_max
+    max_batch: int = Settings.speculative_max_batch  # no drafts on a step with more decoding sequences than this
     min_drafted: int = 16  # tokens drafted before the acceptance rate is judged
     min_acceptance: float = 0.2  # below it, the sequence pauses drafting
     pause_steps: int = 8
