@@ -99,6 +99,7 @@ MAX_CHARS_PER_INPUT_TOKEN = 64
 MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds
 MAX_ID_CHARS = 256  # ids and labels the client sends (call_id, user, prompt_cache_key, ...)
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+MEDIA_PART_TYPES = ("input_image", "input_file", "input_audio", "input_video")  # refused by name: text-only models
 SERVICE_TIERS = ("auto", "default")  # one tier here: these two mean it; flex/priority/scale are refused
 
 
@@ -398,6 +399,14 @@ def _refuse_unsupported_kinds(data: dict) -> None:
             if kind not in ITEM_TYPES:
                 raise ApiError(400, "invalid_value", f"'input[{i}].type' {echo(kind)} is not served here; input items "
                                f"may be {', '.join(ITEM_TYPES)}", f"input[{i}].type")
+            content = item.get("content") if kind == "message" else None
+            if isinstance(content, list):
+                for j, part in enumerate(content[:MAX_PARTS + 1]):
+                    part_kind = part.get("type") if isinstance(part, dict) else None
+                    if part_kind in MEDIA_PART_TYPES:
+                        raise ApiError(400, "invalid_value", f"'input[{i}].content[{j}].type' {echo(part_kind)} is not "
+                                       "served here: the model reads text only (input_text parts)",
+                                       f"input[{i}].content[{j}].type")
     tools = data.get("tools")
     if isinstance(tools, list):
         for i, tool in enumerate(tools[:MAX_TOOLS + 1]):
