@@ -69,9 +69,11 @@ def sse_events(text: str) -> list[dict]:
     return events
 
 
-def feed(call: ResponsesCall, text: str, size: int, reason=FinishReason.STOP, num_prompt_tokens=9) -> str:
-    out = "".join(call.delta(text[i:i + size]) for i in range(0, len(text), size))
-    return out + call.finish(reason, num_prompt_tokens, 17)
+def feed(call: ResponsesCall, text: str, size: int, reason=FinishReason.STOP, num_prompt_tokens=9,
+         num_cached_tokens=0) -> str:
+    """``text`` in pieces of ``size`` characters, one generated token each (17 tokens in all for usage)."""
+    out = "".join(call.delta(text[i:i + size], num_tokens=1) for i in range(0, len(text), size))
+    return out + call.finish(reason, num_prompt_tokens, 17, num_cached_tokens=num_cached_tokens)
 
 
 def client_over(payload: str, status: int = 200, content_type: str = "text/event-stream") -> openai.OpenAI:
@@ -462,7 +464,9 @@ def test_reasoning_item_before_the_message_streamed_and_whole(size):
     assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_") and reasoning.summary == []
     assert [(c.type, c.text) for c in reasoning.content] == [("reasoning_text", "abc")]
     assert reasoning.status == "completed" and response.output_text == "The answer"
-    assert response.usage.output_tokens_details.reasoning_tokens == 0  # (text seen, not tokens: not guessed)
+    # the tokens of the pieces up to the one that closed the think block (the tags are reasoning too)
+    num_thinking_pieces = -(-(THOUGHT.index(THINK_END) + len(THINK_END)) // size)
+    assert response.usage.output_tokens_details.reasoning_tokens == min(num_thinking_pieces, 17)  # (of 17 in all)
     # the stored conversation carries the thinking for a continuation (interleaved thinking)
     assert whole.conversation()[-1] == {"role": "assistant", "content": "The answer", "reasoning_content": "abc"}
     request, follow = parse({"input": "and then?", "previous_response_id": whole.id}, THINKING)
@@ -510,7 +514,7 @@ def test_cut_inside_the_reasoning():
     response = Response.model_validate(events[-1]["response"])
     assert response.status == "incomplete" and [item.type for item in response.output] == ["reasoning"]
     assert response.output[0].status == "incomplete" and response.output[0].content[0].text == "abc de"
-    assert response.usage.output_tokens_details.reasoning_tokens == 17  # all of the output is reasoning
+    assert response.usage.output_tokens_details.reasoning_tokens == 5  # every piece (token) is reasoning
     assert call.conversation()[-1] == {"role": "assistant", "content": "", "reasoning_content": "abc de"}
 
 

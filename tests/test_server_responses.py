@@ -93,6 +93,8 @@ def test_a_previous_response_id_chain_remembers(async_frontend):
     second = client.responses.create(model=MODEL, previous_response_id=first.id,
                                      input="What is the secret code word?", max_output_tokens=16, temperature=0)
     assert "PINEAPPLE" in second.output_text
+    # its prompt began with the first turn's prompt and answer, whose full blocks the prefix cache held
+    assert first.usage.input_tokens - 16 < second.usage.input_tokens_details.cached_tokens < second.usage.input_tokens
     # Without the chain the model cannot know it (the word is only in the stored conversation).
     alone = client.responses.create(model=MODEL, input="What is the secret code word?", max_output_tokens=16,
                                     temperature=0)

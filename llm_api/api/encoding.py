@@ -8,10 +8,12 @@ and the Responses API (``llm_api.api.responses``) implement it, and ``llm_api.se
 is the one driver that feeds any of them. Each method returns the text to send now ("" when nothing is
 due: a non-streamed answer holds everything for ``finish``):
 
-* ``delta(text, index, logprobs)``: new text of choice ``index``;
+* ``delta(text, index, logprobs, num_tokens)``: new text of choice ``index`` (``num_tokens``: the generated
+  tokens it completes, 0 when not known);
 * ``choice_finish(index, reason, num_generated_tokens)``: choice ``index`` ended;
-* ``finish(reason, num_prompt_tokens, num_generated_tokens)``: the request is complete (choice 0's
-  reason); the last payload of a 200 answer (the whole answer when nothing was streamed);
+* ``finish(reason, num_prompt_tokens, num_generated_tokens, num_cached_tokens)``: the request is
+  complete (choice 0's reason; ``num_cached_tokens``: the prompt tokens the engine found in its prefix
+  cache); the last payload of a 200 answer (the whole answer when nothing was streamed);
 * ``fail(error)``: the request broke after the encoder produced output: the format's in-band error ending;
 * ``refusal(error)``: the request failed before anything was sent: the error body the edge sends with
   ``error.status``.
@@ -32,11 +34,12 @@ class AnswerEncoder(Protocol):
     @property
     def content_type(self) -> str: ...
 
-    def delta(self, text: str, index: int = 0, logprobs: tuple[LogprobItem, ...] = ()) -> str: ...
+    def delta(self, text: str, index: int = 0, logprobs: tuple[LogprobItem, ...] = (), num_tokens: int = 0) -> str: ...
 
     def choice_finish(self, index: int, reason: FinishReason, num_generated_tokens: int = 0) -> str: ...
 
-    def finish(self, reason: FinishReason, num_prompt_tokens: int, num_generated_tokens: int) -> str: ...
+    def finish(self, reason: FinishReason, num_prompt_tokens: int, num_generated_tokens: int,
+               num_cached_tokens: int = 0) -> str: ...
 
     def fail(self, error: ApiError) -> str: ...
 

@@ -54,7 +54,7 @@ class NativeStream:
     def content_type(self) -> str:
         return NDJSON_CONTENT_TYPE if self.json_lines else TEXT_CONTENT_TYPE
 
-    def delta(self, text: str, index: int = 0, logprobs: tuple[LogprobItem, ...] = ()) -> str:
+    def delta(self, text: str, index: int = 0, logprobs: tuple[LogprobItem, ...] = (), num_tokens: int = 0) -> str:
         """New text of a choice -> the chunk to send now ("" for a unary client, which gets everything at
         the end)."""
         if self.json_lines:
@@ -71,9 +71,10 @@ class NativeStream:
             return ""
         return self._out(self._line({"index": index, "finish_reason": reason.value, "completion_tokens": num_tokens}))
 
-    def finish(self, reason: FinishReason | None = None, num_prompt_tokens: int = 0, num_generated_tokens: int = 0) -> str:
+    def finish(self, reason: FinishReason | None = None, num_prompt_tokens: int = 0, num_generated_tokens: int = 0,
+               num_cached_tokens: int = 0) -> str:
         """The final payload of a complete answer: the marker (after the held text when unary); ``reason``
-        is in the choices' lines already."""
+        is in the choices' lines already. (The native usage line has no cached-token count.)"""
         tail = ""
         if self.json_lines:
             tail = self._line({"usage": {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_generated_tokens,

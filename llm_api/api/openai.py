@@ -146,7 +146,7 @@ class OpenAICall:
     def content_type(self) -> str:
         return SSE_CONTENT_TYPE if self.stream else JSON_CONTENT_TYPE
 
-    def delta(self, text: str, index: int = 0, logprobs: tuple[LogprobItem, ...] = ()) -> str:
+    def delta(self, text: str, index: int = 0, logprobs: tuple[LogprobItem, ...] = (), num_tokens: int = 0) -> str:
         """New text of choice ``index`` (and the logprobs of its tokens) -> what to send now ("" for a
         non-streaming call, which answers at the end)."""
         if not text and not logprobs:
@@ -195,12 +195,15 @@ class OpenAICall:
             return ""
         return out + self._role_event(index) + _sse(self._chunk(index, None, reason, self._take_logprobs(index)))
 
-    def finish(self, finish_reason: FinishReason, num_prompt_tokens: int, num_completion_tokens: int) -> str:
+    def finish(self, finish_reason: FinishReason, num_prompt_tokens: int, num_completion_tokens: int,
+               num_cached_tokens: int = 0) -> str:
         """The last payload: usage (the whole answer when not streaming); ``[DONE]`` when streaming. Choices
-        not ended by ``choice_finish`` end with ``finish_reason``."""
+        not ended by ``choice_finish`` end with ``finish_reason``. ``prompt_tokens_details.cached_tokens``:
+        the prompt tokens the engine found in its prefix cache."""
         out = "".join(self.choice_finish(i, finish_reason) for i in range(self.n) if i not in self._reasons)
         usage = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-                 "total_tokens": num_prompt_tokens + num_completion_tokens}
+                 "total_tokens": num_prompt_tokens + num_completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
         if not self.stream:
             choices = [self._whole_choice(i) for i in range(self.n)]
             return json.dumps({**self._envelope(), "choices": choices, "usage": usage})

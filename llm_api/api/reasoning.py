@@ -172,6 +172,11 @@ class ReasoningParser:
     def reasoning_ended(self) -> bool:
         return self._state in (_ANSWER_START, _ANSWER)
 
+    @property
+    def in_reasoning(self) -> bool:
+        """Inside the think block (its opening tag seen or implied, its end not yet)."""
+        return self._state == _REASONING
+
     def push(self, text: str) -> list[ReasoningEvent]:
         self._held += text
         events: list[ReasoningEvent] = []

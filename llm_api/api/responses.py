@@ -32,8 +32,15 @@ Contract (docs/responses.md has the user's view):
   ``response.output_text.done``, ``response.content_part.done``; for a call
   ``response.function_call_arguments.delta``... and ``.done``; ``response.output_item.done``; last
   ``response.completed`` (``response.incomplete`` when cut). A failure after the stream began sends
-  ``error`` (our code, message, param) and then ``response.failed`` (the Response with its ``error``):
-  the openai package yields both as typed events (it raises on neither in a Responses stream).
+  ``error`` (our code, message, param: OpenAI's shape, not OpenResponses' ``error`` object, on which
+  the openai package would raise) and then ``response.failed`` (the Response with its ``error``): the
+  openai package yields both as typed events (it raises on neither in a Responses stream).
+* The Response object has every field of OpenResponses' ``ResponseResource`` (null where there is no
+  value: ``completed_at`` until the response completed, ``max_tool_calls``; the penalties, 0.0, and
+  ``top_logprobs``, 0, are what was used); an ``output_text`` part has ``annotations`` and ``logprobs``
+  (both empty). ``usage.input_tokens_details.cached_tokens``: the prompt tokens the engine found in its
+  prefix cache (``Finished.num_cached_tokens``: a ``previous_response_id`` turn's earlier prompt and
+  answer, typically).
 * ``background: true`` (with ``store``; not with ``stream``): the call is answered at once with the Response
   object (status ``queued``) and runs on; ``GET`` shows it ``in_progress`` and then as stored, ``cancel``
   ends it (the route does this: ``llm_api.service.routes.responses``).
@@ -53,8 +60,9 @@ Contract (docs/responses.md has the user's view):
   answer's items, streamed as ``response.output_item.added``, ``response.content_part.added``,
   ``response.reasoning_text.delta``..., ``response.reasoning_text.done``, ``response.content_part.done``,
   ``response.output_item.done``. ``conversation()`` keeps it as the answer's ``reasoning_content``.
-  ``usage.output_tokens_details.reasoning_tokens``: every output token when no answer text followed the
-  reasoning, else 0 (the encoder sees text, not tokens; it does not guess the split).
+  ``usage.output_tokens_details.reasoning_tokens``: the generated tokens whose text was the think block,
+  its tags included (``delta``'s ``num_tokens``; text the parser holds back counts with the text that
+  resolves it).
 """
 
 from __future__ import annotations
@@ -94,6 +102,7 @@ MAX_CHARS_PER_INPUT_TOKEN = 64
 MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds
 MAX_ID_CHARS = 256  # ids and labels the client sends (call_id, user, prompt_cache_key, ...)
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+MEDIA_PART_TYPES = ("input_image", "input_file", "input_audio", "input_video")  # refused by name: text-only models
 SERVICE_TIERS = ("auto", "default")  # one tier here: these two mean it; flex/priority/scale are refused
 
 
@@ -360,6 +369,12 @@ def parse_responses(body: Any, model_name: str, limits: Limits,
         "tool_choice": _tool_choice_echo(choice),
         "tools": [t.model_dump(by_alias=True) for t in call.tools or ()],
         "top_p": request.params.top_p,
+        # no penalties are applied and no logprobs returned here (the request refuses these fields);
+        # the Response object states the values used, as OpenResponses requires
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "top_logprobs": 0,
+        "max_tool_calls": None,
         "truncation": "disabled",
         "user": call.user,
         "background": bool(call.background),
@@ -395,6 +410,14 @@ def _refuse_unsupported_kinds(data: dict) -> None:
             if kind not in ITEM_TYPES:
                 raise ApiError(400, "invalid_value", f"'input[{i}].type' {echo(kind)} is not served here; input items "
                                f"may be {', '.join(ITEM_TYPES)}", f"input[{i}].type")
+            content = item.get("content") if kind == "message" else None
+            if isinstance(content, list):
+                for j, part in enumerate(content[:MAX_PARTS + 1]):
+                    part_kind = part.get("type") if isinstance(part, dict) else None
+                    if part_kind in MEDIA_PART_TYPES:
+                        raise ApiError(400, "invalid_value", f"'input[{i}].content[{j}].type' {echo(part_kind)} is not "
+                                       "served here: the model reads text only (input_text parts)",
+                                       f"input[{i}].content[{j}].type")
     tools = data.get("tools")
     if isinstance(tools, list):
         for i, tool in enumerate(tools[:MAX_TOOLS + 1]):
@@ -627,12 +650,14 @@ class ResponsesCall:
     _started: bool = False
     _parser: ToolCallParser | None = None
     _thinking: ReasoningParser | None = None  # splits the think block off first (a reasoning model)
-    _answer_began: bool = False  # text after the think block (or with no block) was seen
+    _num_reasoning_tokens: int = 0  # generated tokens whose text was the think block (its tags included)
+    _num_unsorted_tokens: int = 0  # tokens of text the reasoning parser holds back, not yet known to be either
     _pieces: list[str] = field(default_factory=list)  # the open item's text or arguments (joined at its end)
     _status: str = "in_progress"
     _incomplete_reason: str | None = None
     _error: dict | None = None
     _usage: dict | None = None
+    _completed_at: int | None = None
 
     # -- the store's hooks ------------------------------------------------------------------------
 
@@ -688,21 +713,35 @@ class ResponsesCall:
     def content_type(self) -> str:
         return SSE_CONTENT_TYPE if self.stream else JSON_CONTENT_TYPE
 
-    def delta(self, text: str, index: int = 0, logprobs: tuple[LogprobItem, ...] = ()) -> str:
+    def delta(self, text: str, index: int = 0, logprobs: tuple[LogprobItem, ...] = (), num_tokens: int = 0) -> str:
         out = self._start()
-        if not text:
-            return out
         if self.reasoning_format is None:
-            return out + self._answer(text)
+            return out + self._answer(text) if text else out
         if self._thinking is None:
             self._thinking = ReasoningParser(self.reasoning_format)
-        return out + self._split(self._thinking.push(text))
+        self._num_unsorted_tokens += num_tokens
+        if not text:
+            return out
+        thinking = self._thinking
+        was_ended = thinking.reasoning_ended
+        events = thinking.push(text)
+        self._sort_tokens(events, thinking.in_reasoning or thinking.reasoning_ended and not was_ended)
+        return out + self._split(events)
+
+    def _sort_tokens(self, events: list[ReasoningText | AnswerText], in_reasoning: bool) -> None:
+        """The tokens of the text just pushed (and of text held before it) are reasoning tokens when it gave
+        reasoning text, or is still inside (or just closed) the think block; answer tokens when it gave
+        answer text only; else the parser holds it all back and the next text decides."""
+        if in_reasoning or any(isinstance(e, ReasoningText) for e in events):
+            self._num_reasoning_tokens += self._num_unsorted_tokens
+            self._num_unsorted_tokens = 0
+        elif events:
+            self._num_unsorted_tokens = 0
 
     def _split(self, events: list[ReasoningText | AnswerText]) -> str:
         return "".join(self._answer(e.text) if isinstance(e, AnswerText) else self._reasoning(e.text) for e in events)
 
     def _answer(self, text: str) -> str:
-        self._answer_began = True
         if self.tool_format is None:
             return self._text(text)
         if self._parser is None:
@@ -712,22 +751,28 @@ class ResponsesCall:
     def choice_finish(self, index: int, reason: FinishReason, num_generated_tokens: int = 0) -> str:
         return ""  # one choice: everything ends in finish
 
-    def finish(self, reason: FinishReason, num_prompt_tokens: int, num_generated_tokens: int) -> str:
+    def finish(self, reason: FinishReason, num_prompt_tokens: int, num_generated_tokens: int,
+               num_cached_tokens: int = 0) -> str:
         out = self._start()
         if self._thinking is not None:
-            out += self._split(self._thinking.finish())
+            events = self._thinking.finish()
+            self._sort_tokens(events, False)
+            out += self._split(events)
         if self._parser is not None:
             out += self._parsed(self._parser.finish())
         cut = reason is FinishReason.LENGTH
         out += self._close("incomplete" if cut else "completed")
         self._status = {FinishReason.LENGTH: "incomplete", FinishReason.ABORT: "cancelled"}.get(reason, "completed")
         self._incomplete_reason = "max_output_tokens" if cut else None
+        if self._status == "completed":
+            self._completed_at = int(time.time())
         self._usage = {"input_tokens": num_prompt_tokens, "output_tokens": num_generated_tokens,
                        "total_tokens": num_prompt_tokens + num_generated_tokens,
-                       # the service does not report prefix-cache hits per request yet: 0, not a guess (and
-                       # cache_write_tokens, which the openai package requires, is a billing figure: 0)
-                       "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-                       "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens(num_generated_tokens)}}
+                       # cached: the prompt tokens the engine found in its prefix cache (cache_write_tokens,
+                       # which the openai package requires, is a billing figure: 0)
+                       "input_tokens_details": {"cached_tokens": num_cached_tokens, "cache_write_tokens": 0},
+                       "output_tokens_details": {"reasoning_tokens": min(self._num_reasoning_tokens,
+                                                                         num_generated_tokens)}}
         if not self.stream:
             return json.dumps(self._response(), ensure_ascii=False)
         kind = "response.completed" if self._status == "completed" else "response.incomplete"
@@ -748,17 +793,13 @@ class ResponsesCall:
         if not self.stream:
             return json.dumps(self._response(), ensure_ascii=False)
         out = self._start() + self._close("incomplete", events=False)
+        # OpenAI's shape (fields at the top). OpenResponses' schema nests them in an ``error`` object, but
+        # the openai package raises on any event whose data has an ``error`` key instead of yielding it.
         out += self._event("error", code=error.code, message=error.message, param=error.param)
         return out + self._event("response.failed", response=self._response())
 
     def refusal(self, error: ApiError) -> str:
         return error.openai_text()
-
-    def _reasoning_tokens(self, num_generated_tokens: int) -> int:
-        """The output's tokens when it is all reasoning (cut inside the think block); else 0: the encoder sees
-        text, not tokens, so where the reasoning's tokens end is not known here (no guess is reported)."""
-        has_reasoning = any(item["type"] == "reasoning" for item in self._items)
-        return num_generated_tokens if has_reasoning and not self._answer_began else 0
 
     # -- events -----------------------------------------------------------------------------------
 
@@ -823,11 +864,10 @@ class ResponsesCall:
             item = {"id": _new_id("msg_"), "type": "message", "status": "in_progress", "role": "assistant",
                     "content": []}
             out += self._add(item)  # (the added event shows it with no content yet, as OpenAI's)
-            item["content"].append({"type": "output_text", "text": "", "annotations": []})
+            item["content"].append(_output_text(""))
             if self.stream:
                 out += self._event("response.content_part.added", item_id=item["id"],
-                                   output_index=len(self._items) - 1, content_index=0,
-                                   part={"type": "output_text", "text": "", "annotations": []})
+                                   output_index=len(self._items) - 1, content_index=0, part=_output_text(""))
         self._pieces.append(text)
         if self.stream:
             out += self._event("response.output_text.delta", item_id=item["id"],
@@ -886,6 +926,7 @@ class ResponsesCall:
             "id": self.id,
             "object": "response",
             "created_at": self.created_at,
+            "completed_at": self._completed_at,
             "status": self._status,
             "error": self._error,
             "incomplete_details": {"reason": self._incomplete_reason} if self._incomplete_reason else None,
@@ -894,6 +935,11 @@ class ResponsesCall:
             "usage": self._usage,
             **self.settings,
         }
+
+
+def _output_text(text: str) -> dict:
+    """An output_text part (no annotations are made and no logprobs returned here: both empty)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
 def _copy(item: dict) -> dict:

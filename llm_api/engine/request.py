@@ -67,6 +67,9 @@ class RequestOutput:
     # On a sequence's first output, when the request asked for prompt logprobs: one per prompt token after
     # the first (entry i scores prompt token i + 1).
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    # Prompt tokens whose K/V came from the prefix cache when the sequence was first admitted (usage's
+    # cached tokens); 0 from an engine without a prefix cache.
+    num_cached_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -96,6 +99,9 @@ class Request:
     # params.prompt_logprobs: the prompt's logprobs computed so far (entry i scores prompt token i + 1); a
     # recompute after preemption does not compute them twice.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Prompt tokens found in the prefix cache at the first admission (-1 until then): what usage reports
+    # as cached. A readmission after preemption does not change it (the client's prompt was served once).
+    num_cached_tokens: int = -1
 
     def __post_init__(self):
         if not self.seq_id:

@@ -241,6 +241,8 @@ class Scheduler:
             if request.uses_prefix_cache:
                 self.counters.prefix_cache_queries += request.num_tokens
                 self.counters.prefix_cache_hits += num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = min(num_hit_tokens, request.num_prompt_tokens)
             request.num_computed_tokens = num_hit_tokens
             request.num_cached_blocks = len(hit_block_ids)
             request.status = RequestStatus.RUNNING
@@ -290,7 +292,8 @@ class Scheduler:
         prompt_logprobs = (tuple(request.prompt_logprobs) if request.params.prompt_logprobs is not None
                            and len(request.output_token_ids) == 1 else None)
         return RequestOutput(request.request_id, [token_id], reason is not None, reason, request.index,
-                             (logprob,) if logprob is not None else None, prompt_logprobs)
+                             (logprob,) if logprob is not None else None, prompt_logprobs,
+                             max(request.num_cached_tokens, 0))
 
     def _append_verified(self, scheduled: ScheduledRequest, sampled_token_ids: Mapping[str, Any],
                          sampled_logprobs: Mapping[str, Any] | None) -> RequestOutput:
@@ -316,7 +319,8 @@ class Scheduler:
         else:
             self._cache_full_blocks(request)  # (after the append: the hashes need the accepted tokens)
         return RequestOutput(request.request_id, appended, reason is not None, reason, request.index,
-                             tuple(logprobs[: len(appended)]) if logprobs else None)
+                             tuple(logprobs[: len(appended)]) if logprobs else None,
+                             num_cached_tokens=max(request.num_cached_tokens, 0))
 
     def _fork(self, parent: Request, sibling: Request) -> None:
         """Start ``sibling`` from ``parent``'s computed prompt: it shares every block (one reference more)."""
@@ -325,6 +329,7 @@ class Scheduler:
         sibling.num_computed_tokens = parent.num_computed_tokens
         sibling.block_hashes = list(parent.block_hashes)
         sibling.num_cached_blocks = parent.num_cached_blocks
+        sibling.num_cached_tokens = parent.num_cached_tokens
         sibling.prompt_logprobs = parent.prompt_logprobs  # (the same prompt; never changed once complete)
         sibling.status = RequestStatus.RUNNING
         self.running.append(sibling)

@@ -130,12 +130,13 @@ async def encoded_parts(service: ModelService, request: GenerateRequest | Sequen
     async with aclosing(batch_events(service, requests, request_id, marker, owner)) as events:
         async for event in events:
             if isinstance(event, TextDelta):
-                chunk = encoder.delta(event.text, event.index, event.logprobs)
+                chunk = encoder.delta(event.text, event.index, event.logprobs, num_tokens=event.num_tokens)
             elif isinstance(event, ChoiceFinished):
                 chunk = encoder.choice_finish(event.index, event.reason, event.num_generated_tokens)
             elif event.error is None:
                 assert event.reason is not None  # a Finished without an error has its reason (Generation._finished)
-                yield Final(encoder.finish(event.reason, event.num_prompt_tokens, event.num_generated_tokens), kind)
+                yield Final(encoder.finish(event.reason, event.num_prompt_tokens, event.num_generated_tokens,
+                                           num_cached_tokens=event.num_cached_tokens), kind)
                 return
             elif not started:
                 yield Refusal(event.error.status, encoder.refusal(event.error), event.error.headers())
@@ -183,12 +184,14 @@ async def batch_events(service: ModelService, requests: list[GenerateRequest], r
                 yield dataclasses.replace(event, index=p * n + event.index)
             elif event.error is not None:
                 yield dataclasses.replace(event, num_prompt_tokens=sum(e.num_prompt_tokens for e in ends.values()),
-                                          num_generated_tokens=sum(e.num_generated_tokens for e in ends.values()))
+                                          num_generated_tokens=sum(e.num_generated_tokens for e in ends.values()),
+                                          num_cached_tokens=sum(e.num_cached_tokens for e in ends.values()))
                 return
             else:
                 ends[p] = event
         yield Finished(ends[0].reason, None, sum(e.num_prompt_tokens for e in ends.values()),
-                       sum(e.num_generated_tokens for e in ends.values()))
+                       sum(e.num_generated_tokens for e in ends.values()),
+                       sum(e.num_cached_tokens for e in ends.values()))
     finally:
         for task in tasks:
             task.cancel()

@@ -93,6 +93,7 @@ class TextDelta:
     text: str  # may be empty when only logprobs are released (the end of a choice)
     index: int = 0  # the choice (0 .. n-1)
     logprobs: tuple[LogprobItem, ...] = ()  # of the tokens this text came from, when asked for
+    num_tokens: int = 0  # generated tokens whose text this delta completes (held-back text: a later delta's)
 
 
 @dataclass(frozen=True)
@@ -107,12 +108,13 @@ class ChoiceFinished:
 @dataclass(frozen=True)
 class Finished:
     """How a request ended: complete (``reason``: choice 0's), or ``error``. Token counts (all choices)
-    for usage reports."""
+    for usage reports; ``num_cached_tokens``: the prompt tokens the engine found in its prefix cache."""
 
     reason: FinishReason | None
     error: ApiError | None
     num_prompt_tokens: int
     num_generated_tokens: int
+    num_cached_tokens: int = 0
 
 
 Event = TextDelta | ChoiceFinished | Finished
@@ -455,6 +457,7 @@ class Generation:
         self.params = request.params
         self.num_prompt_tokens = num_prompt_tokens
         self.num_generated_tokens = 0
+        self.num_cached_tokens = 0  # of the prompt, found in the prefix cache (the engine's outputs say)
         self.cost = cost
         self._prompt_ids = prompt_ids
         self._prompt_embeds = prompt_embeds
@@ -526,6 +529,8 @@ class Generation:
                         break
                     timer.tokens(num_used)
                     choice.num_tokens += num_used
+                    choice.num_unreleased_tokens += num_used
+                    self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
                     self.num_generated_tokens += num_used
                     if token_texts is not None and out.logprobs:
                         # The end-of-sequence token that ended the choice is not part of the answer.
@@ -580,10 +585,10 @@ class Generation:
         return TextDelta(text, out.index, tuple(items))
 
     def _finished(self, reason: FinishReason) -> Finished:
-        return Finished(reason, None, self.num_prompt_tokens, self.num_generated_tokens)
+        return Finished(reason, None, self.num_prompt_tokens, self.num_generated_tokens, self.num_cached_tokens)
 
     def _failed(self, error: ApiError) -> Finished:
-        return Finished(None, error, self.num_prompt_tokens, self.num_generated_tokens)
+        return Finished(None, error, self.num_prompt_tokens, self.num_generated_tokens, self.num_cached_tokens)
 
 
 @dataclass
@@ -593,11 +598,13 @@ class _Choice:
     text: TextStream
     logprobs: list[LogprobItem] = field(default_factory=list)  # not yet sent with a delta
     num_tokens: int = 0
+    num_unreleased_tokens: int = 0  # counted in num_tokens, not yet sent with a delta
     reason: FinishReason | None = None  # set once the choice ended
 
     def delta(self, text: str, index: int) -> TextDelta:
         released, self.logprobs = tuple(self.logprobs), []
-        return TextDelta(text, index, released)
+        num_tokens, self.num_unreleased_tokens = self.num_unreleased_tokens, 0
+        return TextDelta(text, index, released, num_tokens)
 
 
 def _push_tokens(text: TextStream, token_ids: list[int]) -> tuple[StreamDelta, int]:

@@ -84,6 +84,23 @@ def test_full_cached_blocks_are_reused_by_a_request_with_the_same_prefix():
     assert scheduler.counters.prefix_cache_hits == 12
 
 
+def test_each_output_reports_the_prompt_tokens_its_first_admission_found_cached():
+    scheduler = _scheduler()
+    prefix = list(range(1, 13))  # three full blocks
+    scheduler.add(_request("first", prefix + [50, 51], 1))
+    firsts = []
+    while scheduler.has_unfinished_requests():
+        firsts += scheduler.update(output := scheduler.schedule(),
+                                   {s.request.request_id: 1 for s in output.scheduled if s.samples})
+    assert [o.num_cached_tokens for o in firsts] == [0]  # nothing was cached before it
+    scheduler.add(_request("second", prefix + [60], 2))
+    seconds = []
+    while scheduler.has_unfinished_requests():
+        seconds += scheduler.update(output := scheduler.schedule(),
+                                    {s.request.request_id: 1 for s in output.scheduled if s.samples})
+    assert [o.num_cached_tokens for o in seconds] == [12, 12]
+
+
 def test_the_newest_running_request_is_preempted_first_and_recomputed_later():
     scheduler = _scheduler(num_blocks=6, budget=64)  # 24 token slots; each request alone needs 20
     scheduler.add(_request("old", [1] * 7, 13))
