@@ -3,7 +3,7 @@
 What the tests prove:
 
 * ``POST /v1/responses``: bodies that are not objects, not JSON or not UTF-8; every field mistyped or out of
-  range; unknown and unsupported fields and values (``background``, ``include``, non-function tools, image
+  range; unknown and unsupported fields and values (``background`` unstored or streamed, ``include``, non-function tools, image
   parts, unknown item types); inputs deep, wide (thousands of items) and large (a megabyte of text, near the
   request-size limit); metadata over OpenAI's bounds; ``previous_response_id`` values that are huge, hold
   CR-LF, NUL or path traversal, or name no stored response: each gets its own 4xx in OpenAI's error shape
@@ -71,7 +71,9 @@ def body_cases() -> list[tuple[str, object, int, str | None]]:
         ("temperature a string", {**base, "input": "hi", "temperature": "0.5"}, 400, "temperature"),
         ("stream a string", {**base, "input": "hi", "stream": "true"}, 400, "stream"),
         ("store a number", {**base, "input": "hi", "store": 1}, 400, "store"),
-        ("background", {**base, "input": "hi", "background": True}, 400, "background"),
+        ("background unstored", {**base, "input": "hi", "background": True, "store": False}, 400, "background"),
+        ("background streamed", {**base, "input": "hi", "background": True, "stream": True}, 400, "background"),
+        ("background a string", {**base, "input": "hi", "background": "yes"}, 400, "background"),
         ("include", {**base, "input": "hi", "include": ["message.output_text.logprobs"]}, 400, "*"),
         ("truncation auto", {**base, "input": "hi", "truncation": "auto"}, 400, "truncation"),
         ("unknown field with CR-LF", {**base, "input": "hi", "evil\r\nX-Evil": 1}, 400, "*"),
