@@ -71,8 +71,8 @@ def test_a_dead_worker_fails_its_tests_and_ends_the_run(tmp_path):
 STARTER = """
 import sys, time
 from pathlib import Path
-sys.path.insert(0, {tests!r})
-from {module} import {cls}
+sys.path.insert(0, {root!r})
+from bench.harness.{module} import {cls}
 server = {cls}(Path({workdir!r}), env={env!r})
 server.start(wait_ready=False)
 print(server.proc.pid, flush=True)
@@ -103,7 +103,7 @@ def test_a_server_ends_with_the_process_that_started_it(tmp_path, embedded_model
     module, cls, worker = {"torchserve": ("torchserve_server", "TorchServe", "model_service_worker"),
                            "standalone": ("standalone_server", "StandaloneServer", "llm_api.server serve")}[kind]
     env = {"MODEL_PATH": str(embedded_model_path), "DTYPE": "bfloat16", "KV_CACHE_MEMORY_MIB": "16"}
-    script = textwrap.dedent(STARTER).format(tests=str(TESTS), module=module, cls=cls, workdir=str(tmp_path / "srv"),
+    script = textwrap.dedent(STARTER).format(root=str(TESTS.parent), module=module, cls=cls, workdir=str(tmp_path / "srv"),
                                              env=env)
     starter = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     group = None
