@@ -22,10 +22,11 @@ this module checks the same things in Python. What was read (no code copied):
   on the text delta / done events).
 
 The image case is allowed to fail: the embedded model reads text only, so the server refuses an
-``input_image`` part with a well-formed 400 (OpenAI's error body naming the field). So are upstream's two
-tool-calling cases, on one ground only: they leave the choice to the model (``tool_choice`` auto), and the
-embedded SmolLM2, which has no tool format, answers the weather question in text (a valid, completed
-Response without a call); the same cases with the call forced (ours) must pass. The cases run greedy
+``input_image`` part with a well-formed 400 (OpenAI's error body naming the field). Every other case must
+pass: 5 of upstream's 6, and its later streamed tool case. Upstream's tool cases leave the choice to the
+model (``tool_choice`` auto); the embedded SmolLM2 has no tool format, and in the generic form its prompt
+nudges it to call (``llm_api.api.tools.GenericPrompt``), which it then does for the weather question. The
+same cases with the call forced (ours) pass on any model. The cases run greedy
 (upstream sends no temperature; sampled, "Count from 1 to 5." sometimes ran past the 256-token default). Known divergence, on
 purpose: the ``error`` stream event keeps OpenAI's shape (code, message, param at the top; OpenResponses
 nests them in an ``error`` object, on which the ``openai`` package raises instead of yielding the event),
@@ -316,14 +317,8 @@ def test_the_upstream_cases_pass_but_the_image(standalone_server):
                                                               "temperature": 0})
         verdicts[case], answers[case] = case_problems(case, status, text), (status, text)
     shown = {case: [line[:200] for line in found[:3]] for case, found in verdicts.items() if found}
-    # Upstream's tool-calling cases leave the choice to the model (tool_choice auto): the embedded SmolLM2
-    # answers in text, a valid completed Response without a call; the forced cases must call.
-    for case in ("tool-calling", "tool-calling-streaming"):
-        assert verdicts[case] in ([], ["no function_call output item"]) or \
-            all(line.startswith("no ") for line in verdicts[case]), shown
-    passed = [case for case in UPSTREAM_SIX if not verdicts[case]]
-    assert set(passed) >= {"basic-response", "streaming-response", "system-prompt", "multi-turn"}, shown
-    assert not verdicts["tool-calling-required"] and not verdicts["tool-calling-required-streaming"], shown
+    failed = [case for case, found in verdicts.items() if found]
+    assert failed == ["image-input"], shown  # 5/6 of upstream's six, its later streamed tool case, ours
     status, text = answers["image-input"]  # refused, well formed, naming the part
     error = json.loads(text)["error"]
     assert status == 400 and problems(error, Obj({"message": str, "type": str, "param": (str, None),

@@ -35,7 +35,7 @@ from typing import Any
 
 from llm_api.api.errors import ApiError
 from llm_api.api.request import Constraint, Limits
-from llm_api.api.tools import GENERIC, ToolFormat, arguments_schema, generic_tool_prompt, tool_grammar
+from llm_api.api.tools import GENERIC, GenericPrompt, ToolFormat, arguments_schema, generic_tool_prompt, tool_grammar
 from llm_api.engine.grammar import GrammarError, GrammarLimits, GrammarSpec, check_limits
 
 MAX_SOURCE_CHARS = GrammarLimits().max_source_chars  # what check_limits allows a grammar's source
@@ -150,7 +150,7 @@ class ToolPlan:
 
     constraint: Constraint  # the answer's grammar (calls only, or text and calls with auto)
     tools: list[dict]  # GenerateRequest.tools: rendered by the template, or checked and shown by tool_prompt
-    tool_prompt: str | None  # GenerateRequest.tool_prompt: the generic tools block (no tool format), else None
+    tool_prompt: GenericPrompt | None  # GenerateRequest.tool_prompt: the generic form (no tool format), else None
     format: ToolFormat  # how the answer's calls are parsed (ToolCallParser)
 
 

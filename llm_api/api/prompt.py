@@ -27,10 +27,12 @@ in any string of a value or in an earlier turn's ``reasoning_content``: like too
 them itself, so they cannot be kept as data the way contents are.
 
 A model whose template has no tool format (``llm_api.api.tools``, generic form) is shown its tools by
-``request.tool_prompt``, a block added to the first system turn (or inserted as one), and the template is
-not given ``tools``; earlier calls are written into their assistant turns' contents as the generic JSON
-lines. Both become message contents, so data, but the tool definitions and earlier calls are refused for
-control text first all the same, so one request gets the same answer on every model.
+``request.tool_prompt`` (``GenericPrompt``): a block added to the first system turn (or inserted as one)
+and, for ``tool_choice`` auto, a nudge on the last turn; the template is not given ``tools``. Earlier calls
+are written into their assistant turns' contents as ``Calling name(...)`` lines and each tool result is
+headed by its function's name (``calls_as_text``). All of it becomes message contents, so data, but the
+tool definitions and earlier calls are refused for control text first all the same, so one request gets
+the same answer on every model.
 
 ``too_long(request)`` refuses, before any tokenizing, a prompt whose characters cannot fit in
 ``max_input_tokens`` tokens (no token of the vocabulary is longer than ``max_chars_per_token``
@@ -46,7 +48,7 @@ import uuid
 
 from llm_api.api.errors import ApiError
 from llm_api.api.request import GenerateRequest
-from llm_api.api.tools import calls_as_text, detect_tool_format, with_tool_prompt
+from llm_api.api.tools import GenericPrompt, calls_as_text, detect_tool_format
 
 # What transformers' render gives every template besides the special tokens (a kwarg may not replace them).
 TEMPLATE_NAMES = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
@@ -99,7 +101,7 @@ class PromptBuilder:
                            template_kwargs=request.template_kwargs)
 
     def ids_of(self, text: str | None, messages: list[dict] | None, add_special_tokens: bool = True,
-               tools: list[dict] | None = None, tool_prompt: str | None = None,
+               tools: list[dict] | None = None, tool_prompt: GenericPrompt | None = None,
                template_kwargs: dict | None = None) -> list[int]:
         """``text`` (with the tokenizer's special tokens unless told not to) or chat ``messages`` (with the
         ``tools`` the chat template renders, or for a template without a tool format the generic
@@ -109,7 +111,7 @@ class PromptBuilder:
             if self.tool_format is None:  # the generic form: calls as text, tools in the system turn
                 messages = calls_as_text(messages)
                 if tool_prompt is not None:
-                    messages, tools = with_tool_prompt(messages, tool_prompt), None
+                    messages, tools = tool_prompt.apply(messages), None
             ids = self._chat_ids(messages, tools, template_kwargs or {})
         else:
             ids = list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])

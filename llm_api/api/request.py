@@ -36,7 +36,7 @@ from llm_api.engine.sampler import SamplingParams
 
 if TYPE_CHECKING:
     from llm_api.api.reasoning import ReasoningFormat
-    from llm_api.api.tools import ToolFormat
+    from llm_api.api.tools import GenericPrompt, ToolFormat
 
 INPUT_FIELDS = ("text", "messages", "inputs_embeds")  # the native format's inputs (one of them)
 PROMPT_KINDS = INPUT_FIELDS + ("token_ids",)  # every way a request holds its prompt (completions: token ids too)
@@ -95,7 +95,7 @@ class GenerateRequest:
     template_kwargs: dict | None = None  # extra variables of the chat template (chat_template_kwargs, reasoning_effort)
     # A model without a tool format (llm_api.api.tools, generic form): the tools block added to the system
     # turn; the template is then not given ``tools`` (they are checked for control text all the same).
-    tool_prompt: str | None = None
+    tool_prompt: GenericPrompt | None = None
     work_fields: WorkFields = field(default_factory=WorkFields)  # (the format's names, for work_refusal)
     # The LoRA adapter to answer with (None: the base model), and the field that named it (errors name it).
     adapter: str | None = None
@@ -120,7 +120,7 @@ class GenerateRequest:
             extra: list = [self.tools] if self.tools else []
             extra += [self.template_kwargs] if self.template_kwargs else []
             return (chars + sum(len(json.dumps(x, ensure_ascii=False)) for x in calls + extra)
-                    + len(self.tool_prompt or ""))
+                    + len(self.tool_prompt.block if self.tool_prompt else ""))
         return 0
 
 

@@ -15,12 +15,15 @@ answer.
 ``detect_tool_format(tokenizer)`` picks one from the model's chat template (the text that tells the model
 how to call), or None when the template renders no tools or uses another format. Such a model gets
 every tool choice in the generic form (``GENERIC``): the tool definitions reach the prompt as a
-system-message block (``generic_tool_prompt``, added by ``with_tool_prompt``; the template is not given
-``tools``), earlier calls of the conversation are written into their assistant turns as the same JSON
-lines (``calls_as_text``), and the answer is decoded under the generic grammar: with ``required`` or a
-named function only calls, with ``auto`` text or a call started by the form's trigger; every call's
-arguments follow its schema. ``auto`` there is the model's own choice between text and a call, which a
-model never trained on the form may make poorly (the embedded SmolLM2 answers in text); operators who
+system-message block (``generic_tool_prompt`` gives a ``GenericPrompt``; the template is not given
+``tools``), earlier calls of the conversation are written into their assistant turns as ``Calling
+name(...)`` lines and each result is headed by its function's name (``calls_as_text``), and the answer is
+decoded under the generic grammar: with ``required`` or a named function only calls, with ``auto`` text or
+a call started by the form's trigger; every call's arguments follow its schema. ``auto`` there is the
+model's own choice between text and a call, which a model never trained on the form makes poorly: the
+prompt nudges it on the last turn (after a question: call if a function can answer; after a result:
+answer in text), which is what made the embedded SmolLM2 call for a weather question and then answer
+from the result (``GenericPrompt``; measured, not guaranteed); operators who
 would rather refuse it, as vLLM refuses ``auto`` without a tool parser, set GENERIC_TOOL_CHOICE_AUTO=false
 (``llm_api.api.constraints.plan_tools``). Agent frameworks send ``auto`` by default, so a refusal broke
 their loops. The generic form makes one call per answer unless ``parallel_tool_calls`` is true in so many
@@ -157,9 +160,38 @@ GENERIC_PROMPT_HEAD = ("# Tools\n\nYou can call these functions. Each is written
 GENERIC_CALL_SHAPE = '{"name": <the function\'s name>, "arguments": <its arguments, a JSON object>}'
 
 
-def generic_tool_prompt(tools: list[dict], choice: str) -> str:
-    """The system-message block that shows a model without a tool format the tools and how to call them.
-    choice: "auto" (a call or a text answer), "required" or the name of the function to call."""
+# The nudges ``auto`` adds to the conversation's last turn (GenericPrompt.apply). Measured with the embedded
+# SmolLM2 (greedy, float32): with the tools block alone it never called, whatever the block said; with the
+# question's nudge it called get_weather for a weather question and still answered "What is 2 + 2?" and
+# "Say hello" in text. After a result it copied its earlier call as long as that call was in the
+# conversation as JSON; with earlier calls written as ``Calling name(...)`` lines and the result's nudge it
+# answered from the result in text (3 of 3 tries), so an agent loop ends.
+AUTO_QUESTION_NUDGE = "\n\n(If one of the functions can answer this, reply with only the JSON object that calls it.)"
+AUTO_RESULT_NUDGE = "\n\nNow answer the user's question in plain text."
+
+
+@dataclass(frozen=True)
+class GenericPrompt:
+    """How the generic form shows a model without a tool format its tools: ``block``, the system-message
+    block; with ``auto`` (the model chooses), a nudge on the conversation's last turn too: after the
+    user's question, to call when a function can answer; after a function's result, to answer in text."""
+    block: str
+    auto: bool = False
+
+    def apply(self, turns: list[dict]) -> list[dict]:
+        """The turns with the block in the system turn and, with ``auto``, the last turn's nudge (the
+        turns given are not changed)."""
+        turns = with_tool_prompt(turns, self.block)
+        last = turns[-1]
+        nudge = {"user": AUTO_QUESTION_NUDGE, "tool": AUTO_RESULT_NUDGE}.get(last["role"]) if self.auto else None
+        if nudge is None or not isinstance(last.get("content"), str):
+            return turns
+        return [*turns[:-1], {**last, "content": last["content"] + nudge}]
+
+
+def generic_tool_prompt(tools: list[dict], choice: str) -> GenericPrompt:
+    """What shows a model without a tool format the tools and how to call them. choice: "auto" (a call or
+    a text answer), "required" or the name of the function to call."""
     lines = []
     for tool in tools:
         function = tool["function"]
@@ -169,17 +201,15 @@ def generic_tool_prompt(tools: list[dict], choice: str) -> str:
                 shown[key] = function[key]
         lines.append(json.dumps(shown, ensure_ascii=False))
     if choice == "auto":
-        # (Worded as measured best with the embedded model: it then answers plain questions plainly.)
-        ask = (f"When a function can answer the user's question, reply with only a JSON object calling it:\n"
-               f"{GENERIC_CALL_SHAPE}\nWhen none can, or when a function's result is already in the "
-               f"conversation, reply in plain text.")
+        ask = (f"To call a function, reply with only a JSON object:\n{GENERIC_CALL_SHAPE}\nOtherwise, and once a "
+               f"function's result is in the conversation, reply in plain text.")
     elif choice == "required":
         ask = f"Answer with a call of one of these functions and nothing else, written as one JSON object:\n" \
               f"{GENERIC_CALL_SHAPE}"
     else:
         ask = (f"Answer with a call of the function {choice} and nothing else, written as one JSON object:\n"
                f'{{"name": "{choice}", "arguments": <its arguments, a JSON object>}}')
-    return GENERIC_PROMPT_HEAD + "\n".join(lines) + "\n\n" + ask
+    return GenericPrompt(GENERIC_PROMPT_HEAD + "\n".join(lines) + "\n\n" + ask, auto=choice == "auto")
 
 
 def with_tool_prompt(turns: list[dict], prompt: str) -> list[dict]:
@@ -192,18 +222,36 @@ def with_tool_prompt(turns: list[dict], prompt: str) -> list[dict]:
     return [{"role": "system", "content": prompt}, *turns]
 
 
+def call_as_text(name: str, arguments) -> str:
+    """One earlier call as the generic form writes it into the conversation: ``Calling name(key=value)``,
+    each value as JSON (arguments that are not an object: ``Calling name(<their JSON>)``)."""
+    if isinstance(arguments, dict):
+        shown = ", ".join(f"{key}={json.dumps(value, ensure_ascii=False)}" for key, value in arguments.items())
+    else:
+        shown = json.dumps(arguments, ensure_ascii=False)
+    return f"Calling {name}({shown})"
+
+
 def calls_as_text(turns: list[dict]) -> list[dict]:
-    """Chat turns with each assistant turn's earlier calls (``tool_calls``, arguments as objects) written
-    into its content as the generic form's JSON lines, after its text, so a template that renders no calls
-    still shows the model what it called (the turns given are not changed)."""
+    """Chat turns as a template without a tool format can render them: each assistant turn's earlier calls
+    (``tool_calls``, arguments as objects) written into its content after its text, one ``call_as_text``
+    line each, and each tool result headed by the name of the function it answers ("get_weather returned:
+    ..."), so the model sees what it called and what came back (the turns given are not changed). Calls
+    are not written in the JSON form the model calls in: a small model shown its own call as JSON wrote
+    it again instead of answering from the result (GenericPrompt)."""
     written = []
+    names: dict[str, str] = {}  # tool_call_id -> the function's name
     for turn in turns:
         calls = turn.get("tool_calls")
+        if turn["role"] == "tool" and names.get(turn.get("tool_call_id") or "") and \
+                isinstance(turn.get("content"), str):
+            written.append({**turn, "content": f"{names[turn['tool_call_id']]} returned: {turn['content']}"})
+            continue
         if not calls:
             written.append(turn)
             continue
-        lines = [json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
-                            ensure_ascii=False) for c in calls]
+        names.update((c.get("id") or "", c["function"]["name"]) for c in calls)
+        lines = [call_as_text(c["function"]["name"], c["function"]["arguments"]) for c in calls]
         text = "\n".join(([turn["content"]] if turn.get("content") else []) + lines)
         written.append({k: v for k, v in turn.items() if k != "tool_calls"} | {"content": text})
     return written
