@@ -71,6 +71,12 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] && [ "$(cat .venv/.llm_api-insta
   # shellcheck disable=SC2086
   install $TORCH_SPEC
   install -e ".${extras:+[$extras]}"
+  if [[ ",$extras," == *,test,* ]]; then
+    # instructor 1.17 pins jiter<0.15, which openai 3.x (jiter>=0.16) excludes, so no resolver installs both.
+    # Its code runs with the newer jiter (tests/test_client_agents.py), and the test extra already brings
+    # every other dependency it names, so it is installed without them.
+    install --no-deps "instructor==1.17.0"
+  fi
   echo "$want" > "$stamp"
 fi
 

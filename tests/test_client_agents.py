@@ -4,8 +4,9 @@ default loop with a function tool (its Responses and chat-completions model clas
 must finish with a text answer, and LangChain's ``bind_tools`` (no ``tool_choice``) and
 ``with_structured_output`` must get answers of their shapes. With the generic form's nudges the embedded
 model calls the weather tool for a weather question and then answers from its result in text: the Agents
-SDK's loops and LangChain's ``bind_tools`` are held to that (greedy); pydantic-ai's runs must end with
-an output of its type."""
+SDK's loops and LangChain's ``bind_tools`` are held to that (greedy); pydantic-ai's and instructor's runs
+must end with an output of their type (instructor is installed by scripts/setup.sh without its
+dependencies: its jiter pin excludes our openai's)."""
 
 from __future__ import annotations
 
@@ -106,3 +107,28 @@ def test_pydantic_ai_output_type_and_a_tool(async_frontend, model_class):
 
     result = agent.run_sync(QUESTION)
     assert isinstance(result.output, Weather)
+
+
+@pytest.mark.parametrize("mode", ["TOOLS", "RESPONSES_TOOLS"])
+def test_instructor_default_and_responses_modes(async_frontend, mode):
+    """instructor's default mode for the openai client (``TOOLS``: chat completions with the output model
+    as a forced function) and its Responses mode (``RESPONSES_TOOLS``: a forced function tool beside
+    ``text.format``) must give an instance of the model (retries allowed, as instructor does)."""
+    instructor = pytest.importorskip("instructor")
+    from openai import OpenAI
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):  # (bounded strings: the grammar ends the call within max_tokens)
+        name: str = Field(max_length=24)
+        country: str = Field(max_length=24)
+
+    openai_client = OpenAI(base_url=async_frontend.openai_base, api_key=async_frontend.key(), max_retries=0)
+    client = instructor.from_openai(openai_client, mode=getattr(instructor.Mode, mode))
+    asked = [{"role": "user", "content": "Which city is the capital of France?"}]
+    if mode == "TOOLS":
+        city = client.chat.completions.create(model="smollm2", response_model=City, messages=asked, max_retries=2,
+                                              temperature=0, max_tokens=MAX_TOKENS * 2)
+    else:
+        city = client.responses.create(model="smollm2", response_model=City, input=asked, max_retries=2,
+                                       temperature=0, max_output_tokens=MAX_TOKENS * 2)
+    assert isinstance(city, City) and city.name
