@@ -325,10 +325,14 @@ def test_sampling_settings():
     request, _ = parse({"input": "x"})
     assert request.params.max_new_tokens == 256 and request.params.do_sample and not request.params.ignore_eos
     assert parse({"input": "x", "ignore_eos": True, "text": {"format": {"type": "text"}}})[0].params.ignore_eos
+    request, call = parse({"input": "x", "presence_penalty": 0.5, "frequency_penalty": -1.5})
+    assert (request.params.presence_penalty, request.params.frequency_penalty) == (0.5, -1.5)
+    assert (call.settings["presence_penalty"], call.settings["frequency_penalty"]) == (0.5, -1.5)
 
 
 @pytest.mark.parametrize("body, param, code", [
-    ({"input": "x", "frequency_penalty": 1}, "frequency_penalty", "unknown_parameter"),
+    ({"input": "x", "frequency_penalty": 3}, "frequency_penalty", "invalid_value"),
+    ({"input": "x", "presence_penalty": "1"}, "presence_penalty", "invalid_type"),
     ({"input": "x", "conversation": "conv_1"}, "conversation", "unknown_parameter"),
     ({"input": "x", "prompt": {"id": "p"}}, "prompt", "unknown_parameter"),
     ({"input": "x", "max_tool_calls": 3}, "max_tool_calls", "unknown_parameter"),

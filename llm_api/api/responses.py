@@ -36,8 +36,9 @@ Contract (docs/responses.md has the user's view):
   the openai package would raise) and then ``response.failed`` (the Response with its ``error``): the
   openai package yields both as typed events (it raises on neither in a Responses stream).
 * The Response object has every field of OpenResponses' ``ResponseResource`` (null where there is no
-  value: ``completed_at`` until the response completed, ``max_tool_calls``; the penalties, 0.0, and
-  ``top_logprobs``, 0, are what was used); an ``output_text`` part has ``annotations`` and ``logprobs``
+  value: ``completed_at`` until the response completed, ``max_tool_calls``; the penalties and
+  ``top_logprobs``, 0, are what was used: ``presence_penalty`` / ``frequency_penalty`` are taken, -2 to 2,
+  as on chat); an ``output_text`` part has ``annotations`` and ``logprobs``
   (both empty). ``usage.input_tokens_details.cached_tokens``: the prompt tokens the engine found in its
   prefix cache (``Finished.num_cached_tokens``: a ``previous_response_id`` turn's earlier prompt and
   answer, typically).
@@ -285,6 +286,8 @@ class ResponsesBody(_Strict):
     max_output_tokens: StrictWholeNumber | None = None
     temperature: Number(0.0, 2.0, text_ok=False) | None = None
     top_p: Number(0.0, 1.0, low_open=True, text_ok=False) | None = None
+    presence_penalty: Number(-2.0, 2.0, text_ok=False) | None = None  # (OpenResponses' fields, as on chat)
+    frequency_penalty: Number(-2.0, 2.0, text_ok=False) | None = None
     stream: StrictFlag = False
     store: StrictFlag = True
     previous_response_id: Label | None = None
@@ -339,6 +342,8 @@ def parse_responses(body: Any, model_name: str, limits: Limits,
         top_p=1.0 if call.top_p is None else call.top_p,
         do_sample=temperature > 0.0,
         ignore_eos=call.ignore_eos,
+        presence_penalty=call.presence_penalty or 0.0,
+        frequency_penalty=call.frequency_penalty or 0.0,
     )
     request.work_fields = WorkFields("n", "max_output_tokens", "include")
     request.constraint, plan, choice = _structured_output(call, limits)
@@ -369,10 +374,10 @@ def parse_responses(body: Any, model_name: str, limits: Limits,
         "tool_choice": _tool_choice_echo(choice),
         "tools": [t.model_dump(by_alias=True) for t in call.tools or ()],
         "top_p": request.params.top_p,
-        # no penalties are applied and no logprobs returned here (the request refuses these fields);
-        # the Response object states the values used, as OpenResponses requires
-        "presence_penalty": 0.0,
-        "frequency_penalty": 0.0,
+        "presence_penalty": request.params.presence_penalty,
+        "frequency_penalty": request.params.frequency_penalty,
+        # no logprobs are returned here (the request refuses top_logprobs and include); the Response
+        # object states the value used, as OpenResponses requires
         "top_logprobs": 0,
         "max_tool_calls": None,
         "truncation": "disabled",
