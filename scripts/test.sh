@@ -23,4 +23,6 @@ workers="${LLM_API_TEST_WORKERS:-3}"
 if [ "$workers" = "0" ]; then
   exec python -m pytest "$@"
 fi
-exec python -m pytest -n "$workers" --dist loadgroup --no-loadscope-reorder --max-worker-restart 0 "$@"
+# --durations=25: the slowest tests in every run's log (CI's too), which is what the suite's time budget is
+# managed by (LONG_GROUPS_FIRST in tests/conftest.py).
+exec python -m pytest -n "$workers" --dist loadgroup --no-loadscope-reorder --max-worker-restart 0 --durations=25 "$@"
