@@ -96,6 +96,7 @@ class Request:
     index: int = 0  # choice index among the request's n sequences
     seq_id: str = ""  # unique among live sequences: request_id for index 0, set in __post_init__
     lora_id: int = 0  # the LoRA adapter's load id (llm_api.lora.registry); 0: the base model
+    priority: int = 0  # vLLM's: a lower value is served first; equal values in arrival order (the scheduler)
     # params.prompt_logprobs: the prompt's logprobs computed so far (entry i scores prompt token i + 1); a
     # recompute after preemption does not compute them twice.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -11,6 +11,14 @@ request of another adapter lets the requests behind it go first. When a request 
 request is preempted: its blocks are freed, it goes back to the front of the waiting queue and its
 prompt + output tokens are recomputed later, so its output is the same as without preemption.
 
+Priorities (``Request.priority``, vLLM's ``priority`` field: a lower value first, arrival order within a
+value): the waiting queue is kept in priority order (a new request goes behind every waiting one of its
+own or a better priority, a preempted one in front of those of its own), the running set is scheduled in
+priority order, so memory short preempts the newest sequence of the worst priority running, and a waiting
+request that cannot be admitted for want of blocks or sequence slots preempts running sequences of a
+worse priority (worst and newest first) until it can. With every priority equal (the default, 0) all of
+this is exactly the plain first-come order above.
+
 ``schedule()`` returns a ``SchedulerOutput``: per scheduled request, its new tokens, whether it samples,
 and the block ids it got this step (``new_block_ids``; all of its blocks when ``is_new``, i.e. admitted or
 resumed after preemption), plus the ids of requests that finished or were preempted since the last
@@ -146,7 +154,11 @@ class Scheduler:
         self.groups[request.request_id] = sequences
         if siblings:
             self._unforked[request.seq_id] = list(siblings)
-        self.waiting.append(request)
+        # Behind every waiting request of its own or a better priority (equal priorities: appended).
+        position = len(self.waiting)
+        while position > 0 and self.waiting[position - 1].priority > request.priority:
+            position -= 1
+        self.waiting.insert(position, request)
 
     def end_non_finite(self, request: Request) -> list[Request]:
         """End a running sequence whose logits were not finite, with the siblings waiting to fork from it
@@ -185,8 +197,12 @@ class Scheduler:
         output = SchedulerOutput(ended_request_ids=self._ended_request_ids)
         self._ended_request_ids = []
         budget = self.config.max_num_batched_tokens
+        # Priority order (stable: admission order within a priority), so the last one is the one to preempt.
+        self.running.sort(key=lambda r: r.priority)
+        self._preempt_for_priority(output)
 
         # Running requests first: decodes and unfinished chunked prefills.
+        memory_short = False
         speculate = self._speculates()
         index = 0
         while index < len(self.running) and budget > 0:
@@ -199,9 +215,8 @@ class Scheduler:
             num_new_tokens += len(draft)
             while not self._allocate_slots(request, num_new_tokens, copies=output.block_copies):
                 victim = self.running.pop()
-                self._preempt(victim)
-                output.preempted_request_ids.append(victim.seq_id)
-                output.ended_request_ids.append(victim.seq_id)
+                self._preempt(victim, output)
+                memory_short = True
                 if victim is request:
                     break
             else:
@@ -222,7 +237,7 @@ class Scheduler:
         num_seqs = len(self.running) + sum(len(self._unforked.get(r.seq_id, ())) for r in self.running)
         running_loras = {r.lora_id for r in self.running if r.lora_id}
         position = 0  # requests of an adapter that cannot join (MAX_LORAS others run) wait; the next may go
-        while position < len(self.waiting) and budget > 0 and not output.preempted_request_ids:
+        while position < len(self.waiting) and budget > 0 and not memory_short:
             request = self.waiting[position]
             if request.lora_id and request.lora_id not in running_loras and len(running_loras) >= self.config.max_loras:
                 position += 1
@@ -450,13 +465,42 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt_for_priority(self, output: SchedulerOutput) -> None:
+        """Preempt running sequences of a worse priority than the first waiting request (worst and newest
+        first) while it lacks a sequence slot or the blocks for its first chunk; nothing when no running
+        sequence has a worse priority. (A request held back by MAX_LORAS is left to wait.)"""
+        if not self.waiting or not self.running or self.running[-1].priority <= self.waiting[0].priority:
+            return
+        head = self.waiting[0]
+        if head.lora_id and head.lora_id not in {r.lora_id for r in self.running} and \
+                len({r.lora_id for r in self.running if r.lora_id}) >= self.config.max_loras:
+            return
+        pool = self.block_pool
+        hit_block_ids = self._find_cached_blocks(head)
+        num_hit_tokens = len(hit_block_ids) * self.block_size
+        num_new_tokens = min(head.num_tokens - num_hit_tokens, self.config.max_num_batched_tokens)
+        num_blocks = (_cdiv(num_hit_tokens + num_new_tokens, self.block_size) - len(hit_block_ids)
+                      + sum(1 for b in hit_block_ids if pool.ref_counts[b] == 0))
+        num_seqs = 1 + len(self._unforked.get(head.seq_id, ()))
+        while self.running and self.running[-1].priority > head.priority:
+            seqs_used = len(self.running) + sum(len(self._unforked.get(r.seq_id, ())) for r in self.running)
+            if seqs_used + num_seqs <= self.config.max_num_seqs and num_blocks <= pool.num_free_blocks:
+                return
+            self._preempt(self.running.pop(), output)
+
+    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         self._release_blocks(request)
         self._untold.discard(request.seq_id)  # resumed, it reports its whole table anyway
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.counters.num_preemptions += 1
-        self.waiting.appendleft(request)
+        output.preempted_request_ids.append(request.seq_id)
+        output.ended_request_ids.append(request.seq_id)
+        # In front of the waiting requests of its own priority (equal priorities: the queue's front).
+        position = 0
+        while position < len(self.waiting) and self.waiting[position].priority < request.priority:
+            position += 1
+        self.waiting.insert(position, request)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.RUNNING:

@@ -162,13 +162,68 @@ def test_eos_max_new_tokens_and_abort_finish_and_free():
     assert scheduler.block_pool.num_free_blocks == scheduler.block_pool.num_blocks
 
 
-def _request(request_id: str, prompt: list[int], max_new_tokens: int, arrival: int = 0) -> Request:
-    return Request(request_id, prompt, SamplingParams(max_new_tokens=max_new_tokens))
+def _request(request_id: str, prompt: list[int], max_new_tokens: int, arrival: int = 0, priority: int = 0) -> Request:
+    return Request(request_id, prompt, SamplingParams(max_new_tokens=max_new_tokens), priority=priority)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_random_scheduler_operations_keep_invariants(seed):
-    """Scheduler + pool with fake sampled tokens: adds, aborts, steps, preemptions, prefix hits."""
+def _waiting(scheduler):
+    return [r.request_id for r in scheduler.waiting]
+
+
+def test_the_waiting_queue_is_in_priority_order_then_arrival_order():
+    scheduler = _scheduler(max_num_seqs=1)
+    for name, priority in (("a", 0), ("b", 1), ("c", 0), ("d", -1), ("e", 1)):
+        scheduler.add(_request(name, [1] * 4, 2, priority=priority))
+    assert _waiting(scheduler) == ["d", "a", "c", "b", "e"]
+    served = []
+    while scheduler.has_unfinished_requests():
+        served += [i for i in _ids(_step(scheduler)) if i not in served]
+    assert served == ["d", "a", "c", "b", "e"]
+
+
+def test_memory_short_preempts_the_worst_priority_not_the_newest():
+    scheduler = _scheduler(num_blocks=6, budget=64)  # 24 token slots; each request alone needs 20
+    scheduler.add(_request("old-low", [1] * 7, 13, priority=5))
+    scheduler.add(_request("new-high", [2] * 7, 13, priority=0))
+    preempted = []
+    while not preempted:
+        preempted = _step(scheduler).preempted_request_ids
+    assert preempted == ["old-low"] and _waiting(scheduler) == ["old-low"]
+
+
+def test_a_better_priority_preempts_worse_running_sequences_to_be_admitted():
+    # Sequence slots: two low-priority sequences hold both; a high-priority one preempts the newer.
+    scheduler = _scheduler(max_num_seqs=2)
+    scheduler.add(_request("low1", [1] * 4, 30, priority=1))
+    scheduler.add(_request("low2", [2] * 4, 30, priority=1))
+    _step(scheduler)
+    scheduler.add(_request("high", [3] * 4, 3, priority=0))
+    output = _step(scheduler)
+    assert output.preempted_request_ids == ["low2"] and "high" in _ids(output)
+    assert _waiting(scheduler) == ["low2"]  # in front of its own priority, behind nothing better
+    # Blocks: low-priority sequences hold the pool; a high-priority prompt preempts as many as it needs.
+    scheduler = _scheduler(num_blocks=8, budget=64)  # 32 slots
+    for i in range(3):
+        scheduler.add(_request(f"low{i}", [i + 1] * 9, 30, priority=2))
+    _step(scheduler)  # 3 x 3 blocks > 8: the third waits
+    assert _ids(_step(scheduler)) == ["low0", "low1"] and _waiting(scheduler) == ["low2"]
+    scheduler.add(_request("high", [7] * 12, 2, priority=-1))
+    output = _step(scheduler)
+    assert output.preempted_request_ids == ["low1"] and "high" in _ids(output)
+    assert _waiting(scheduler) == ["low1", "low2"]
+    # Equal priorities never preempt for admission: the newcomer waits its turn.
+    scheduler = _scheduler(max_num_seqs=2)
+    for name in ("a", "b"):
+        scheduler.add(_request(name, [1] * 4, 30))
+    _step(scheduler)
+    scheduler.add(_request("c", [3] * 4, 3))
+    assert not _step(scheduler).preempted_request_ids and _waiting(scheduler) == ["c"]
+
+
+@pytest.mark.parametrize("seed, priorities", [(0, False), (1, False), (2, True), (3, True)])
+def test_random_scheduler_operations_keep_invariants(seed, priorities):
+    """Scheduler + pool with fake sampled tokens: adds, aborts, steps, preemptions, prefix hits (and with
+    ``priorities`` each request of a random priority, so priority preemptions too)."""
     rng = random.Random(seed)
     pool = BlockPool(num_blocks=40, block_size=BLOCK_SIZE)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, max_model_len=120),
@@ -184,7 +239,8 @@ def test_random_scheduler_operations_keep_invariants(seed):
             prompt = (shared_prefix if rng.random() < 0.5 else []) + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 30))]
             request_id = f"r{step}"
             max_new_tokens = rng.randrange(1, 40)
-            scheduler.add(_request(request_id, prompt, max_new_tokens, step))
+            scheduler.add(_request(request_id, prompt, max_new_tokens, step,
+                                   rng.choice((-1, 0, 0, 1)) if priorities else 0))
             tokens_out[request_id] = []
             limits[request_id] = (len(prompt), max_new_tokens)
         elif op < 0.2 and scheduler.requests:
