@@ -124,7 +124,7 @@ class PartTimers:
 
 
 def profile_batch(engine, batch_size, prompt_tokens, steps, rounds):
-    from llm_api.engine.sampler import SamplingParams
+    from llm_api.engine.sampling_params import SamplingParams
 
     vocab = engine.vocab_size
     generator = torch.Generator().manual_seed(batch_size)

@@ -90,7 +90,7 @@ def bare_decoder(model, batch_size, context_len, max_steps, cache_kind):
 def engine_decoder(model, batch_size, context_len, max_steps, block_size):
     """-> (a function running one ``LLMEngine.step()`` with every request decoding, the engine)."""
     from llm_api.engine.engine import EngineConfig, LLMEngine
-    from llm_api.engine.sampler import SamplingParams
+    from llm_api.engine.sampling_params import SamplingParams
 
     num_tokens = context_len + max_steps + 2
     config = EngineConfig(block_size=block_size, num_blocks=batch_size * -(-num_tokens // block_size),

@@ -28,7 +28,7 @@ import torch
 from harness.models import model_dir
 
 from llm_api.engine.engine import EngineConfig, LLMEngine
-from llm_api.engine.sampler import SamplingParams
+from llm_api.engine.sampling_params import SamplingParams
 from llm_api.model.loader import load
 from llm_api.model.settings import Settings
 

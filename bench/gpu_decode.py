@@ -364,7 +364,7 @@ def run_engine(model, prompts: torch.Tensor, settings: BenchSettings, device: to
                cuda_graphs: bool = True) -> dict:
     """One fresh engine: prefill all of ``prompts`` [B, L], then time the decode steps."""
     from llm_api.engine.engine import EngineConfig, LLMEngine
-    from llm_api.engine.sampler import SamplingParams
+    from llm_api.engine.sampling_params import SamplingParams
 
     batch_size, context_len = prompts.shape
     token_budget = max(settings.max_num_batched_tokens, context_len)

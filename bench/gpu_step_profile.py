@@ -67,7 +67,7 @@ class PhaseTimer:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from llm_api.engine.engine import EngineConfig, LLMEngine
-    from llm_api.engine.sampler import SamplingParams
+    from llm_api.engine.sampling_params import SamplingParams
 
     device = torch.device(args.device)
     model = build_model(args.model, device, torch.bfloat16 if device.type == "cuda" else torch.float32)

@@ -1,4 +1,4 @@
-"""Cost of structured output (llm_api.engine.grammar, xgrammar) on this machine, in one run.
+"""Cost of structured output (llm_api.structured, xgrammar) on this machine, in one run.
 
 (a) compile: each schema compiled cold (cache cleared) in several rounds, then once more from the cache;
     also json_object, a regex and an EBNF grammar, and building the compiler (once per model).
@@ -124,7 +124,7 @@ def ms(seconds: float) -> str:
 
 
 def bench_compile(compiler, rounds):
-    from llm_api.engine.grammar import GrammarSpec
+    from llm_api.structured.spec import GrammarSpec
 
     specs = {name: GrammarSpec.json_schema(schema) for name, schema in SCHEMAS.items()}
     specs |= {"json_object": GrammarSpec.json_object(), "regex": GrammarSpec.regex(REGEX),
@@ -155,7 +155,8 @@ class Walkers:
     """``n`` matchers over a mix of the schemas, each restarted when its grammar ends."""
 
     def __init__(self, compiler, n):
-        from llm_api.engine.grammar import GrammarMatcher, GrammarSpec
+        from llm_api.structured.matcher import GrammarMatcher
+        from llm_api.structured.spec import GrammarSpec
 
         self._make = GrammarMatcher
         self.grammars = [compiler.compile(GrammarSpec.json_schema(s)) for s in SCHEMAS.values()]
@@ -170,7 +171,8 @@ class Walkers:
 
 
 def bench_step(compiler, vocab_size, dtype, args, stop_ids):
-    from llm_api.engine.grammar import allocate_bitmask, apply_bitmask, fill_bitmasks
+    from llm_api.structured.bitmask import allocate_bitmask, apply_bitmask
+    from llm_api.structured.matcher import fill_bitmasks
 
     batch, n = args.batch, args.constrained
     rows = list(range(0, batch, max(1, batch // n)))[:n]  # constrained rows spread over the batch
@@ -233,7 +235,8 @@ def bench_batch_fill(compiler, vocab_size, args):
     """Per-matcher loop vs xgrammar's threaded BatchGrammarMatcher for the same 8 fills."""
     import xgrammar
 
-    from llm_api.engine.grammar import allocate_bitmask, apply_bitmask, fill_bitmasks
+    from llm_api.structured.bitmask import allocate_bitmask, apply_bitmask
+    from llm_api.structured.matcher import fill_bitmasks
 
     walkers = Walkers(compiler, args.constrained)
     # Advance each walker a few tokens in, so the states are mixed (in strings, between keys...).
@@ -285,7 +288,7 @@ def bench_gil(compiler, rounds):
     """How fast a Python counting thread runs while the main thread runs a workload, relative to an
     equally long sleep right after. Near the GIL-free reference (sha256): the workload releases the GIL;
     near 0 (like ``sum(range(n))``, one C call that never lets go): it holds it."""
-    from llm_api.engine.grammar import GrammarSpec
+    from llm_api.structured.spec import GrammarSpec
 
     data = os.urandom(64 << 20)
     counter = [0]
@@ -334,7 +337,7 @@ def main():
 
     from transformers import AutoConfig, AutoTokenizer
 
-    from llm_api.engine.grammar import GrammarCompiler
+    from llm_api.structured.compiler import GrammarCompiler
 
     model_path = model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)

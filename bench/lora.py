@@ -32,7 +32,7 @@ import torch
 from harness.host import cpu_model
 
 from llm_api.engine.engine import EngineConfig, LLMEngine
-from llm_api.engine.sampler import SamplingParams
+from llm_api.engine.sampling_params import SamplingParams
 from llm_api.lora.layer import TARGET_NAMES
 from llm_api.lora.registry import LoraRegistry
 from llm_api.model.loader import load

@@ -135,7 +135,7 @@ class EngineBench:
         self.chunk = self.engine.config.max_num_batched_tokens
 
     def _run(self, prompt: list[int], max_new_tokens: int) -> tuple[float, int]:
-        from llm_api.engine.sampler import SamplingParams
+        from llm_api.engine.sampling_params import SamplingParams
 
         self.count += 1
         request_id = f"bench{self.count}"

@@ -67,7 +67,7 @@ def prompt_ids(tokenizer, num_tokens: int, salt: int) -> list[int]:
 
 
 def logprobs_round(engine, token_texts, tokenizer, args, with_logprobs: bool, round_index: int) -> float:
-    from llm_api.engine.sampler import SamplingParams
+    from llm_api.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_new_tokens=args.decode_steps + 4, ignore_eos=True,
                             logprobs=args.top_logprobs if with_logprobs else None)
@@ -112,7 +112,7 @@ def n_round(engine, tokenizer, args, mode: str, round_index: int) -> dict:
     """``mode``: "n4" (one request, n = 4), "four_sequential" (the same request four times, one after
     another), or "four_concurrent" (four separate requests at once: a batch of four that prefills the
     prompt four times; what this CPU gives a batch of four, the ceiling for n = 4 bar the shared prefill)."""
-    from llm_api.engine.sampler import SamplingParams
+    from llm_api.engine.sampling_params import SamplingParams
 
     prompt = prompt_ids(tokenizer, args.n_prompt_tokens, 50_000 + round_index)  # new per round: cold prefix cache
     params = SamplingParams(max_new_tokens=args.new_tokens, do_sample=True, temperature=1.0, seed=round_index,

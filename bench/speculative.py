@@ -89,7 +89,7 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 def run_workload(engine, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = True) -> dict:
     """All prompts at once, greedy, to max_new_tokens each (or EOS) -> tokens, seconds, TTFT, draft counters."""
-    from llm_api.engine.sampler import SamplingParams
+    from llm_api.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=False, ignore_eos=ignore_eos)
     before = engine.stats()

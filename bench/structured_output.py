@@ -35,8 +35,9 @@ from harness.host import cpu_model
 from harness.models import model_dir
 
 from llm_api.engine.engine import EngineConfig, LLMEngine
-from llm_api.engine.grammar import GrammarCompiler, GrammarSpec
-from llm_api.engine.sampler import SamplingParams
+from llm_api.structured.compiler import GrammarCompiler
+from llm_api.structured.spec import GrammarSpec
+from llm_api.engine.sampling_params import SamplingParams
 from llm_api.model import loader
 from llm_api.model.settings import Settings
 

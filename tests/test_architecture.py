@@ -1,10 +1,12 @@
 """The package's layers, read from the import statements: no module imports from a layer above it.
 
 Layers, top to bottom (docs/architecture.md): the edges (``torchserve``, ``server``, ``client``) ->
-``service`` -> ``api`` -> ``engine`` -> ``lora`` -> ``model`` -> ``kernels`` (and the generated ``proto`` stubs).
-A module may import its own layer and the layers below. Besides: only ``llm_api.torchserve`` imports
-TorchServe (``ts``); the scheduler, block pool and request state import no torch; the kernels import
-nothing from the engine.
+``service`` -> ``api`` -> ``engine`` -> ``structured`` -> ``lora`` -> ``model`` -> ``kernels`` (and the
+generated ``proto`` stubs). A module may import its own layer and the layers below. Besides: no import
+circle anywhere in the package (every import statement counts: module level, ``TYPE_CHECKING`` blocks and
+inside functions); only ``llm_api.torchserve`` imports TorchServe (``ts``); the scheduler, block pool,
+request state and the parameters they read import no torch; the kernels import nothing from the engine;
+the sampler takes only token masks from structured output (it never advances a grammar matcher).
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "llm_api"
-RANK = {"torchserve": 0, "server": 0, "client": 0, "service": 1, "api": 2, "engine": 3, "lora": 3.5, "model": 4,
-        "kernels": 5, "proto": 5}
+# structured: below the request formats (they build grammar specs) and the engine (it runs the matchers);
+# it needs nothing from lora, model or kernels.
+RANK = {"torchserve": 0, "server": 0, "client": 0, "service": 1, "api": 2, "engine": 3, "structured": 3.2, "lora": 3.5,
+        "model": 4, "kernels": 5, "proto": 5}
 TORCH_FREE = {"llm_api.engine.scheduler", "llm_api.engine.block_pool", "llm_api.engine.request",
-              "llm_api.engine.speculative.drafter", "llm_api.engine.speculative.ngram"}
+              "llm_api.engine.sampling_params", "llm_api.engine.speculative.drafter",
+              "llm_api.engine.speculative.ngram", "llm_api.structured.spec"}
 
 
 def _modules() -> dict[str, Path]:
@@ -62,6 +67,92 @@ def test_no_module_imports_from_a_layer_above_it():
             if target in RANK and RANK[target] < RANK[layer]:
                 upward.append(f"{module} imports {imported}")
     assert not upward, "\n".join(sorted(upward))
+
+
+def _import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the package modules it imports (a name ``a.b.C`` counts as module ``a.b``; itself left out)."""
+    def module_of(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    return {module: {target for target in map(module_of, _imports(path)) if target is not None and target != module}
+            for module, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One shortest circle per strongly connected group of modules, as the path ``a -> b -> ... -> a`` from
+    the group's first module in sorted order (Tarjan's algorithm, then a breadth-first search in the group)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[set[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = set()
+            while True:
+                member = stack.pop()
+                group.add(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    cycles = []
+    for group in groups:
+        start = min(group)
+        paths = {start: [start]}
+        queue = [start]
+        while queue:
+            node = queue.pop(0)
+            if start in graph[node]:
+                cycles.append(paths[node] + [start])
+                break
+            for target in sorted(graph[node] & group):
+                if target not in paths:
+                    paths[target] = paths[node] + [target]
+                    queue.append(target)
+    return sorted(cycles)
+
+
+def test_no_import_circles():
+    """A circle makes the modules in it one unit (none can be read, tested or moved alone) and its import
+    order fragile. TYPE_CHECKING-only and function-level imports count too: they are circles in the design
+    that only the import machinery does not see."""
+    cycles = _cycles(_import_graph(_modules()))
+    assert not cycles, "import circles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_the_circle_rule_can_fail(tmp_path):
+    files = {"llm_api.x.a": "from llm_api.x.b import B\n", "llm_api.x.b": "if TYPE_CHECKING:\n    import llm_api.x.c\n",
+             "llm_api.x.c": "def f():\n    from llm_api.x.a import A\n", "llm_api.x.d": "import llm_api.x.a\n"}
+    modules = {}
+    for name, text in files.items():
+        modules[name] = tmp_path / f"{name}.py"
+        modules[name].write_text(text)
+    assert _cycles(_import_graph(modules)) == [["llm_api.x.a", "llm_api.x.b", "llm_api.x.c", "llm_api.x.a"]]
+
+
+def test_the_sampler_applies_masks_and_never_advances_a_matcher():
+    """Structured output reaches the sampler as a token mask (llm_api.structured.bitmask) and nothing else: the
+    step's owner asks the matchers for the masks and advances them with the tokens it keeps."""
+    modules = _modules()
+    used = {i for i in _import_graph(modules)["llm_api.engine.sampler"] if _layer(i) == "structured"}
+    assert used == {"llm_api.structured.bitmask"}, used
+    bitmask = _import_graph(modules)["llm_api.structured.bitmask"]
+    assert "llm_api.structured.matcher" not in bitmask and "llm_api.structured.compiler" not in bitmask
 
 
 def test_only_the_torchserve_edge_imports_ts():

@@ -60,7 +60,7 @@ def _tokenizer(path):
 @pytest.fixture(scope="module")
 def compiler(embedded_model_path):
     pytest.importorskip("xgrammar")
-    from llm_api.engine.grammar import GrammarCompiler
+    from llm_api.structured.compiler import GrammarCompiler
 
     tokenizer = _tokenizer(embedded_model_path)
     return tokenizer, GrammarCompiler(tokenizer, 49152, stop_token_ids=[2])
@@ -68,7 +68,7 @@ def compiler(embedded_model_path):
 
 def accepts(compiler, spec, text: str) -> bool:
     """Whether the grammar takes ``text`` as a whole answer (every token of it, then the stop token)."""
-    from llm_api.engine.grammar import GrammarMatcher
+    from llm_api.structured.matcher import GrammarMatcher
 
     tokenizer, grammar_compiler = compiler
     matcher = GrammarMatcher(grammar_compiler.compile(spec))
@@ -121,7 +121,8 @@ def test_the_generic_grammar_accepts_exactly_valid_calls(compiler, choice, paral
 
 def walk(compiler, spec, seed: int, stop_bias: float, max_steps: int = 500) -> str:
     """Random tokens the grammar allows (argmax over random logits after the mask) until it ends."""
-    from llm_api.engine.grammar import GrammarMatcher, allocate_bitmask, apply_bitmask
+    from llm_api.structured.bitmask import allocate_bitmask, apply_bitmask
+    from llm_api.structured.matcher import GrammarMatcher
 
     tokenizer, grammar_compiler = compiler
     matcher = GrammarMatcher(grammar_compiler.compile(spec))

@@ -18,7 +18,7 @@ from llm_api.api.reasoning import (DEEPSEEK_R1, QWEN3, AnswerText, ReasoningPars
                                    detect_reasoning_format, reasoning_format, reasoning_grammar, split_reasoning)
 from llm_api.api.request import Limits
 from llm_api.api.tools import HERMES
-from llm_api.engine.grammar import GrammarSpec
+from llm_api.structured.spec import GrammarSpec
 from llm_api.engine.request import FinishReason
 
 TEMPLATE = Path(__file__).parent / "assets" / "qwen3_reasoning.jinja"
@@ -254,14 +254,14 @@ def test_tool_calls_are_parsed_from_the_answer_only():
 
 @pytest.fixture(scope="module")
 def compiler(tokenizer):
-    from llm_api.engine.grammar import GrammarCompiler
+    from llm_api.structured.compiler import GrammarCompiler
 
     return GrammarCompiler(tokenizer, len(tokenizer), stop_token_ids=[tokenizer.eos_token_id])
 
 
 def _complete(compiler, spec: GrammarSpec, text: str) -> bool:
     """Whether ``text`` is a whole match of ``spec`` (accepted, and then the grammar may end)."""
-    from llm_api.engine.grammar import GrammarMatcher
+    from llm_api.structured.matcher import GrammarMatcher
 
     matcher = GrammarMatcher(compiler.compile(spec))
     return bool(matcher._matcher.accept_string(text)) and matcher.is_completed()

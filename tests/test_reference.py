@@ -4,7 +4,7 @@ import torch
 
 from llm_api.engine.reference import ReferenceCore
 from llm_api.engine.reference import ReferenceRequest as GenerationJob
-from llm_api.engine.sampler import SamplingParams
+from llm_api.engine.sampling_params import SamplingParams
 
 
 def run(lm, jobs, abort_after=None):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from llm_api.engine import sampler as sampler_module
-from llm_api.engine.sampler import Sampler, SamplerBatch, SamplingParams, SamplingState, sequence_seed
+from llm_api.engine.sampler import Sampler, SamplerBatch, SamplingState, sequence_seed
+from llm_api.engine.sampling_params import SamplingParams
 
 
 def run(logits, params, seen=None, states=None):

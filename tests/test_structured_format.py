@@ -202,7 +202,7 @@ MANY_TOOLS = [{"type": "function", "function": {"name": f"f{i}"}} for i in range
 @pytest.fixture
 def nothing_written_out(monkeypatch):
     """Fails any request that gets as far as writing a schema or a structural tag out as JSON text."""
-    from llm_api.engine.grammar import GrammarSpec
+    from llm_api.structured.spec import GrammarSpec
 
     def written(*args):
         raise AssertionError("an over-limit schema was written out before it was refused")

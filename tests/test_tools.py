@@ -136,7 +136,7 @@ def compiler(embedded_model_path):
     pytest.importorskip("xgrammar")
     from transformers import AutoTokenizer
 
-    from llm_api.engine.grammar import GrammarCompiler
+    from llm_api.structured.compiler import GrammarCompiler
 
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_path)
     return tokenizer, GrammarCompiler(tokenizer, 49152, stop_token_ids=[2])
@@ -146,7 +146,8 @@ def walk(compiler, spec, seed: int, stop_bias: float, max_steps: int = 400, inje
     """Random tokens the grammar allows (argmax over random logits after the mask) until it ends. With
     ``inject``: after a few free tokens the walk writes that text (each of its tokens must be allowed),
     then goes on at random (free text reaching a call's trigger, as a model would)."""
-    from llm_api.engine.grammar import GrammarMatcher, allocate_bitmask, apply_bitmask
+    from llm_api.structured.bitmask import allocate_bitmask, apply_bitmask
+    from llm_api.structured.matcher import GrammarMatcher
 
     tokenizer, grammar_compiler = compiler
     matcher = GrammarMatcher(grammar_compiler.compile(spec))

@@ -3,7 +3,7 @@
 The request formats call these with a field's validated value: a JSON schema (``response_format``'s
 ``json_schema.schema``, the native ``json_schema``), ``json_object``, a regex, an EBNF grammar, or a
 request's tools (``tools`` / ``tool_choice``, see ``llm_api.api.tools``). Each builds the
-``GrammarSpec`` and checks it against the compile-cost limits (``llm_api.engine.grammar.check_limits``:
+``GrammarSpec`` and checks it against the compile-cost limits (``llm_api.structured.spec.check_limits``:
 source size, string-length and repetition bounds) at once, so an over-limit grammar costs a 400 and no
 compile. A schema object (a JSON schema, a tool's ``parameters``, a request's tools together) is first
 measured without being written out (``source_chars``: a walk that stops once past the source limit), so a
@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from llm_api.api.errors import ApiError
-from llm_api.api.request import Constraint, Limits
+from llm_api.api.request import Limits
 from llm_api.api.tools import GENERIC, GenericPrompt, ToolFormat, arguments_schema, generic_tool_prompt, tool_grammar
-from llm_api.engine.grammar import GrammarError, GrammarLimits, GrammarSpec, check_limits
+from llm_api.structured.spec import Constraint, GrammarError, GrammarLimits, GrammarSpec, check_limits
 
 MAX_SOURCE_CHARS = GrammarLimits().max_source_chars  # what check_limits allows a grammar's source
 

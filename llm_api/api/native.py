@@ -36,7 +36,7 @@ from llm_api.api.fields import (Flag, Integer, LogitBias, NonEmptyText, Number, 
                                 first_error, from_form_json, message_of, unknown_fields)
 from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, INPUT_FIELDS, MAX_SEED, CancelRequest, GenerateRequest, Limits
 from llm_api.api.validation import decode_json
-from llm_api.engine.sampler import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
+from llm_api.engine.sampling_params import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_TEMPERATURE = 100.0

@@ -85,11 +85,12 @@ from llm_api.api.fields import (Integer, LogitBias, Number, StopStrings, StrictF
 from llm_api.api.logprobs import LogprobItem, openai_chat_logprobs, openai_completion_logprobs
 from llm_api.api.reasoning import (AnswerText, ReasoningFormat, ReasoningParser, ReasoningText, answer_only,
                                    template_variables)
-from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, MAX_SEED, Constraint, GenerateRequest, Limits, WorkFields
+from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, MAX_SEED, GenerateRequest, Limits, WorkFields
 from llm_api.api.tools import ToolCallDelta, ToolCallParser, ToolFormat
 from llm_api.api.validation import decode_json
 from llm_api.engine.request import FinishReason
-from llm_api.engine.sampler import SamplingParams
+from llm_api.engine.sampling_params import SamplingParams
+from llm_api.structured.spec import Constraint
 
 SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
 JSON_CONTENT_TYPE = "application/json"

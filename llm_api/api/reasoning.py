@@ -43,8 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llm_api.api.errors import ApiError, echo
-from llm_api.api.request import Constraint
-from llm_api.engine.grammar import JSON_MAX_WHITESPACE, GrammarError, GrammarSpec, check_limits
+from llm_api.structured.spec import JSON_MAX_WHITESPACE, Constraint, GrammarError, GrammarSpec, check_limits
 
 REASONING_PARSERS = ("none", "auto", "deepseek_r1", "qwen3")
 THINK_START = "<think>"

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from llm_api.api.errors import ApiError
-from llm_api.engine.grammar import GrammarSpec
-from llm_api.engine.sampler import SamplingParams
+from llm_api.engine.sampling_params import SamplingParams
+from llm_api.structured.spec import Constraint
 
 if TYPE_CHECKING:
     from llm_api.api.reasoning import ReasoningFormat
@@ -66,17 +66,6 @@ class WorkFields:
     n: str = "n"
     max_new_tokens: str = "max_new_tokens"
     logprobs: str = "logprobs"
-
-
-@dataclass(frozen=True)
-class Constraint:
-    """Structured output a request asks for: the grammar, the request field it came from (named in every
-    error about it), and for a grammar built from several client schemas (tool calls) each schema with
-    its own field, so that an error names the one at fault."""
-
-    spec: GrammarSpec
-    param: str
-    parts: tuple[tuple[str, GrammarSpec], ...] = ()
 
 
 @dataclass

@@ -87,11 +87,12 @@ from llm_api.api.openai import (JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, TOOL_CHOICE
                             tool_choice_keyword)
 from llm_api.api.reasoning import (REASONING_EFFORTS, AnswerText, ReasoningFormat, ReasoningParser, ReasoningText,
                                    answer_only, template_variables)
-from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, Constraint, GenerateRequest, Limits, WorkFields
+from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, GenerateRequest, Limits, WorkFields
 from llm_api.api.tools import ToolCallDelta, ToolCallParser, ToolFormat
 from llm_api.api.validation import decode_json
 from llm_api.engine.request import FinishReason
-from llm_api.engine.sampler import SamplingParams
+from llm_api.engine.sampling_params import SamplingParams
+from llm_api.structured.spec import Constraint
 
 MAX_INPUT_ITEMS = 2048  # items of ``input`` (a conversation longer than this cannot fit a prompt here anyway)
 MAX_PARTS = 256  # content parts of one message

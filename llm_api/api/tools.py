@@ -57,7 +57,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from llm_api.engine.grammar import JSON_MAX_WHITESPACE, GrammarSpec
+from llm_api.structured.spec import JSON_MAX_WHITESPACE, GrammarSpec
 
 TOOL_FORMATS = ("hermes", "llama3_json", "json")
 MAX_HEAD_CHARS = 256  # text between a trigger and a call's arguments (the name is at most 64 characters)

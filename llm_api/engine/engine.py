@@ -3,6 +3,9 @@
 ``step()`` is the whole algorithm: the scheduler picks this step's tokens, the model runner computes
 logits at the last token of each request that is due a new token, the sampler picks those tokens, and
 the scheduler appends them, finishes requests (EOS, max_new_tokens, length limit) and frees their blocks.
+A structured-output sequence has a grammar matcher (``llm_api.structured.matcher``): the step asks the
+matchers for the token masks, the sampler applies them, and the step then advances the matchers with the
+tokens it keeps (the sampler never touches a matcher).
 
 A request with ``params.n`` > 1 is n sequences (``Request.index`` 0..n-1, one ``SamplingState`` each):
 the prompt is prefilled once, by index 0; the step that completes it samples every sequence's first
@@ -40,7 +43,6 @@ from torch import nn
 from llm_api.engine.block_pool import BlockPool
 from llm_api.engine.attention import select_backend
 from llm_api.engine.cuda_graphs import capture_batch_sizes
-from llm_api.engine.grammar import GrammarMatcher
 from llm_api.engine.kv_cache import PagedKVCache, choose_num_blocks, cuda_layer_devices, layout_for_model
 from llm_api.engine.memory_profile import profile_device_memory, profile_sequence_lengths
 from llm_api.engine.model_runner import ModelRunner
@@ -50,8 +52,11 @@ from llm_api.engine.speculative.drafter import Drafter, SpeculativeConfig
 from llm_api.engine.speculative.verify import split_drafted_rows, verify
 from llm_api.engine.step_budget import CUDA_TOKEN_BUDGET, BudgetCache, CpuStepBudget
 from llm_api.engine.support import check_supported
-from llm_api.engine.sampler import Sampler, SamplerBatch, SamplingParams, SamplingState
+from llm_api.engine.sampler import Sampler, SamplerBatch, SamplingState
+from llm_api.engine.sampling_params import SamplingParams
 from llm_api.model.settings import Settings
+from llm_api.structured.bitmask import TokenMask
+from llm_api.structured.matcher import GrammarMatcher, advance, step_mask
 
 __all__ = ["LLMEngine", "EngineConfig", "EngineStats", "RequestOutput", "PromptTooLongError"]
 
@@ -324,15 +329,22 @@ class LLMEngine:
         if drafts:  # drafted sequences are verified; the rest of the step samples as usual
             logits, sampled_requests, drafted_logits, drafted = split_drafted_rows(logits, sampled_requests, drafts)
             verified = verify(drafted_logits, drafted, [drafts[r.seq_id] for r in drafted],
-                              self._sampler_batch(drafted), self.scheduler.eos_token_ids)
+                              self._sampler_batch(drafted), [r.grammar_matcher for r in drafted],
+                              self.scheduler.eos_token_ids)
             sampled_token_ids = {r.seq_id: v.token_ids for r, v in zip(drafted, verified)}
             if any(v.logprobs is not None for v in verified):
                 sampled_logprobs = {r.seq_id: tuple(v.logprobs) for r, v in zip(drafted, verified)
                                     if v.logprobs is not None}
         if sampled_requests:
             logits, sampled_requests = self._with_forks(scheduler_output, logits, sampled_requests)
-            sampled = self.sampler(logits, self._sampler_batch(sampled_requests))
+            # The matchers give the masks, the sampler applies them, and the matchers then take the tokens
+            # (each fork has its own matcher: its row of the repeated logits gets its own mask).
+            matchers = [r.grammar_matcher for r in sampled_requests]
+            token_mask = step_mask(matchers, logits.shape[-1])
+            sampled = self.sampler(logits, self._sampler_batch(sampled_requests, token_mask))
             token_ids = sampled.token_ids.tolist()
+            if token_mask is not None:
+                advance(matchers, token_ids)
             sampled_token_ids.update(zip((r.seq_id for r in sampled_requests), token_ids))
             if sampled.logprobs is not None:
                 sampled_logprobs = sampled_logprobs or {}
@@ -387,12 +399,10 @@ class LLMEngine:
         ``generate()`` reference core)."""
         on_outputs(self.step())
 
-    def _sampler_batch(self, requests: list[Request]) -> SamplerBatch:
+    def _sampler_batch(self, requests: list[Request], token_mask: TokenMask | None = None) -> SamplerBatch:
         # Seen ids only for rows with repetition penalty: greedy rows stay a bare argmax.
         seen = [_seen_token_ids(r) if r.params.needs_penalty else None for r in requests]
-        matchers = [r.grammar_matcher for r in requests]
-        return SamplerBatch([r.params for r in requests], [r.sampling_state for r in requests], seen,
-                            matchers if any(m is not None for m in matchers) else [])
+        return SamplerBatch([r.params for r in requests], [r.sampling_state for r in requests], seen, token_mask)
 
     # ----------------------------------------------------------------- helpers
 

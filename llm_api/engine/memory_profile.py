@@ -21,7 +21,7 @@ from llm_api.engine.kv_cache import DeviceMemory, KVCacheLayout, PagedKVCache, c
 from llm_api.engine.model_runner import ModelRunner
 from llm_api.engine.request import Request
 from llm_api.engine.scheduler import ScheduledRequest, SchedulerOutput
-from llm_api.engine.sampler import SamplingParams
+from llm_api.engine.sampling_params import SamplingParams
 
 
 def profile_sequence_lengths(num_tokens: int, num_seqs: int, max_model_len: int) -> list[int]:

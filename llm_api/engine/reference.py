@@ -10,8 +10,9 @@ as it happens; requests added meanwhile wait for the next batch. ``abort_request
 
 * ``RowSampler`` (a logits processor) picks each row's token with the shared ``Sampler`` and the
   request's own RNG (and its grammar's token mask, for structured output: each row has its own
-  ``GrammarMatcher``), then hands ``generate()`` a one-hot score row, so ``generate()`` runs greedy and
-  simply takes that token. An all-greedy batch without penalties or grammars skips it: plain ``generate()``.
+  ``GrammarMatcher``, which it asks for the mask and then advances with the token), then hands
+  ``generate()`` a one-hot score row, so ``generate()`` runs greedy and simply takes that token. An
+  all-greedy batch without penalties or grammars skips it: plain ``generate()``.
 * ``StepReporter`` (a stopping criterion, called once per step with the new tokens in every
   transformers version we support) decides per row when it is done (EOS, its own ``max_new_tokens``,
   an abort) and reports each step's tokens to the caller, with the logprobs ``RowSampler`` computed for
@@ -32,10 +33,11 @@ from typing import Callable, Sequence, cast
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from llm_api.engine.grammar import GrammarMatcher
 from llm_api.engine.request import FinishReason, RequestOutput, TokenLogprob
-from llm_api.engine.sampler import Sampler, SamplerBatch, SamplingParams, SamplingState
+from llm_api.engine.sampler import Sampler, SamplerBatch, SamplingState
+from llm_api.engine.sampling_params import SamplingParams
 from llm_api.model.placement import execution_device
+from llm_api.structured.matcher import GrammarMatcher, advance, step_mask
 
 logger = logging.getLogger(__name__)
 
@@ -176,8 +178,11 @@ class RowSampler(LogitsProcessor):
             (j.prompt_token_ids or []) + gen if j.params.needs_penalty else None
             for j, gen in zip(self._jobs, self._generated)
         ]
+        token_mask = step_mask(self._matchers, scores.shape[-1]) if self._matchers else None
         sampled = self._sampler(scores, SamplerBatch([j.params for j in self._jobs], self._states, seen,
-                                                   self._matchers))
+                                                   token_mask))
+        if token_mask is not None:
+            advance(self._matchers, sampled.token_ids.tolist())
         self.step_logprobs = sampled.logprobs
         one_hot = torch.full_like(scores, float("-inf"))
         one_hot.scatter_(1, sampled.token_ids.view(-1, 1), 0.0)

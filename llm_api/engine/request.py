@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from llm_api.engine.sampler import SamplingParams
+from llm_api.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -76,11 +75,12 @@ class RequestOutput:
 class Request:
     request_id: str
     prompt_token_ids: list[int]
-    params: "SamplingParams"
+    params: SamplingParams
     sampling_state: Any = None  # llm_api.engine.sampler.SamplingState, built by the engine
-    # llm_api.engine.grammar.GrammarMatcher of a structured-output request (params.grammar), built by the
-    # engine. It has accepted every token of output_token_ids, so it stays valid across preemption: a
-    # preempted request keeps its output tokens, and its recompute samples only after the last of them.
+    # llm_api.structured.matcher.GrammarMatcher of a structured-output request (params.grammar), built by
+    # the engine, which also advances it with each token it keeps. It has accepted every token of
+    # output_token_ids, so it stays valid across preemption: a preempted request keeps its output tokens,
+    # and its recompute samples only after the last of them.
     grammar_matcher: Any = None
     prompt_embeds: Any = None  # torch.Tensor [num_prompt_tokens, hidden_size] or None
     draft_state: Any = None  # llm_api.engine.speculative.drafter.DraftState, made by the drafter on first use

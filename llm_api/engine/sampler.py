@@ -1,9 +1,9 @@
-"""Sampling parameters and the batched sampler shared by every generation path.
+"""The batched sampler shared by every generation path.
 
-``SamplingParams`` is the validated, per-request description of how to pick tokens. ``Sampler`` turns
-one step's logits ``[B, V]`` for a batch of sequences, each with its own parameters, into token ids
-``[B]`` and, for the rows that ask, their log-probabilities. The paged engine and the ``generate()``
-reference both call it, so the two paths pick tokens the same way.
+``Sampler`` turns one step's logits ``[B, V]`` for a batch of sequences, each with its own
+``SamplingParams`` (``llm_api.engine.sampling_params``), into token ids ``[B]`` and, for the rows that
+ask, their log-probabilities. The paged engine and the ``generate()`` reference both call it, so the two
+paths pick tokens the same way.
 
 Per row, in this order (vLLM's order; OpenAI documents none):
 
@@ -12,13 +12,12 @@ Per row, in this order (vLLM's order; OpenAI documents none):
    ``frequency_penalty`` x count and ``presence_penalty`` x (count > 0) subtracted, counting the
    sequence's OUTPUT tokens only (OpenAI's definition); the counts live in the row's ``SamplingState``
    and grow by one token per draw, never rebuilt;
-3. structured output: a row whose ``SamplerBatch.grammar_matchers`` entry is a live ``GrammarMatcher``
-   (its request's ``SamplingParams.grammar``) has its token mask filled and applied (disallowed tokens
-   get -inf), so temperature, top-k / top-p and logprobs only see allowed tokens; the token picked for it
-   is accepted into its matcher here, so every caller keeps the matcher in step with the tokens it
-   produced. Unconstrained rows of the same step are not touched; a matcher that terminated (its stop
-   token was accepted: only an ``ignore_eos`` row or a finished row of a ``generate()`` batch is sampled
-   again) leaves its row unconstrained;
+3. structured output: the rows of ``SamplerBatch.token_mask`` (a ``TokenMask`` the caller asked its
+   grammar matchers for: ``llm_api.structured.matcher.step_mask``) have it applied (disallowed tokens get
+   -inf), so temperature, top-k / top-p and logprobs only see allowed tokens. Unconstrained rows of the
+   same step are not touched. The sampler applies the mask it is given and never touches a matcher: the
+   caller advances them with the tokens it keeps (``llm_api.structured.matcher.advance``), so speculative
+   verification, which keeps only the accepted tokens, never has anything to roll back;
 4. greedy rows take the argmax; sampling rows are divided by ``temperature``, cut to ``top_k`` and
    ``top_p`` and drawn from with the row's own ``torch.Generator``, so a seeded sequence gives the same
    tokens whatever else shares its batch.
@@ -42,68 +41,17 @@ A request with ``n`` > 1 answers has one ``SamplingState`` per sequence: index 0
 from __future__ import annotations
 
 import hashlib
-import logging
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
 from llm_api.engine.request import TokenLogprob
-from llm_api.engine.grammar import allocate_bitmask, apply_bitmask
+from llm_api.engine.sampling_params import SamplingParams
+from llm_api.structured.bitmask import TokenMask, apply_bitmask
 
-if TYPE_CHECKING:
-    from llm_api.engine.grammar import CompiledGrammar, GrammarMatcher
-
-logger = logging.getLogger(__name__)
-
-MAX_STOP_STRINGS = 16
-MIN_SAMPLING_TEMPERATURE = 1e-5
-MAX_STOP_STRING_CHARS = 256
-MAX_TOP_LOGPROBS = 20  # the most alternatives any format may ask for (OpenAI chat: 0..20)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: no top-k filter
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0  # OpenAI's, over output tokens
-    frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); ids checked by the request formats
-    do_sample: bool = False
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the k most likely
-    n: int = 1  # sequences (choices) generated from the prompt
-    # None: none; k >= 0: each prompt token's logprob after the tokens before it (the first has none) and the
-    # k most likely there, from the model's raw distribution (the prompt is read, not sampled). The engine
-    # then computes the whole prompt (no prefix-cache hits), as vLLM does for prompt logprobs.
-    prompt_logprobs: int | None = None
-    grammar: "CompiledGrammar | None" = None  # structured output: tokens must follow it (compiled by the service)
-
-    @property
-    def greedy(self) -> bool:
-        # A temperature this close to 0 is argmax in all but name, and dividing by it overflows.
-        return not self.do_sample or self.temperature < MIN_SAMPLING_TEMPERATURE
-
-    @property
-    def needs_penalty(self) -> bool:
-        """Needs the sequence's seen token ids (repetition penalty)."""
-        return self.repetition_penalty != 1.0
-
-    @property
-    def needs_output_counts(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-    @property
-    def argmax_only(self) -> bool:
-        """Nothing but the argmax of the raw logits: the sampler's fast path."""
-        return (self.greedy and not self.needs_penalty and not self.needs_output_counts and not self.logit_bias
-                and self.logprobs is None and self.grammar is None)
+__all__ = ["Sampler", "SamplerBatch", "SamplerOutput", "SamplingState", "sequence_seed", "prompt_logprobs"]
 
 
 def sequence_seed(seed: int, index: int) -> int:
@@ -144,8 +92,8 @@ class SamplerBatch:
     params: Sequence[SamplingParams]
     states: Sequence[SamplingState]
     seen_token_ids: Sequence[Sequence[int] | torch.Tensor | None] = field(default_factory=list)
-    # Per row: the GrammarMatcher of a structured-output request, else None; empty: no row is constrained.
-    grammar_matchers: Sequence["GrammarMatcher | None"] = field(default_factory=list)
+    # The step's grammar masks (llm_api.structured.matcher.step_mask); None: no row is constrained.
+    token_mask: TokenMask | None = None
 
 
 @dataclass
@@ -160,10 +108,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplerBatch) -> SamplerOutput:
         # logits: [B, V]
         params = batch.params
-        constrained = self.constrained_rows(batch)
-        if not constrained and all(p.argmax_only for p in params):
+        if batch.token_mask is None and all(p.argmax_only for p in params):
             return SamplerOutput(_argmax(logits))
-        logits, greedy_ids, sampling_rows = self.transform(logits, batch, constrained)
+        logits, greedy_ids, sampling_rows = self.transform(logits, batch)
         token_ids = greedy_ids if greedy_ids is not None else torch.empty(len(params), dtype=torch.long,
                                                                           device=logits.device)
         if sampling_rows:
@@ -171,26 +118,20 @@ class Sampler:
             # A row with no allowed token at all (a grammar at a dead end, a bias of -inf on every token) has
             # NaN probabilities, on which multinomial raises and would fail the whole step, every other
             # sequence in it included: such a row takes the argmax, as a greedy row does (its matcher
-            # refuses the token and logs it), and costs only itself.
+            # refuses the token when the caller advances it, and logs it), and costs only itself.
             dead_rows = set(torch.isnan(probs[:, 0]).nonzero().flatten().tolist())
             for i, row in enumerate(sampling_rows):
                 if i in dead_rows:
                     token_ids[row] = logits[row].argmax()
                 else:
                     token_ids[row] = torch.multinomial(probs[i], 1, generator=batch.states[row].generator)[0]
-        return self.commit(logits, token_ids, batch, constrained)
+        return self.commit(logits, token_ids, batch)
 
     # The two halves of a draw, also used one position at a time by speculative verification
     # (llm_api.engine.speculative.verify), so that it sees exactly the distributions drawn from here.
 
     @staticmethod
-    def constrained_rows(batch: SamplerBatch) -> list[int]:
-        """Rows with a live grammar matcher."""
-        return [row for row, m in enumerate(batch.grammar_matchers) if m is not None and not m.is_terminated()]
-
-    @staticmethod
-    def transform(logits: torch.Tensor, batch: SamplerBatch, constrained: list[int]
-                  ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    def transform(logits: torch.Tensor, batch: SamplerBatch) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
         """-> (float32 copy of ``logits`` after bias, penalties, grammar masks and, on sampling rows,
         temperature / top-k / top-p; the argmax of each row before temperature when some row is greedy,
         else None; the sampling rows)."""
@@ -198,8 +139,8 @@ class Sampler:
         logits = logits.to(torch.float32, copy=True)  # transformed in place below
         _apply_logit_bias(logits, batch)
         _apply_penalties(logits, batch)
-        if constrained:
-            _apply_grammar_masks(logits, batch.grammar_matchers, constrained)
+        if batch.token_mask is not None:
+            apply_bitmask(logits, batch.token_mask.bitmask, batch.token_mask.rows)
         sampling_rows = [row for row, p in enumerate(params) if not p.greedy]
         greedy_ids = logits.argmax(dim=-1) if len(sampling_rows) < len(params) else None
         if sampling_rows:
@@ -207,31 +148,13 @@ class Sampler:
         return logits, greedy_ids, sampling_rows
 
     @staticmethod
-    def commit(logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplerBatch, constrained: list[int]) -> SamplerOutput:
-        """Feed the picked tokens to the grammar matchers and the penalty counts; their logprobs from the
-        transformed ``logits``."""
+    def commit(logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplerBatch) -> SamplerOutput:
+        """Feed the picked tokens to the penalty counts; their logprobs from the transformed ``logits``.
+        (The grammar matchers are the caller's to advance.)"""
         params = batch.params
-        if constrained:
-            _accept_tokens(token_ids, batch.grammar_matchers, constrained)
         _count_output_tokens(token_ids, batch)
         logprobs = _logprobs(logits, token_ids, params) if any(p.logprobs is not None for p in params) else None
         return SamplerOutput(token_ids, logprobs)
-
-
-def _apply_grammar_masks(logits: torch.Tensor, matchers, constrained: list[int]) -> None:
-    bitmask = allocate_bitmask(logits.shape[0], logits.shape[1])
-    # fill_bitmask says whether the row needs masking at all (False: every token is allowed).
-    masked = [row for row in constrained if matchers[row].fill_bitmask(bitmask, row)]
-    apply_bitmask(logits, bitmask, masked)
-
-
-def _accept_tokens(token_ids: torch.Tensor, matchers, constrained: list[int]) -> None:
-    picked = token_ids[constrained].tolist()
-    for row, token_id in zip(constrained, picked):
-        if not matchers[row].accept_token(token_id):
-            # Cannot happen with a correct mask (a masked token has probability 0): say so loudly rather
-            # than end the whole step; the matcher stays where it was.
-            logger.error("grammar matcher refused sampled token %d (row %d)", token_id, row)
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:

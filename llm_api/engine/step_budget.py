@@ -54,7 +54,7 @@ from torch import nn
 
 from llm_api.engine.model_runner import ModelRunner
 from llm_api.engine.request import Request
-from llm_api.engine.sampler import SamplingParams
+from llm_api.engine.sampling_params import SamplingParams
 from llm_api.engine.scheduler import ScheduledRequest, SchedulerOutput
 from llm_api.model import cpu
 

@@ -32,7 +32,7 @@ from typing import Any, AsyncGenerator, Protocol
 import torch
 
 from llm_api.engine.request import RequestOutput
-from llm_api.engine.sampler import SamplingParams
+from llm_api.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ and shared fairly between the keys that ask for it.
   recent compile time) gets 503 with ``Retry-After`` at once rather than a 408 after waiting; one whose
   deadline passes while queued is dropped from the queue (408 ``timeout``); one whose deadline passes while
   compiling gets 408 and the compile finishes on the pool, its result cached;
-* a spec the library rejects, or one over the compile-cost limits (``llm_api.engine.grammar``), gets
+* a spec the library rejects, or one over the compile-cost limits (``llm_api.structured.spec``), gets
   400 ``invalid_grammar`` naming the request field; for a grammar built from several schemas (tools),
   the one at fault is found and named (``tools[2].function.parameters``).
 
@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 
 from llm_api.api.constraints import grammar_refusal
 from llm_api.api.errors import ApiError
-from llm_api.api.request import Constraint
-from llm_api.engine.grammar import CompiledGrammar, GrammarCompiler, GrammarError
+from llm_api.structured.compiler import CompiledGrammar, GrammarCompiler
+from llm_api.structured.spec import Constraint, GrammarError
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from transformers import (
 
 from llm_api.engine.engine import EngineConfig, LLMEngine
 from llm_api.kernels import triton_usable
-from llm_api.engine.sampler import SamplingParams
+from llm_api.engine.sampling_params import SamplingParams
 
 # Engine tests of these CPU models through the Triton kernels run only under the interpreter (a GPU
 # machine runs tests/engine/test_gpu_fast_path.py instead).

@@ -200,7 +200,7 @@ class _SlowCore:
 
 @pytest.mark.parametrize("how", ["caller_leaves", "abort_by_id"])
 def test_an_abort_that_arrives_before_its_add_is_applied_leaves_no_request_behind(how):
-    from llm_api.engine.sampler import SamplingParams
+    from llm_api.engine.sampling_params import SamplingParams
 
     core = _SlowCore()
     engine = EngineLoop(core, num_threads=1)

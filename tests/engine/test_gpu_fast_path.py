@@ -148,8 +148,10 @@ def test_grammar_masks_on_the_gpu(tokenizer_folder):
     pytest.importorskip("xgrammar")
     from transformers import AutoTokenizer
 
-    from llm_api.engine.grammar import GrammarCompiler, GrammarMatcher, GrammarSpec
-    from llm_api.engine.sampler import SamplingParams
+    from llm_api.structured.compiler import GrammarCompiler
+    from llm_api.structured.matcher import GrammarMatcher
+    from llm_api.structured.spec import GrammarSpec
+    from llm_api.engine.sampling_params import SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
     model = _cuda_model("llama", torch.float32, vocab_size=len(tokenizer))
@@ -181,7 +183,8 @@ def test_grammar_masks_on_the_gpu(tokenizer_folder):
 def test_n_choices_on_the_gpu():
     """n > 1 with graphs on: each sampled choice is what its own seed gives alone, and greedy choices are
     generate()'s."""
-    from llm_api.engine.sampler import SamplingParams, sequence_seed
+    from llm_api.engine.sampler import sequence_seed
+    from llm_api.engine.sampling_params import SamplingParams
 
     model = _cuda_model("qwen2", torch.float32, seed=7)
     reference = copy.deepcopy(model)

@@ -1,4 +1,4 @@
-"""Grammar masks (llm_api.engine.grammar) with the embedded model's tokenizer and random logits.
+"""Grammar masks (llm_api.structured) with the embedded model's tokenizer and random logits.
 
 A driver samples argmax over random logits after the mask, so each step picks a random token the grammar
 allows; a bias on the stop tokens ends a sequence as soon as the grammar may end. The output must then
@@ -18,17 +18,10 @@ import torch
 
 xgrammar = pytest.importorskip("xgrammar")
 
-from llm_api.engine.grammar import (  # noqa: E402
-    GrammarCompiler,
-    GrammarError,
-    GrammarMatcher,
-    GrammarSpec,
-    allocate_bitmask,
-    apply_bitmask,
-    apply_bitmask_reference,
-    check_limits,
-    fill_bitmasks,
-)
+from llm_api.structured.bitmask import allocate_bitmask, apply_bitmask, apply_bitmask_reference  # noqa: E402
+from llm_api.structured.compiler import GrammarCompiler  # noqa: E402
+from llm_api.structured.matcher import GrammarMatcher, fill_bitmasks  # noqa: E402
+from llm_api.structured.spec import GrammarError, GrammarSpec, check_limits  # noqa: E402
 
 VOCAB_SIZE = 49152  # the embedded model's logits width (== len(tokenizer) for SmolLM2)
 EOS = 2  # <|im_end|>, the embedded model's EOS
@@ -357,8 +350,9 @@ def test_apply_bitmask_on_cuda_matches_the_reference(dtype):
     assert torch.equal(fast[others], logits[others])
 
 
-def test_importing_the_module_does_not_import_xgrammar():
-    code = "import sys, llm_api.engine.grammar; print('xgrammar' in sys.modules)"
+def test_importing_the_modules_does_not_import_xgrammar():
+    code = ("import sys, llm_api.structured.spec, llm_api.structured.compiler, llm_api.structured.matcher, "
+            "llm_api.structured.bitmask; print('xgrammar' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 

@@ -11,7 +11,8 @@ import torch
 
 from llm_api.engine.block_pool import BlockPool
 from llm_api.engine.request import Request
-from llm_api.engine.sampler import SamplingParams, sequence_seed
+from llm_api.engine.sampler import sequence_seed
+from llm_api.engine.sampling_params import SamplingParams
 from llm_api.engine.scheduler import Scheduler, SchedulerConfig
 
 from engine_helpers import assert_engine_idle, get_model, greedy, make_engine, random_prompt, reference_greedy

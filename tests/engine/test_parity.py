@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llm_api.engine.scheduler import PromptTooLongError
-from llm_api.engine.sampler import SamplingParams
+from llm_api.engine.sampling_params import SamplingParams
 
 from engine_helpers import (
     assert_engine_idle,

@@ -17,7 +17,7 @@ import pytest
 from llm_api.engine.block_pool import BlockPool
 from llm_api.engine.model_runner import BlockTables
 from llm_api.engine.request import FinishReason, Request, RequestStatus
-from llm_api.engine.sampler import SamplingParams
+from llm_api.engine.sampling_params import SamplingParams
 from llm_api.engine.scheduler import PromptTooLongError, Scheduler, SchedulerConfig
 
 BLOCK_SIZE = 4

@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from llm_api.engine.block_pool import hash_block
 from llm_api.engine.request import FinishReason
-from llm_api.engine.sampler import SamplingParams
+from llm_api.engine.sampling_params import SamplingParams
 from llm_api.engine.speculative import verify as verify_module
 from llm_api.engine.speculative.drafter import SpeculativeConfig
 from llm_api.engine.speculative.ngram import TokenBuffer, propose
@@ -415,7 +415,8 @@ def test_embedded_model_json_schema_with_speculation(fp32_embedded):
     pytest.importorskip("xgrammar")
     import json
 
-    from llm_api.engine.grammar import GrammarCompiler, GrammarSpec
+    from llm_api.structured.compiler import GrammarCompiler
+    from llm_api.structured.spec import GrammarSpec
 
     tokenizer, model = fp32_embedded
     compiler = GrammarCompiler(tokenizer, model.config.vocab_size, {tokenizer.eos_token_id})

@@ -1,4 +1,5 @@
-"""Structured output in the engine: token masks on constrained rows only. With the embedded model (float32,
+"""Structured output in the engine: token masks on constrained rows only, given to the sampler by the step's
+owner, which then advances the matchers. With the embedded model (float32,
 so greedy tokens compare exactly): schema-valid answers, untouched neighbours, and the generate()
 reference core giving the same tokens; with a tiny random model over the embedded vocabulary: forced
 preemption keeps each request's grammar state."""
@@ -16,10 +17,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 pytest.importorskip("xgrammar")
 
-from llm_api.engine.grammar import GrammarCompiler, GrammarMatcher, GrammarSpec  # noqa: E402
+from llm_api.structured.compiler import GrammarCompiler  # noqa: E402
+from llm_api.structured.matcher import GrammarMatcher, advance, step_mask  # noqa: E402
+from llm_api.structured.spec import GrammarSpec  # noqa: E402
 from llm_api.engine.reference import ReferenceCore  # noqa: E402
 from llm_api.engine.request import FinishReason  # noqa: E402
-from llm_api.engine.sampler import Sampler, SamplerBatch, SamplingParams, SamplingState  # noqa: E402
+from llm_api.engine.sampler import Sampler, SamplerBatch, SamplingState  # noqa: E402
+from llm_api.engine.sampling_params import SamplingParams  # noqa: E402
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 16},
@@ -71,14 +75,18 @@ def test_sampler_masks_only_the_constrained_rows(compiler):
                   SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=5), SamplingParams()]
 
     def run(matchers):
+        # What the engine's step does: the matchers give the mask, the sampler applies it, the step advances them.
         states = [SamplingState.for_params(p) for p in row_params]
-        return Sampler()(logits.clone(), SamplerBatch(row_params, states, [None] * 4, matchers)).token_ids.tolist()
+        token_mask = step_mask(matchers, vocab)
+        token_ids = Sampler()(logits.clone(), SamplerBatch(row_params, states, [None] * 4, token_mask)).token_ids.tolist()
+        advance(matchers, token_ids)
+        return token_ids
 
-    free = run([])
+    free = run([None] * 4)
     matcher = GrammarMatcher(row_params[1].grammar)
     masked = run([None, matcher, None, None])
     assert [masked[i] for i in (0, 2, 3)] == [free[i] for i in (0, 2, 3)]
-    # The constrained row took the best allowed token (a digit), and its matcher moved past it.
+    # The constrained row took the best allowed token (a digit), and advancing moved its matcher past it.
     assert compiler.tokenizer_info.decoded_vocab[masked[1]].decode().isdigit() and masked[1] != free[1]
     assert not matcher.is_completed() and not GrammarMatcher(row_params[1].grammar).accept_token(free[1])
 

@@ -1,7 +1,7 @@
 """Verification of drafts: which draft tokens the target model accepts, and the token after them.
 
-``verify(logits, requests, drafts, batch, stop_token_ids)`` takes, for each drafted request, the 1 + k
-logits rows of its verification forward (row i: the target distribution after the draft's first i
+``verify(logits, requests, drafts, batch, matchers, stop_token_ids)`` takes, for each drafted request, the
+1 + k logits rows of its verification forward (row i: the target distribution after the draft's first i
 tokens) and returns the tokens to append: the accepted draft prefix plus one more token (the correction
 where a draft token was rejected, the bonus token after a fully accepted draft), and their logprobs.
 
@@ -9,10 +9,11 @@ Rules, per row i while the draft is being accepted:
 
 * every logits processor sees the state it would see without speculation at that position: the row
   goes through ``Sampler.transform`` (logit bias, penalties with the output counts and seen ids of the
-  tokens accepted so far, the grammar mask of a matcher that has accepted exactly those tokens,
-  temperature / top-k / top-p), and the token picked goes through ``Sampler.commit`` (grammar accept,
-  output counts, logprobs) before row i + 1 is transformed. A rejected draft token is never fed to a
-  matcher or a count, so nothing needs rolling back;
+  tokens accepted so far, the grammar mask of a matcher that has accepted exactly those tokens: asked
+  here, ``structured.matcher.step_mask``, temperature / top-k / top-p), and the token picked goes through
+  ``Sampler.commit`` (output counts, logprobs) and into the row's matcher (``structured.matcher.advance``,
+  here: the sampler never advances a matcher) before row i + 1 is transformed. A rejected draft token is
+  never fed to a matcher or a count, so nothing needs rolling back;
 * greedy: the pick is the argmax; the draft token is accepted iff it is that argmax;
 * sampled: the draft is a point mass q = 1 at token d, so standard speculative rejection sampling
   accepts d with probability min(1, p(d) / q(d)) = p(d) (one uniform draw from the sequence's generator)
@@ -35,6 +36,7 @@ import torch
 
 from llm_api.engine.request import Request, TokenLogprob
 from llm_api.engine.sampler import Sampler, SamplerBatch
+from llm_api.structured.matcher import GrammarMatcher, advance, live_rows, step_mask
 
 
 @dataclass
@@ -70,10 +72,11 @@ def split_drafted_rows(logits: torch.Tensor, requests: list[Request], drafts: Ma
 
 
 def verify(logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[list[int]], batch: SamplerBatch,
-           stop_token_ids: frozenset[int]) -> list[Verified]:
-    """``logits``: [sum of (1 + len(draft)), V], each request's rows in order; ``batch``: one row per request."""
+           matchers: Sequence[GrammarMatcher | None], stop_token_ids: frozenset[int]) -> list[Verified]:
+    """``logits``: [sum of (1 + len(draft)), V], each request's rows in order; ``batch`` and ``matchers`` (each
+    request's grammar matcher, None without one): one row per request."""
     params = batch.params
-    if not Sampler.constrained_rows(batch) and all(p.argmax_only for p in params):
+    if not live_rows(matchers) and all(p.argmax_only for p in params):
         return _verify_argmax(logits, requests, drafts, stop_token_ids)
     offsets = []
     row = 0
@@ -87,13 +90,13 @@ def verify(logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[l
     while alive:
         index = torch.tensor([offsets[j] + position for j in alive], dtype=torch.long, device=logits.device)
         rows = logits.index_select(0, index)
+        step_matchers = [matchers[j] for j in alive]
+        token_mask = step_mask(step_matchers, rows.shape[-1])
         step_batch = SamplerBatch(
             [params[j] for j in alive], [batch.states[j] for j in alive],
-            [_seen(batch, j, tokens[j]) for j in alive],
-            [batch.grammar_matchers[j] for j in alive] if batch.grammar_matchers else [],
+            [_seen(batch, j, tokens[j]) for j in alive], token_mask,
         )
-        constrained = Sampler.constrained_rows(step_batch)
-        transformed, greedy_ids, sampling_rows = Sampler.transform(rows, step_batch, constrained)
+        transformed, greedy_ids, sampling_rows = Sampler.transform(rows, step_batch)
         token_ids = greedy_ids if greedy_ids is not None else torch.empty(len(alive), dtype=torch.long,
                                                                           device=logits.device)
         if sampling_rows:
@@ -102,8 +105,10 @@ def verify(logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[l
                 draft = drafts[alive[r]]
                 token_ids[r] = _draw(probs[i], transformed[r], draft[position] if position < len(draft) else None,
                                      step_batch.states[r].generator)
-        out = Sampler.commit(transformed, token_ids, step_batch, constrained)
+        out = Sampler.commit(transformed, token_ids, step_batch)
         picked = token_ids.tolist()
+        if token_mask is not None:
+            advance(step_matchers, picked)
         still = []
         for r, j in enumerate(alive):
             token = picked[r]
