@@ -155,6 +155,15 @@ def test_the_sampler_applies_masks_and_never_advances_a_matcher():
     assert "llm_api.structured.matcher" not in bitmask and "llm_api.structured.compiler" not in bitmask
 
 
+def test_structured_output_imports_nothing_else_of_the_package():
+    """llm_api.structured is what the request formats, the service and the engine share: it leans on none of them
+    (nor on lora, model or kernels), so each can use it without a circle."""
+    graph = _import_graph(_modules())
+    outside = sorted(f"{m} imports {t}" for m, targets in graph.items() if _layer(m) == "structured"
+                     for t in targets if _layer(t) != "structured")
+    assert not outside, outside
+
+
 def test_only_the_torchserve_edge_imports_ts():
     offenders = [m for m, path in _modules().items()
                  if _layer(m) != "torchserve" and any(i == "ts" or i.startswith("ts.") for i in _imports(path))]
