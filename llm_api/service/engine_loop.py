@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 class EngineCore(Protocol):
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None, params: SamplingParams,
-                    prompt_embeds: torch.Tensor | None = None, lora_id: int = 0) -> None: ...
+                    prompt_embeds: torch.Tensor | None = None, lora_id: int = 0, priority: int = 0) -> None: ...
 
     def abort_request(self, request_id: str, index: int | None = None) -> None: ...
 
@@ -86,6 +86,7 @@ class _Add:
     stream: _Stream
     added: asyncio.Future  # resolved (or failed) once add_request ran on the engine thread
     lora_id: int = 0  # the LoRA adapter it runs under (0: the base model)
+    priority: int = 0  # lower first (SCHEDULING_POLICY=priority)
 
 
 class EngineLoop:
@@ -108,11 +109,12 @@ class EngineLoop:
     # ----------------------------------------------------------------- caller side
 
     async def generate(self, request_id: str, prompt_token_ids: list[int] | None, params: SamplingParams,
-                       prompt_embeds: torch.Tensor | None = None, lora_id: int = 0) -> AsyncGenerator[RequestOutput, None]:
+                       prompt_embeds: torch.Tensor | None = None, lora_id: int = 0,
+                       priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), params.n)
         added = loop.create_future()
-        self._submit(_Add(request_id, prompt_token_ids, params, prompt_embeds, stream, added, lora_id))
+        self._submit(_Add(request_id, prompt_token_ids, params, prompt_embeds, stream, added, lora_id, priority))
         finished = False
         num_unfinished = params.n
         try:
@@ -205,8 +207,9 @@ class EngineLoop:
                 self.core.abort_request(command.request_id, command.index)
             return
         try:
-            # (lora_id only when set: a core that serves no adapters need not take the argument)
-            extra = {"lora_id": command.lora_id} if command.lora_id else {}
+            # (lora_id and priority only when set: a core without adapters or priorities need not take them)
+            extra: dict = {"lora_id": command.lora_id} if command.lora_id else {}
+            extra |= {"priority": command.priority} if command.priority else {}
             self.core.add_request(command.request_id, command.prompt_token_ids, command.params,
                                   command.prompt_embeds, **extra)
         except Exception as error:  # bad input: this caller's problem only
