@@ -1,12 +1,13 @@
 """The package's layers, read from the import statements: no module imports from a layer above it.
 
 Layers, top to bottom (docs/architecture.md): the edges (``torchserve``, ``server``, ``client``) ->
-``service`` -> ``api`` -> ``engine`` -> ``structured`` -> ``lora`` -> ``model`` -> ``kernels`` (and the
-generated ``proto`` stubs). A module may import its own layer and the layers below. Besides: no import
-circle anywhere in the package (every import statement counts: module level, ``TYPE_CHECKING`` blocks and
-inside functions); only ``llm_api.torchserve`` imports TorchServe (``ts``); the scheduler, block pool,
-request state and the parameters they read import no torch; the kernels import nothing from the engine;
-the sampler takes only token masks from structured output (it never advances a grammar matcher).
+``protocols`` (one folder per API and the route table) -> ``service`` -> ``api`` -> ``engine`` -> ``structured`` ->
+``lora`` -> ``model`` -> ``kernels`` (and the generated ``proto`` stubs). A module may import its own layer and
+the layers below. Besides: no import circle anywhere in the package (every import statement counts: module
+level, ``TYPE_CHECKING`` blocks and inside functions); only ``llm_api.torchserve`` imports TorchServe (``ts``);
+the scheduler, block pool, request state and the parameters they read import no torch; the kernels import
+nothing from the engine; the sampler takes only token masks from structured output (it never advances a
+grammar matcher).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "llm_api"
 # structured: below the request formats (they build grammar specs) and the engine (it runs the matchers);
 # it needs nothing from lora, model or kernels.
-RANK = {"torchserve": 0, "server": 0, "client": 0, "service": 1, "api": 2, "engine": 3, "structured": 3.2, "lora": 3.5,
-        "model": 4, "kernels": 5, "proto": 5}
+RANK = {"torchserve": 0, "server": 0, "client": 0, "protocols": 0.5, "service": 1, "api": 2, "engine": 3,
+        "structured": 3.2, "lora": 3.5, "model": 4, "kernels": 5, "proto": 5}
 TORCH_FREE = {"llm_api.engine.scheduler", "llm_api.engine.block_pool", "llm_api.engine.request",
               "llm_api.engine.sampling_params", "llm_api.engine.speculative.drafter",
               "llm_api.engine.speculative.ngram", "llm_api.structured.spec"}
@@ -188,17 +189,20 @@ def test_the_rule_catches_an_upward_import(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------
-# One route table: the edges move bytes; every route is one line of llm_api/service/routes/table.py
+# One route table: the edges move bytes; every route is one line of llm_api/protocols/table.py
 
 EDGES = ("llm_api.torchserve.llm_handler", "llm_api.server.http_api", "llm_api.server.grpc_api")
-# What parses a request or encodes an answer: only route modules (and the service) may use these.
+# What parses a request or encodes an answer: only the API folders of llm_api.protocols (and the service) may
+# use these; an edge imports llm_api.protocols.route and llm_api.protocols.table alone of that package.
 ROUTE_LOGIC = ("llm_api.api.native", "llm_api.api.openai", "llm_api.api.tokenize", "llm_api.api.native_stream",
                "llm_api.api.responses", "llm_api.service.answer.encoded_parts", "llm_api.service.answer.parse_")
+EDGE_PROTOCOL_MODULES = ("llm_api.protocols.route", "llm_api.protocols.table")
 ROUTE_PATH = re.compile(r"""["'](/?v1/|/?tokenize|/?detokenize|/?health|/?ready|/?metrics|/?predictions)""")
 
 
 def _edge_problems(path: Path) -> list[str]:
-    problems = [f"imports {i}" for i in _imports(path) if i.startswith(ROUTE_LOGIC)]
+    problems = [f"imports {i}" for i in _imports(path) if i.startswith(ROUTE_LOGIC) or (
+        i.startswith("llm_api.protocols.") and not i.startswith(EDGE_PROTOCOL_MODULES))]
     tree = ast.parse(path.read_text())
     docstrings = {id(node.body[0].value) for node in ast.walk(tree)
                   if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
@@ -228,8 +232,8 @@ def test_the_edge_rule_can_fail(tmp_path):
 def test_every_route_is_one_table_line_served_by_the_edges():
     """Each route module is named by the table, each route has a path on at least one edge, and no two
     routes claim one method and path."""
-    from llm_api.service.routes import table
-    from llm_api.service.routes.route import Route
+    from llm_api.protocols import table
+    from llm_api.protocols.route import Route
 
     assert all(isinstance(r, Route) for r in table.ROUTES)
     claimed = [(r.method, edge, p) for r in table.ROUTES for edge, paths in (("server", r.paths),
@@ -237,8 +241,8 @@ def test_every_route_is_one_table_line_served_by_the_edges():
                for p in paths]
     assert len(claimed) == len(set(claimed))
     assert all(r.paths or r.model_paths for r in table.ROUTES)
-    route_modules = {m for m in _modules() if m.startswith("llm_api.service.routes.")} - {
-        "llm_api.service.routes.route", "llm_api.service.routes.table"}
+    route_modules = {m for m in _modules() if m.startswith("llm_api.protocols.") and m.endswith(".route")} - {
+        "llm_api.protocols.route"}
     used = {r.answer.__module__ for r in table.ROUTES}
     assert route_modules == used, route_modules ^ used
 

@@ -106,7 +106,7 @@ def _standalone_container(doc: dict) -> dict:
 
 def _public_probe(path: str) -> bool:
     """Whether `llm_api serve` answers GET ``path`` without a key (the route table decides it)."""
-    from llm_api.service.routes import table
+    from llm_api.protocols import table
 
     route, _ = table.find("GET", path, "server")
     return route.public and table.is_public(path)

@@ -1,4 +1,4 @@
-"""The route table (llm_api/service/routes/table.py): how a request finds its route on each edge.
+"""The route table (llm_api/protocols/table.py): how a request finds its route on each edge.
 
 Unit tests of ``find`` over the shipped table and over a table with two methods on one path (what the
 Responses API's retrieve and delete are): parameters, 404, 405, HEAD as GET, and TorchServe's missing
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from llm_api.api.errors import ApiError
-from llm_api.service.routes import table
-from llm_api.service.routes.route import Route, error_body
+from llm_api.protocols import table
+from llm_api.protocols.route import Route, error_body
 
 
 async def _unused(ctx, call, params):  # (never run: find only matches)

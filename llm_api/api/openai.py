@@ -1,5 +1,5 @@
 """The OpenAI-compatible API: request translation and response encoding (no TorchServe here; the paths
-are in the one route table, ``llm_api.service.routes.table``). Contract:
+are in the one route table, ``llm_api.protocols.table``). Contract:
 
 * ``POST v1/completions`` and ``POST v1/chat/completions``: the body (JSON bytes) is validated by
   ``parse_call`` into a ``GenerateRequest`` (our native request) plus an ``OpenAICall`` that knows how

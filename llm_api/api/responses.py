@@ -44,7 +44,7 @@ Contract (docs/responses.md has the user's view):
   answer, typically).
 * ``background: true`` (with ``store``; not with ``stream``): the call is answered at once with the Response
   object (status ``queued``) and runs on; ``GET`` shows it ``in_progress`` and then as stored, ``cancel``
-  ends it (the route does this: ``llm_api.service.routes.responses``).
+  ends it (the route does this: ``llm_api.protocols.responses.route``).
 * ``ignore_eos`` (vLLM's extension, as on chat; true/false): the answer runs to ``max_output_tokens``
   (status incomplete, reason ``max_output_tokens``); refused with ``text.format`` json or tools' grammar.
 * With tools, ``llm_api.api.constraints.plan_tools`` decides how they are served, as on chat (the
@@ -297,7 +297,7 @@ class ResponsesBody(_Strict):
     reasoning: ReasoningConfig | None = None
     include: Annotated[list[Text], Field(max_length=0)] | None = None  # nothing optional is served (see below)
     truncation: Literal["disabled"] | None = None
-    background: StrictFlag | None = None  # queued and polled (llm_api.service.routes.responses); needs store
+    background: StrictFlag | None = None  # queued and polled (llm_api.protocols.responses.route); needs store
     service_tier: Literal[SERVICE_TIERS] | None = None
     prompt_cache_key: Label | None = None  # a routing hint; the prefix cache here needs none
     safety_identifier: Label | None = None  # like user: a label for abuse reports; nothing here uses it

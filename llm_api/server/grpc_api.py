@@ -35,8 +35,8 @@ from llm_api.proto import inference_pb2, inference_pb2_grpc
 from llm_api.server.http_api import ServerState, new_request_id
 from llm_api.service.answer import Chunk, Refusal
 from llm_api.service.owners import single_authorization
-from llm_api.service.routes.route import Call, RouteContext, Whole
-from llm_api.service.routes.table import BY_NAME, answer
+from llm_api.protocols.route import Call, RouteContext, Whole
+from llm_api.protocols.table import BY_NAME, answer
 
 logger = logging.getLogger(__name__)
 # The route's refusals that are a call's status rather than an answer (every other refusal is one message

@@ -1,6 +1,6 @@
 """The standalone server's HTTP edge on aiohttp's own server: bytes in, the route table's answers out.
 
-Every path goes to one handler, which finds the route in ``llm_api.service.routes.table`` (the same
+Every path goes to one handler, which finds the route in ``llm_api.protocols.table`` (the same
 table the TorchServe handler and the gRPC servicer use: native ``POST /predictions/<model>``, the OpenAI
 routes below ``/v1/``, ``/tokenize``, ``/detokenize``, the probes ``/health`` and ``/ready`` and
 ``/metrics``), hands it a ``Call`` and writes the ``Whole`` or ``Streamed`` answer: chunks as a chunked
@@ -50,8 +50,8 @@ from llm_api.server.transport import (
 )
 from llm_api.service.answer import Chunk, Refusal
 from llm_api.service.owners import single_authorization
-from llm_api.service.routes.route import Call, RouteContext, Whole, error_body
-from llm_api.service.routes.table import answer, error_shape, find, is_public
+from llm_api.protocols.route import Call, RouteContext, Whole, error_body
+from llm_api.protocols.table import answer, error_shape, find, is_public
 from llm_api.service.service import ModelService
 
 logger = logging.getLogger(__name__)

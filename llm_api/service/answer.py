@@ -3,13 +3,10 @@
 The TorchServe handler and the standalone server differ only in how bytes reach a client; the steps in
 between are the same and live here, so the two edges cannot drift apart:
 
-* ``parse_native(service, row, default_stream)`` / ``parse_openai(service, api, body)``: the request
-  formats of ``llm_api.api`` (``native.parse_request``, ``openai.parse_call``), run on the service's
-  worker threads when the body is large (embeddings: up to ~6 MB of JSON), so the event loop keeps
-  serving the other streams meanwhile. They raise ``ApiError``. ``parse_tokenize_call(service, body)`` /
-  ``parse_detokenize_call(service, body)``: the tokenizer routes' bodies (``llm_api.api.tokenize``), the
-  same way (a /detokenize body may hold a million ids); ``parse_large(service, parse, body, *args)`` for
-  any other format's parser (the Responses API's).
+* ``parse_large(service, parse, body, *args)`` / ``parse_sized(service, size, parse, *args)``: a request
+  format's parser (``llm_api.protocols``: each API's routes call theirs), run on the service's worker
+  threads when the body is large (embeddings: up to ~6 MB of JSON; a /detokenize body may hold a million
+  ids), so the event loop keeps serving the other streams meanwhile. They raise ``ApiError``.
 * ``encoded_parts(service, request, encoder, request_id, marker)``: ``service.generate``'s events (text
   deltas and choice ends of every choice, then one ``Finished``) through any ``AnswerEncoder``
   (``llm_api.api.encoding``: native, OpenAI chat/completions, responses) into what the client receives,
@@ -18,7 +15,7 @@ between are the same and live here, so the two edges cannot drift apart:
   (the request failed before anything was sent: its status and error body). Chunks and finals carry the
   encoder's content type. ``ApiError`` from admission, or a unary answer outgrowing the native
   encoder's ``max_unary_bytes`` (``response_too_large``), propagates before the first part, as from
-  ``service.generate``. ``native_encoder(request, marker, max_unary_bytes)`` builds the native one.
+  ``service.generate``.
 
 Leaving the iteration early (a client that went away) closes ``service.generate``, which aborts the
 request and frees its KV blocks.
@@ -30,15 +27,11 @@ import asyncio
 import dataclasses
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, Callable, Mapping, Sequence, TypeVar, cast
+from typing import Any, AsyncGenerator, Callable, Sequence, TypeVar, cast
 
-from llm_api.api import openai
-from llm_api.api.native import parse_request
 from llm_api.api.encoding import AnswerEncoder
-from llm_api.api.native_stream import NativeStream
-from llm_api.api.request import CancelRequest, GenerateRequest
-from llm_api.api.tokenize import TokenizeRequest, parse_detokenize, parse_tokenize
 from llm_api.api.errors import ApiError
+from llm_api.api.request import GenerateRequest
 from llm_api.service.service import ChoiceFinished, Event, Finished, ModelService, TextDelta
 
 LARGE_BODY_BYTES = 64 * 1024  # bodies above this are parsed off the event loop
@@ -73,48 +66,16 @@ def row_size(row: Any) -> int:
     return sum(len(v) for v in values if isinstance(v, (bytes, bytearray, str)))
 
 
-async def parse_native(service: ModelService, row: Mapping[str, Any], default_stream: bool
-                       ) -> GenerateRequest | CancelRequest:
-    if row_size(row) > LARGE_BODY_BYTES:
-        return await service.offload(parse_request, row, service.limits, default_stream)
-    return parse_request(row, service.limits, default_stream)
-
-
-async def parse_openai(service: ModelService, api: str, body: bytes | bytearray
-                       ) -> tuple[list[GenerateRequest], openai.OpenAICall]:
-    if len(body) > LARGE_BODY_BYTES:
-        return await service.offload(openai.parse_calls, api, body, service.model_name, service.limits,
-                                     service.adapter_names())
-    return openai.parse_calls(api, body, service.model_name, service.limits, service.adapter_names())
-
-
 async def parse_large(service: ModelService, parse: Callable[..., T], body: bytes | bytearray, *args: Any) -> T:
     """``parse(body, *args)``, on the service's worker threads when the body is large."""
-    if len(body) > LARGE_BODY_BYTES:
-        return await service.offload(parse, body, *args)
-    return parse(body, *args)
+    return await parse_sized(service, len(body), parse, body, *args)
 
 
-async def parse_tokenize_call(service: ModelService, body: bytes | bytearray) -> TokenizeRequest:
-    if len(body) > LARGE_BODY_BYTES:
-        return await service.offload(parse_tokenize, body, service.model_name)
-    return parse_tokenize(body, service.model_name)
-
-
-async def parse_detokenize_call(service: ModelService, body: bytes | bytearray) -> list[int]:
-    """The ids of a /detokenize body, at most MAX_MODEL_LEN of them (a body of a million ids is parsed off
-    the event loop)."""
-    args = (body, service.model_name, service.vocab_size, service.max_model_len)
-    if len(body) > LARGE_BODY_BYTES:
-        return await service.offload(parse_detokenize, *args)
-    return parse_detokenize(*args)
-
-
-def native_encoder(request: GenerateRequest, marker: str, max_unary_bytes: int | None = None) -> NativeStream:
-    """The native format's encoder for ``request`` (its ``output`` and ``stream`` decide the shape)."""
-    json_lines = request.output == "jsonl"
-    return NativeStream(marker, streaming=request.stream, json_lines=json_lines,
-                        with_logprobs=request.params.logprobs is not None, max_unary_bytes=max_unary_bytes)
+async def parse_sized(service: ModelService, size: int, parse: Callable[..., T], *args: Any) -> T:
+    """``parse(*args)`` of a request of ``size`` bytes, on the service's worker threads when that is large."""
+    if size > LARGE_BODY_BYTES:
+        return await service.offload(parse, *args)
+    return parse(*args)
 
 
 async def encoded_parts(service: ModelService, request: GenerateRequest | Sequence[GenerateRequest],

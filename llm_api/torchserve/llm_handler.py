@@ -11,7 +11,7 @@ runs through the same coroutine, ``_serve_row``, whatever the worker mode:
   (every stream of the batch stays open until then, TorchServe's rule), while the engine batches them
   with whatever else is running.
 
-The handler moves bytes only: a row becomes a ``Call`` (``llm_api.service.routes``), its route is found
+The handler moves bytes only: a row becomes a ``Call`` (``llm_api.protocols.route``), its route is found
 in the one route table by what follows ``/predictions/<model>/<version>/`` (the ``url_path`` header;
 nothing: the native route; gRPC: always the native route), and the route's answer is written with
 ``llm_api.torchserve.reply.Reply``: a whole answer as the final message, a streamed one chunk by chunk.
@@ -35,8 +35,8 @@ from llm_api.api.errors import ApiError, internal_error
 from llm_api.model.settings import ConfigError, Settings
 from llm_api.service.answer import Chunk, Part, Refusal
 from llm_api.service.owners import torchserve_owner
-from llm_api.service.routes.route import Call, RouteContext, Whole, error_body
-from llm_api.service.routes.table import answer, error_shape, find
+from llm_api.protocols.route import Call, RouteContext, Whole, error_body
+from llm_api.protocols.table import answer, error_shape, find
 from llm_api.service.service import ModelService
 from llm_api.torchserve.metrics_sink import TorchServeMetricSink
 from llm_api.torchserve.reply import Reply

@@ -3,7 +3,8 @@
 The TorchServe handler, the standalone HTTP server and the gRPC servicer hold no route logic: they turn
 what they received into a ``Call``, ask ``find`` for the route (by the path below their root), run
 ``answer`` and write the ``Whole`` or ``Streamed`` it returns, rendering a raised ``ApiError`` with
-``error_body`` in the route's shape. Adding a route is a module in this package and a line below.
+``error_body`` in the route's shape. Adding a route is a ``route`` module in its API's folder of
+``llm_api.protocols`` and a line below.
 
 ``find(method, path, edge, headers)``: ``edge`` is ``"server"`` (paths below ``/``) or
 ``"torchserve"`` (paths below ``/predictions/<model>/<version>/``, where the empty path is the native
@@ -20,15 +21,21 @@ from __future__ import annotations
 import functools
 
 from llm_api.api.errors import ApiError, echo
-from llm_api.service.routes import lora, native, openai_calls, probes, responses, tokenizer
-from llm_api.service.routes.route import Answer, Call, Route, RouteContext
+from llm_api.protocols.chat import route as chat
+from llm_api.protocols.completions import route as completions
+from llm_api.protocols.lora import route as lora
+from llm_api.protocols.native import route as native
+from llm_api.protocols.probes import route as probes
+from llm_api.protocols.responses import route as responses
+from llm_api.protocols.route import Answer, Call, Route, RouteContext
+from llm_api.protocols.tokenize import route as tokenizer
 
 METHOD_OVERRIDE_HEADER = "x-http-method-override"
 
 ROUTES: tuple[Route, ...] = (
     Route("generate", "POST", native.generate, paths=("predictions/{model}",), model_paths=("",), errors="native"),
-    Route("chat", "POST", openai_calls.chat, paths=("v1/chat/completions",), model_paths=("v1/chat/completions",)),
-    Route("completions", "POST", openai_calls.completions, paths=("v1/completions",),
+    Route("chat", "POST", chat.chat, paths=("v1/chat/completions",), model_paths=("v1/chat/completions",)),
+    Route("completions", "POST", completions.completions, paths=("v1/completions",),
           model_paths=("v1/completions",)),
     Route("responses", "POST", responses.create, paths=("v1/responses",), model_paths=("v1/responses",)),
     Route("retrieve_response", "GET", responses.retrieve, paths=("v1/responses/{id}",),

@@ -34,7 +34,7 @@ from llm_api.api.responses import ResponsesCall, parse_responses
 from llm_api.api.request import GenerateRequest
 from llm_api.service.answer import Final, Part, Refusal, encoded_parts, parse_large
 from llm_api.service.live_responses import InFlightResponse
-from llm_api.service.routes.route import Answer, Call, RouteContext, Streamed, Whole
+from llm_api.protocols.route import Answer, Call, RouteContext, Streamed, Whole
 from llm_api.service.service import ModelService
 
 logger = logging.getLogger(__name__)

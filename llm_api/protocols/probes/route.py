@@ -17,7 +17,7 @@ import json
 
 from llm_api.api import openai
 from llm_api.api.errors import DEFAULT_RETRY_AFTER_S, ApiError
-from llm_api.service.routes.route import Answer, Call, RouteContext, Whole
+from llm_api.protocols.route import Answer, Call, RouteContext, Whole
 
 
 def _probe(ok: bool, answer: dict) -> Whole:

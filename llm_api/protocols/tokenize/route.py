@@ -4,9 +4,22 @@
 
 from __future__ import annotations
 
-from llm_api.api.tokenize import detokenize_answer, tokenize_answer, tokenizer_info_answer
-from llm_api.service.answer import parse_detokenize_call, parse_tokenize_call
-from llm_api.service.routes.route import Answer, Call, RouteContext, Whole
+from llm_api.api.tokenize import (TokenizeRequest, detokenize_answer, parse_detokenize, parse_tokenize, tokenize_answer,
+                                  tokenizer_info_answer)
+from llm_api.protocols.route import Answer, Call, RouteContext, Whole
+from llm_api.service.answer import parse_large
+from llm_api.service.service import ModelService
+
+
+async def parse_tokenize_call(service: ModelService, body: bytes | bytearray) -> TokenizeRequest:
+    return await parse_large(service, parse_tokenize, body, service.model_name)
+
+
+async def parse_detokenize_call(service: ModelService, body: bytes | bytearray) -> list[int]:
+    """The ids of a /detokenize body, at most MAX_MODEL_LEN of them (a body of a million ids is parsed off
+    the event loop)."""
+    return await parse_large(service, parse_detokenize, body, service.model_name, service.vocab_size,
+                             service.max_model_len)
 
 
 async def tokenize(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:

@@ -12,13 +12,30 @@ from __future__ import annotations
 import json
 import logging
 
+from typing import Any, Mapping
+
 from llm_api.api.errors import ApiError, echo
-from llm_api.api.native_stream import GRPC_MAX_MESSAGE_BYTES
-from llm_api.api.request import CancelRequest
-from llm_api.service.answer import encoded_parts, native_encoder, parse_native
-from llm_api.service.routes.route import Answer, Call, RouteContext, Streamed, Whole
+from llm_api.api.native import parse_request
+from llm_api.api.native_stream import GRPC_MAX_MESSAGE_BYTES, NativeStream
+from llm_api.api.request import CancelRequest, GenerateRequest
+from llm_api.protocols.route import Answer, Call, RouteContext, Streamed, Whole
+from llm_api.service.answer import encoded_parts, parse_sized, row_size
+from llm_api.service.service import ModelService
 
 logger = logging.getLogger(__name__)
+
+
+async def parse_native(service: ModelService, row: Mapping[str, Any], default_stream: bool
+                       ) -> GenerateRequest | CancelRequest:
+    """A native row -> its request (off the event loop when large: embeddings may be ~6 MB of JSON)."""
+    return await parse_sized(service, row_size(row), parse_request, row, service.limits, default_stream)
+
+
+def native_encoder(request: GenerateRequest, marker: str, max_unary_bytes: int | None = None) -> NativeStream:
+    """The native format's encoder for ``request`` (its ``output`` and ``stream`` decide the shape)."""
+    json_lines = request.output == "jsonl"
+    return NativeStream(marker, streaming=request.stream, json_lines=json_lines,
+                        with_logprobs=request.params.logprobs is not None, max_unary_bytes=max_unary_bytes)
 
 
 async def generate(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:

@@ -20,7 +20,7 @@ import json
 
 from llm_api.api.errors import ApiError
 from llm_api.api.validation import decode_json
-from llm_api.service.routes.route import Answer, Call, RouteContext, Whole
+from llm_api.protocols.route import Answer, Call, RouteContext, Whole
 
 MAX_FIELD_CHARS = 4096
 MANAGEMENT_KEY_HEADER = "x-management-key"

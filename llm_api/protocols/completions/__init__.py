@@ -1,0 +1,1 @@
+"""OpenAI legacy completions (``POST v1/completions``): its route."""

@@ -1,0 +1,1 @@
+"""The native API (``POST /predictions/<model>``, gRPC): its route."""

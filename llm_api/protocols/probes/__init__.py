@@ -1,0 +1,1 @@
+"""Probes and listings (``health``, ``ready``, ``v1/models``, ``metrics``)."""

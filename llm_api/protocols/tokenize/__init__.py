@@ -1,0 +1,1 @@
+"""vLLM's tokenizer routes (``tokenize``, ``detokenize``, ``tokenizer_info``)."""

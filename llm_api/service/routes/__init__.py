@@ -1,1 +1,0 @@
-"""Every route of every edge, in one table (``table.ROUTES``); the types they share are in ``route``."""
