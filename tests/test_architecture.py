@@ -194,8 +194,8 @@ def test_the_rule_catches_an_upward_import(tmp_path):
 EDGES = ("llm_api.torchserve.llm_handler", "llm_api.server.http_api", "llm_api.server.grpc_api")
 # What parses a request or encodes an answer: only the API folders of llm_api.protocols (and the service) may
 # use these; an edge imports llm_api.protocols.route and llm_api.protocols.table alone of that package.
-ROUTE_LOGIC = ("llm_api.api.native", "llm_api.api.openai", "llm_api.api.tokenize", "llm_api.api.native_stream",
-               "llm_api.api.responses", "llm_api.service.answer.encoded_parts", "llm_api.service.answer.parse_")
+ROUTE_LOGIC = ("llm_api.api.native", "llm_api.api.native_stream", "llm_api.service.answer.encoded_parts",
+               "llm_api.service.answer.parse_")
 EDGE_PROTOCOL_MODULES = ("llm_api.protocols.route", "llm_api.protocols.table")
 ROUTE_PATH = re.compile(r"""["'](/?v1/|/?tokenize|/?detokenize|/?health|/?ready|/?metrics|/?predictions)""")
 
@@ -224,9 +224,9 @@ def test_the_edges_hold_no_route_logic():
 
 def test_the_edge_rule_can_fail(tmp_path):
     bad = tmp_path / "edge.py"
-    bad.write_text('from llm_api.api.openai import parse_call\nif path == "v1/chat/completions":\n    pass\n')
+    bad.write_text('from llm_api.protocols.chat.translate import parse_chat\nif path == "v1/chat/completions":\n    pass\n')
     problems = _edge_problems(bad)
-    assert "imports llm_api.api.openai" in problems and "names the route path 'v1/chat/completions'" in problems
+    assert "imports llm_api.protocols.chat.translate" in problems and "names the route path 'v1/chat/completions'" in problems
 
 
 def test_every_route_is_one_table_line_served_by_the_edges():

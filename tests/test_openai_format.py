@@ -6,10 +6,23 @@ import pytest
 
 from llm_api.api.errors import ApiError
 from llm_api.engine.request import FinishReason
-from llm_api.api.openai import OpenAICall, models_list, parse_call, parse_calls
+from llm_api.protocols.chat.translate import parse_chat
+from llm_api.protocols.common.openai import models_list
+from llm_api.protocols.common.openai_call import OpenAICall
+from llm_api.protocols.completions.translate import parse_completions
 from llm_api.api.native import Limits
 
 LIMITS = Limits(max_input_tokens=2048, max_new_tokens=2048, hidden_size=576, vocab_size=49152, max_n=64)
+
+
+def parse_call(kind, body, model_name, limits):
+    """A chat call, or a completions call of one prompt: its request and encoder."""
+    if kind == "chat":
+        return parse_chat(body, model_name, limits)
+    requests, call = parse_completions(body, model_name, limits)
+    if len(requests) != 1:
+        raise ApiError(400, "invalid_value", "this test takes one prompt", "prompt")
+    return requests[0], call
 
 
 def parse(kind, body):
@@ -70,9 +83,9 @@ def test_errors_name_the_parameter(body, param, status):
 
 def test_bad_json():
     with pytest.raises(ApiError):
-        parse_call("chat", b"{nope", "smollm2", LIMITS)
+        parse_chat(b"{nope", "smollm2", LIMITS)
     with pytest.raises(ApiError):
-        parse_call("chat", b"[1]", "smollm2", LIMITS)
+        parse_chat(b"[1]", "smollm2", LIMITS)
 
 
 def events(text):
@@ -112,7 +125,7 @@ def test_error_event_and_models():
 
 def test_duplicate_keys_are_refused_as_on_the_native_route():
     with pytest.raises(ApiError) as err:
-        parse_call("chat", b'{"model": "smollm2", "model": "other", "messages": [{"role": "user", "content": "x"}]}',
+        parse_chat(b'{"model": "smollm2", "model": "other", "messages": [{"role": "user", "content": "x"}]}',
                    "smollm2", LIMITS)
     assert err.value.status == 400 and "duplicate" in err.value.message
 
@@ -120,7 +133,7 @@ def test_duplicate_keys_are_refused_as_on_the_native_route():
 def test_huge_integer_literal_is_a_400():
     body = b'{"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "seed": ' + b"9" * 5000 + b"}"
     with pytest.raises(ApiError) as err:
-        parse_call("chat", body, "smollm2", LIMITS)
+        parse_chat(body, "smollm2", LIMITS)
     assert err.value.status == 400
 
 
@@ -249,7 +262,7 @@ def test_the_chat_fields_clients_send_are_accepted_and_checked():
 
 
 def test_completions_take_echo_token_ids_and_lists_of_prompts():
-    requests, call = parse_calls("completions", json.dumps({"model": "smollm2", "prompt": [[1, 2, 3], "abc"], "n": 2,
+    requests, call = parse_completions(json.dumps({"model": "smollm2", "prompt": [[1, 2, 3], "abc"], "n": 2,
                                                             "echo": True, "logprobs": 1, "max_tokens": 0}).encode(),
                                  "smollm2", LIMITS)
     assert [r.token_ids for r in requests] == [[1, 2, 3], None] and requests[1].text == "abc"

@@ -44,7 +44,7 @@ from typing import Any
 import pytest
 
 from llm_api.api.request import Limits
-from llm_api.api.responses import parse_responses
+from llm_api.protocols.responses.translate import parse_responses
 from llm_api.api.tools import HERMES
 from llm_api.engine.request import FinishReason
 

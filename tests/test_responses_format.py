@@ -1,4 +1,4 @@
-"""The Responses API's request format and answer encoder (``llm_api.api.responses``), without a server.
+"""The Responses API's request format and answer encoder (``llm_api.protocols.responses``), without a server.
 
 * Encoder: a text answer and function calls (arguments in pieces), streamed and whole, a token-limit cut
   (incomplete) and a failure mid-stream; every Response object is validated with the ``openai``
@@ -33,7 +33,9 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from llm_api.api.errors import ApiError
 from llm_api.api.request import Limits
-from llm_api.api.responses import (MAX_INPUT_ITEMS, ResponsesCall, parse_responses)
+from llm_api.protocols.responses.encoder import ResponsesCall
+from llm_api.protocols.responses.schema import MAX_INPUT_ITEMS
+from llm_api.protocols.responses.translate import parse_responses
 from llm_api.api.reasoning import QWEN3, THINK_END, answer_only
 from llm_api.api.tools import GENERIC, HERMES, generic_tool_prompt
 from llm_api.engine.request import FinishReason

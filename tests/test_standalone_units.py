@@ -7,7 +7,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llm_api.api.errors import ApiError
-from llm_api.api.tokenize import parse_detokenize, parse_tokenize, tokenize_answer
+from llm_api.protocols.tokenize.encoder import tokenize_answer
+from llm_api.protocols.tokenize.translate import parse_detokenize, parse_tokenize
 from llm_api.server.auth import BearerAuth, resolve_key
 from llm_api.server.metrics import ServerMetrics
 from llm_api.service.metrics import METRICS, ServingMetrics

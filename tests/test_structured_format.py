@@ -11,7 +11,8 @@ import pytest
 
 from llm_api.api.errors import ApiError
 from llm_api.api.native import parse_request
-from llm_api.api.openai import parse_call
+from llm_api.protocols.chat.translate import parse_chat
+from llm_api.protocols.completions.translate import parse_completions
 from llm_api.api.request import Limits
 from llm_api.api.tools import HERMES
 
@@ -23,7 +24,7 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "description": "
 
 
 def chat(limits=LIMITS, **fields):
-    return parse_call("chat", json.dumps({"model": "smollm2", "messages": USER, **fields}).encode(), "smollm2", limits)
+    return parse_chat(json.dumps({"model": "smollm2", "messages": USER, **fields}).encode(), "smollm2", limits)
 
 
 def native(**fields):
@@ -74,7 +75,7 @@ def test_tool_conversation_history_is_accepted():
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "18 C, sunny"}]},
     ]
-    request, _ = parse_call("chat", json.dumps({"model": "smollm2", "messages": messages, "tools": [TOOL]}).encode(),
+    request, _ = parse_chat(json.dumps({"model": "smollm2", "messages": messages, "tools": [TOOL]}).encode(),
                             "smollm2", LIMITS)
     assert request.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
@@ -152,8 +153,8 @@ def test_ignore_eos_reaches_the_sampler_without_a_grammar():
     assert chat(ignore_eos=True)[0].params.ignore_eos and not chat()[0].params.ignore_eos
     request, _ = chat(ignore_eos=True, tools=[TOOL], tool_choice="none", response_format={"type": "text"})
     assert request.params.ignore_eos and request.constraint is None
-    assert parse_call("completions", json.dumps({"model": "smollm2", "prompt": "x", "ignore_eos": True}).encode(),
-                      "smollm2", LIMITS)[0].params.ignore_eos
+    assert parse_completions(json.dumps({"model": "smollm2", "prompt": "x", "ignore_eos": True}).encode(),
+                             "smollm2", LIMITS)[0][0].params.ignore_eos
 
 
 def test_native_constraints():

@@ -148,3 +148,13 @@ def work_refusal(request: GenerateRequest, num_prompt_tokens: int, limit: int | 
 @dataclass(frozen=True)
 class CancelRequest:
     target_id: str  # the server-issued id of the request to end (x-request-id)
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """What the tokenize route asks the service to tokenize: a prompt, or chat messages (the template with
+    the generation prompt), and whether the tokenizer adds its special tokens."""
+
+    text: str | None
+    messages: list[dict] | None
+    add_special_tokens: bool

@@ -21,7 +21,7 @@ from llm_api.service.response_store import ResponseStore
 class InFlightResponse:
     owner: str
     request_id: str
-    encoder: Any  # the ResponsesCall (llm_api.api.responses): response_json() is the answer so far
+    encoder: Any  # the ResponsesCall (llm_api.protocols.responses.encoder): response_json() is the answer so far
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 

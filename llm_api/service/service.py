@@ -63,7 +63,7 @@ from llm_api.api.logprobs import LogprobItem, TokenTexts
 from llm_api.api.prompt import PromptBuilder
 from llm_api.api.reasoning import reasoning_format
 from llm_api.api.request import GenerateRequest, Limits, work_refusal
-from llm_api.api.tokenize import TokenizeRequest
+from llm_api.api.request import TokenizeRequest
 from llm_api.api.tools import detect_tool_format
 from llm_api.engine.engine import EngineConfig, LLMEngine
 from llm_api.engine.reference import ReferenceCore

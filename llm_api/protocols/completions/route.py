@@ -1,11 +1,16 @@
-"""The completions route: ``POST v1/completions`` (``llm_api.api.openai``: the body becomes one
-``GenerateRequest`` per prompt and the ``OpenAICall`` that encodes the answer, SSE when streamed)."""
+"""The completions route: ``POST v1/completions`` (``translate``: the body becomes one ``GenerateRequest`` per
+prompt and the ``OpenAICall`` that encodes the answer, SSE when streamed; parsed off the event loop when large)."""
 
 from __future__ import annotations
 
-from llm_api.protocols.chat.route import openai_call
-from llm_api.protocols.route import Answer, Call, RouteContext
+from llm_api.protocols.completions.translate import parse_completions
+from llm_api.protocols.route import Answer, Call, RouteContext, Streamed
+from llm_api.service.answer import encoded_parts, parse_large
 
 
 async def completions(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:
-    return await openai_call("completions", ctx, call)
+    service = ctx.serving()
+    requests, encoder = await parse_large(service, parse_completions, call.json_body(), service.model_name,
+                                          service.limits, service.adapter_names())
+    encoder.marker = ctx.marker
+    return Streamed(encoded_parts(service, requests, encoder, call.request_id, owner=call.owner), encoder)

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import json
 
-from llm_api.api import openai
 from llm_api.api.errors import DEFAULT_RETRY_AFTER_S, ApiError
+from llm_api.protocols.common.openai import models_list
 from llm_api.protocols.route import Answer, Call, RouteContext, Whole
 
 
@@ -40,7 +40,7 @@ async def ready(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer
 
 async def models(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:
     service = ctx.loaded()
-    return Whole(200, openai.models_list(service.model_name, service.created, service.adapter_names()))
+    return Whole(200, models_list(service.model_name, service.created, service.adapter_names()))
 
 
 async def metrics(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:

@@ -1,6 +1,6 @@
 """The Responses API: ``POST v1/responses``, ``GET`` / ``DELETE v1/responses/{id}``, ``POST v1/responses/{id}/cancel``.
 
-* create: the body (``llm_api.api.responses``) becomes a ``GenerateRequest`` and the ``ResponsesCall``
+* create: the body (``translate``) becomes a ``GenerateRequest`` and the ``ResponsesCall``
   that encodes the answer (a Response object, or typed SSE events). ``previous_response_id`` continues a
   stored conversation of the same owner (its turns come first; the prompt they render is the earlier
   prompt and answer, so its blocks come from the prefix cache); unknown, evicted, expired or another's:
@@ -30,7 +30,8 @@ from contextlib import aclosing
 from typing import AsyncGenerator
 
 from llm_api.api.errors import ApiError, echo, internal_error
-from llm_api.api.responses import ResponsesCall, parse_responses
+from llm_api.protocols.responses.encoder import ResponsesCall
+from llm_api.protocols.responses.translate import parse_responses
 from llm_api.api.request import GenerateRequest
 from llm_api.service.answer import Final, Part, Refusal, encoded_parts, parse_large
 from llm_api.service.live_responses import InFlightResponse

@@ -1,12 +1,13 @@
 """vLLM's tokenizer routes: ``POST tokenize`` (a prompt or chat -> the ids ``generate`` would use),
 ``POST detokenize`` (ids -> text), bodies parsed off the event loop when large, and ``GET tokenizer_info``
-(``llm_api.api.tokenize``)."""
+(``translate``, ``encoder``)."""
 
 from __future__ import annotations
 
-from llm_api.api.tokenize import (TokenizeRequest, detokenize_answer, parse_detokenize, parse_tokenize, tokenize_answer,
-                                  tokenizer_info_answer)
+from llm_api.api.request import TokenizeRequest
+from llm_api.protocols.tokenize.encoder import detokenize_answer, tokenize_answer, tokenizer_info_answer
 from llm_api.protocols.route import Answer, Call, RouteContext, Whole
+from llm_api.protocols.tokenize.translate import parse_detokenize, parse_tokenize
 from llm_api.service.answer import parse_large
 from llm_api.service.service import ModelService
 

@@ -1,4 +1,5 @@
-"""The tokenizer routes in vLLM's shapes: ``POST /tokenize`` and ``POST /detokenize`` (no TorchServe here).
+"""The tokenizer routes' bodies in vLLM's shapes: ``POST /tokenize`` and ``POST /detokenize`` -> what the
+service tokenizes (``TokenizeRequest``) or the ids it detokenizes (schema: ``schema``; answers: ``encoder``).
 
 * ``parse_tokenize(body, model_name)`` -> ``TokenizeRequest``: ``{"prompt": str}`` (tokenized as is,
   ``add_special_tokens`` default true: the BOS a completion would get) or ``{"messages": [...]}`` (the
@@ -10,7 +11,7 @@
   each in ``[0, vocab_size)``, at most ``max_tokens`` of them. The answer (``detokenize_answer``) is
   ``{"prompt": text}``. The ids are checked in pydantic-core and C builtins, never by a Python loop per
   id: a body of a million ids (what max_request_size lets in) costs tens of milliseconds, not a second
-  of held GIL (the edges parse a large body off the event loop: ``llm_api.service.answer``).
+  of held GIL (the edges parse a large body off the event loop: ``llm_api.service.answer.parse_large``).
 
 * ``tokenizer_info_answer(tokenizer, max_model_len)``: ``GET /tokenizer_info`` as vLLM serves it (what
   lm-eval's ``tokenizer_backend=remote`` reads): the tokenizer's class, its special tokens (text, or null),
@@ -21,59 +22,13 @@ Errors are ``ApiError``s, rendered in the OpenAI shape by the edge (as vLLM does
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from typing import Annotated, Any
-
-from pydantic import BaseModel, BeforeValidator, ConfigDict, StrictInt, TypeAdapter, ValidationError
+from pydantic import ValidationError
 
 from llm_api.api.errors import ApiError, model_not_found
-from llm_api.api.fields import NonEmptyText, StrictFlag, Text
-from llm_api.api.openai import ChatMessage, api_error
+from llm_api.api.request import TokenizeRequest
 from llm_api.api.validation import decode_json
-
-
-@dataclass(frozen=True)
-class TokenizeRequest:
-    text: str | None
-    messages: list[dict] | None
-    add_special_tokens: bool
-
-
-def _nonempty_list(value: Any) -> Any:
-    if not isinstance(value, list) or not value:
-        raise ValueError("must be a non-empty array")
-    return value
-
-
-class TokenizeBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: Text | None = None
-    prompt: NonEmptyText | None = None
-    messages: Annotated[list[ChatMessage], BeforeValidator(_nonempty_list)] | None = None
-    add_special_tokens: StrictFlag | None = None
-
-
-# Integers only (no booleans, floats or numeric strings), checked in Rust.
-_TOKEN_IDS = TypeAdapter(list[StrictInt])
-
-
-def _token_ids(value: Any) -> Any:
-    if not isinstance(value, list):
-        raise ValueError("must be an array of integer token ids")
-    try:
-        return _TOKEN_IDS.validate_python(value)
-    except ValidationError as error:
-        index = error.errors(include_url=False, include_input=False)[0]["loc"][0]
-        raise ValueError(f"must be an array of integer token ids; [{index}] is not an integer") from None
-
-
-class DetokenizeBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: Text | None = None
-    tokens: Annotated[list[int], BeforeValidator(_token_ids)]
+from llm_api.protocols.common.openai import api_error
+from llm_api.protocols.tokenize.schema import DetokenizeBody, TokenizeBody
 
 
 def parse_tokenize(body: bytes | bytearray, model_name: str) -> TokenizeRequest:
@@ -108,30 +63,6 @@ def parse_detokenize(body: bytes | bytearray, model_name: str, vocab_size: int, 
         raise ApiError(400, "invalid_value", f"tokens[{i}] is not a token id of this model (0 to "
                        f"{vocab_size - 1})", "tokens")
     return token_ids
-
-
-def tokenize_answer(token_ids: list[int], max_model_len: int) -> str:
-    return json.dumps({"tokens": token_ids, "count": len(token_ids), "max_model_len": max_model_len})
-
-
-def tokenizer_info_answer(tokenizer: Any, max_model_len: int) -> str:
-    def token(name: str) -> str | None:
-        value = getattr(tokenizer, name, None)
-        return value if isinstance(value, str) else None
-
-    template = getattr(tokenizer, "chat_template", None)
-    return json.dumps({
-        "tokenizer_class": type(tokenizer).__name__,
-        "bos_token": token("bos_token"), "eos_token": token("eos_token"), "pad_token": token("pad_token"),
-        "unk_token": token("unk_token"),
-        "add_bos_token": bool(getattr(tokenizer, "add_bos_token", False)),
-        "chat_template": template if isinstance(template, str) else None,
-        "model_max_length": max_model_len,
-    }, ensure_ascii=False)
-
-
-def detokenize_answer(text: str) -> str:
-    return json.dumps({"prompt": text}, ensure_ascii=False)
 
 
 def _object(body: bytes | bytearray) -> dict:

@@ -1,0 +1,65 @@
+"""The request checks every API that takes the field applies alike, written once.
+
+* ``tool_choice_keyword``: a ``tool_choice`` keyword (``none``, ``auto``, ``required``) or the API's named
+  choice (chat: ``{"type": "function", "function": {"name"}}``; Responses: ``{"type": "function", "name"}``).
+* ``refuse_ignore_eos``: ``ignore_eos`` with a constraint is refused (a grammar decides where the answer
+  ends), naming ``ignore_eos``, with the API's code for a bad value (native ``invalid_parameter``, OpenAI
+  ``invalid_value``).
+* ``apply_output``: a response format's constraint, or the plan of the tools (``llm_api.api.constraints.
+  plan_tools``), set on the request; then the ``ignore_eos`` refusal; then, for a model with a reasoning
+  parser, the constraint applied to the answer after the think block (``answer_only``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llm_api.api.constraints import ToolPlan, ignore_eos_conflict
+from llm_api.api.errors import ApiError, echo
+from llm_api.api.reasoning import answer_only
+from llm_api.api.request import GenerateRequest, Limits
+from llm_api.api.tools import ToolFormat
+from llm_api.structured.spec import Constraint
+
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+def tool_choice_keyword(value: Any, has_tools: bool, named_form: str) -> str | None:
+    """The keyword a ``tool_choice`` is (None: no value given, "none", "auto", "required"), or None when it is
+    not a string (the format's named choice, which its caller reads); ``named_form`` spells that named
+    choice in the refusal. Shared by chat and the Responses API, whose named choices differ."""
+    if value is None:
+        return "auto" if has_tools else "none"
+    if not isinstance(value, str):
+        return None
+    if value not in TOOL_CHOICES:
+        raise ApiError(400, "invalid_value", f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or "
+                       f"{named_form}, got {echo(value)}", "tool_choice")
+    if value != "none" and not has_tools:
+        raise ApiError(400, "invalid_value", f"'tool_choice' {value} needs 'tools'", "tool_choice")
+    return value
+
+
+def refuse_ignore_eos(ignore_eos: bool, constraint: Any, field: str, code: str) -> None:
+    """400 naming ``ignore_eos`` when it is set beside a constraint (``field``: the constraint's top-level field)."""
+    if ignore_eos and constraint is not None:
+        raise ignore_eos_conflict(field, code)
+
+
+def apply_output(request: GenerateRequest, constraint: Constraint | None, plan: ToolPlan | None, *, ignore_eos: bool,
+                 format_field: str, limits: Limits) -> ToolFormat | None:
+    """Set the request's constraint from the response format (``constraint``) or the tools' ``plan`` (its
+    grammar, the tools the prompt renders, the generic tools block), refuse ``ignore_eos`` beside either
+    (``format_field`` names the response format's field), and under a reasoning parser apply the constraint
+    to the answer only. Returns the format the answer's calls are parsed in (None: no tools)."""
+    tool_format = None
+    if plan is not None:
+        request.constraint, request.tools, request.tool_prompt = plan.constraint, plan.tools, plan.tool_prompt
+        tool_format = plan.format
+    else:
+        request.constraint = constraint
+    refuse_ignore_eos(ignore_eos, request.constraint, "tools" if plan is not None else format_field, "invalid_value")
+    if limits.reasoning_format is not None and request.constraint is not None:
+        # the think block stays free text; the format or the calls apply to the answer after it
+        request.constraint = answer_only(limits.reasoning_format, request.constraint)
+    return tool_format
