@@ -56,7 +56,7 @@ def measure(option: str) -> dict:
 
     from llm_api.model import loader as model_loader
     from llm_api.model.settings import Settings
-    from llm_api.api.native import parse_request
+    from llm_api.protocols.native.translate import parse_request
     from llm_api.service.service import Finished, ModelService, TextDelta
 
     model_path = model_dir()

@@ -26,7 +26,7 @@ import time
 
 from llm_api.api.detokenizer import TextStream
 from llm_api.api.logprobs import TokenTexts
-from llm_api.api.native_stream import NativeStream
+from llm_api.protocols.native.encoder import NativeStream
 from llm_api.protocols.common.openai_call import OpenAICall
 from llm_api.engine.request import FinishReason, TokenLogprob
 from llm_api.model.settings import Settings

@@ -194,8 +194,7 @@ def test_the_rule_catches_an_upward_import(tmp_path):
 EDGES = ("llm_api.torchserve.llm_handler", "llm_api.server.http_api", "llm_api.server.grpc_api")
 # What parses a request or encodes an answer: only the API folders of llm_api.protocols (and the service) may
 # use these; an edge imports llm_api.protocols.route and llm_api.protocols.table alone of that package.
-ROUTE_LOGIC = ("llm_api.api.native", "llm_api.api.native_stream", "llm_api.service.answer.encoded_parts",
-               "llm_api.service.answer.parse_")
+ROUTE_LOGIC = ("llm_api.service.answer.encoded_parts", "llm_api.service.answer.parse_")
 EDGE_PROTOCOL_MODULES = ("llm_api.protocols.route", "llm_api.protocols.table")
 ROUTE_PATH = re.compile(r"""["'](/?v1/|/?tokenize|/?detokenize|/?health|/?ready|/?metrics|/?predictions)""")
 
@@ -245,6 +244,35 @@ def test_every_route_is_one_table_line_served_by_the_edges():
         "llm_api.protocols.route"}
     used = {r.answer.__module__ for r in table.ROUTES}
     assert route_modules == used, route_modules ^ used
+
+
+# ---------------------------------------------------------------------------------------------------
+# One translation to the engine's sampling parameters: every API's body becomes SamplingParams through
+# llm_api.protocols.common.sampling.to_sampling_params, so a default or a rule cannot differ between APIs.
+SAMPLING_BUILDER = "llm_api.protocols.common.sampling"
+ABOVE_THE_ENGINE = ("protocols", "api", "service", "torchserve", "server", "client")
+
+
+def _builds_sampling_params(path: Path) -> bool:
+    """Whether a module calls ``SamplingParams(...)`` (by name or as an attribute, ``sampler.SamplingParams``)."""
+    return any(isinstance(node, ast.Call) and (
+        (isinstance(node.func, ast.Name) and node.func.id == "SamplingParams")
+        or (isinstance(node.func, ast.Attribute) and node.func.attr == "SamplingParams"))
+        for node in ast.walk(ast.parse(path.read_text())))
+
+
+def test_one_module_builds_sampling_params_from_a_request():
+    builders = sorted(m for m, path in _modules().items()
+                      if _layer(m) in ABOVE_THE_ENGINE and _builds_sampling_params(path))
+    assert builders == [SAMPLING_BUILDER], builders
+
+
+def test_the_sampling_rule_can_fail(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from llm_api.engine import sampler\nparams = sampler.SamplingParams(max_new_tokens=4)\n")
+    assert _builds_sampling_params(bad)
+    bad.write_text("from llm_api.engine.sampling_params import SamplingParams\ndef f() -> SamplingParams: ...\n")
+    assert not _builds_sampling_params(bad)
 
 
 # ---------------------------------------------------------------------------------------------------

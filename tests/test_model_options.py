@@ -17,7 +17,7 @@ import torch
 
 from llm_api.model import loader as model_loader
 from llm_api.model.settings import ConfigError, Settings
-from llm_api.api.native import parse_request
+from llm_api.protocols.native.translate import parse_request
 from llm_api.service.service import ModelService, TextDelta
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from llm_api.api.errors import ApiError
-from llm_api.api.native import parse_request
+from llm_api.protocols.native.translate import parse_request
 from llm_api.api.request import Limits
 
 LIMITS = Limits(max_input_tokens=8, max_new_tokens=100, hidden_size=4, vocab_size=1000, max_n=8)

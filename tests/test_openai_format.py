@@ -10,7 +10,7 @@ from llm_api.protocols.chat.translate import parse_chat
 from llm_api.protocols.common.openai import models_list
 from llm_api.protocols.common.openai_call import OpenAICall
 from llm_api.protocols.completions.translate import parse_completions
-from llm_api.api.native import Limits
+from llm_api.api.request import Limits
 
 LIMITS = Limits(max_input_tokens=2048, max_new_tokens=2048, hidden_size=576, vocab_size=49152, max_n=64)
 

@@ -3,8 +3,9 @@
 ``ModelService.generate`` yields, per request: text deltas of each choice (with their tokens' logprobs
 when asked for), one choice end per choice, then one end of the request (complete, or an error). An
 ``AnswerEncoder`` turns those events into the bytes its client reads; the native stream
-(``llm_api.api.native_stream.NativeStream``), OpenAI chat and completions (``llm_api.api.openai.OpenAICall``)
-and the Responses API (``llm_api.api.responses``) implement it, and ``llm_api.service.answer.encoded_parts``
+(``llm_api.protocols.native.encoder.NativeStream``), OpenAI chat and completions
+(``llm_api.protocols.common.openai_call.OpenAICall``)
+and the Responses API (``llm_api.protocols.responses.encoder``) implement it, and ``llm_api.service.answer.encoded_parts``
 is the one driver that feeds any of them. Each method returns the text to send now ("" when nothing is
 due: a non-streamed answer holds everything for ``finish``):
 

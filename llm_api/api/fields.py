@@ -1,6 +1,6 @@
 """The field rules every request format shares, as pydantic types, and pydantic's errors as ``ApiError``.
 
-Request bodies are declared as pydantic models (``llm_api.api.native``, ``llm_api.api.openai``); the
+Request bodies are declared as pydantic models (each API's ``schema`` in ``llm_api.protocols``); the
 rules a field obeys are written once here as annotated types:
 
 * ``Number(low, high)`` / ``Integer(low, high)``: a JSON number, or a string holding one (form fields and

@@ -78,7 +78,7 @@ class GenerateRequest:
     stream: bool = True  # HTTP always streams; gRPC streams only when asked (see docs/torchserve.md)
     client_request_id: str | None = None  # the client's label: unique among live requests
     timeout_s: float | None = None
-    output: str = "text"  # native answers: "text" (chunks then the marker) or "jsonl" (llm_api.api.native_stream)
+    output: str = "text"  # native answers: "text" (chunks then the marker) or "jsonl" (llm_api.protocols.native.encoder)
     constraint: Constraint | None = None  # structured output; the service compiles it into params.grammar
     tools: list[dict] | None = None  # tool definitions rendered by the chat template ({"type": "function", ...})
     template_kwargs: dict | None = None  # extra variables of the chat template (chat_template_kwargs, reasoning_effort)

@@ -10,7 +10,7 @@ Existing clients (``llm_api.client.GRPCClient``, stubs generated from TorchServe
   an unknown ``model_name`` is NOT_FOUND; ``StreamPredictions2`` is UNIMPLEMENTED; ``Ping`` answers
   ``{"status": "Healthy"}`` while the server accepts requests.
 
-The input map is handed to ``llm_api.api.native.parse_request`` as form fields (or a JSON ``body``/
+The input map is handed to ``llm_api.protocols.native.translate.parse_request`` as form fields (or a JSON ``body``/
 ``data`` field), exactly as TorchServe hands it to the handler. Metadata ``authorization: Bearer <key>``
 is required (UNAUTHENTICATED otherwise); while the model loads or the server drains, calls get
 UNAVAILABLE. The request id issued for a call comes back in the initial metadata (``x-request-id``), so

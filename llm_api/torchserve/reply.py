@@ -21,7 +21,7 @@ for that row as the final message. TorchServe 0.12 behaviours this is shaped by 
   payload (a non-streamed answer with logprobs and n choices can reach megabytes) goes out in pieces of
   at most ``MAX_MESSAGE_CHARS`` characters (64 KiB of UTF-8 at most, below any sensible setting), which
   the client receives as one chunked body; a gRPC answer cannot be split (a unary call takes one
-  message), so the native encoder bounds it (``llm_api.api.native_stream``).
+  message), so the native encoder bounds it (``llm_api.protocols.native.encoder``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from __future__ import annotations
 from ts.handler_utils.utils import send_intermediate_predict_response
 
 from llm_api.api.errors import status_phrase
-from llm_api.api.native_stream import TEXT_CONTENT_TYPE
+from llm_api.protocols.native.encoder import TEXT_CONTENT_TYPE
 
 MAX_MESSAGE_CHARS = 16 * 1024
 JSON_CONTENT_TYPE = "application/json"

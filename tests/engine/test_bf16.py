@@ -84,7 +84,7 @@ def assert_greedy_matches_generate_up_to_a_near_tie(tokenizer, model, reference_
 
 
 def test_every_sampling_feature_at_once_in_bf16(embedded_model_path):
-    from llm_api.api.native import parse_request
+    from llm_api.protocols.native.translate import parse_request
     from llm_api.model import loader
     from llm_api.model.settings import Settings
     from llm_api.service.service import ChoiceFinished, Finished, ModelService, TextDelta

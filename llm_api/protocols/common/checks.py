@@ -40,10 +40,11 @@ def tool_choice_keyword(value: Any, has_tools: bool, named_form: str) -> str | N
     return value
 
 
-def refuse_ignore_eos(ignore_eos: bool, constraint: Any, field: str, code: str) -> None:
-    """400 naming ``ignore_eos`` when it is set beside a constraint (``field``: the constraint's top-level field)."""
-    if ignore_eos and constraint is not None:
-        raise ignore_eos_conflict(field, code)
+def refuse_ignore_eos(ignore_eos: bool, constraint_field: str | None, code: str) -> None:
+    """400 naming ``ignore_eos`` when it is set beside a constraint (``constraint_field``: the constraint's
+    top-level field; None: the request has no constraint)."""
+    if ignore_eos and constraint_field is not None:
+        raise ignore_eos_conflict(constraint_field, code)
 
 
 def apply_output(request: GenerateRequest, constraint: Constraint | None, plan: ToolPlan | None, *, ignore_eos: bool,
@@ -58,7 +59,8 @@ def apply_output(request: GenerateRequest, constraint: Constraint | None, plan: 
         tool_format = plan.format
     else:
         request.constraint = constraint
-    refuse_ignore_eos(ignore_eos, request.constraint, "tools" if plan is not None else format_field, "invalid_value")
+    field = None if request.constraint is None else "tools" if plan is not None else format_field
+    refuse_ignore_eos(ignore_eos, field, "invalid_value")
     if limits.reasoning_format is not None and request.constraint is not None:
         # the think block stays free text; the format or the calls apply to the answer after it
         request.constraint = answer_only(limits.reasoning_format, request.constraint)

@@ -1,6 +1,6 @@
 """The native route: ``POST /predictions/<model>`` (TorchServe: the model's own path; gRPC: every call).
 
-The body (JSON or form fields, ``llm_api.api.native``) asks for a generation, streamed as text ending
+The body (JSON or form fields, ``translate``; answers: ``encoder``) asks for a generation, streamed as text ending
 with the end-of-stream marker (or JSON lines), or, with ``{"cancel": id}``, ends the live request whose
 ``x-request-id`` is ``id`` (a drain still takes cancels: they help it finish). Over gRPC the answer is
 one message unless the client reads a stream and the request asks for one (``stream``); a unary answer
@@ -15,8 +15,8 @@ import logging
 from typing import Any, Mapping
 
 from llm_api.api.errors import ApiError, echo
-from llm_api.api.native import parse_request
-from llm_api.api.native_stream import GRPC_MAX_MESSAGE_BYTES, NativeStream
+from llm_api.protocols.native.encoder import GRPC_MAX_MESSAGE_BYTES, NativeStream
+from llm_api.protocols.native.translate import parse_request
 from llm_api.api.request import CancelRequest, GenerateRequest
 from llm_api.protocols.route import Answer, Call, RouteContext, Streamed, Whole
 from llm_api.service.answer import encoded_parts, parse_sized, row_size
