@@ -1,4 +1,7 @@
-"""The request formats: native (``/predictions/<model>``, gRPC) and OpenAI (``/v1/...``) parsing into one
-``GenerateRequest``, one error type rendered per format (``errors``), strict JSON decoding
-(``validation``), and turning token ids into what a client receives (``detokenizer``, ``native_stream``,
-``openai``). Below the service, above the engine: no TorchServe, no sockets."""
+"""What every request format shares (each API's own schema, translation and encoder are in
+``llm_api.protocols``): the engine request every API produces (``request``: ``GenerateRequest``,
+``Limits``), one error type rendered per format (``errors``), the field rules of the bodies (``fields``),
+strict JSON decoding (``validation``), prompts (``prompt``), structured-output constraints
+(``constraints``), tool formats (``tools``), reasoning parsers (``reasoning``), logprobs, the encoder
+protocol (``encoding``) and turning token ids into text (``detokenizer``). Below the service, above the
+engine: no TorchServe, no sockets."""

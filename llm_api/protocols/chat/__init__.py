@@ -1,1 +1,2 @@
-"""OpenAI chat completions (``POST v1/chat/completions``): its route."""
+"""OpenAI chat completions (``POST v1/chat/completions``): ``schema``, ``translate`` (the contract), ``route``;
+the encoder, shared with completions, is ``llm_api.protocols.common.openai_call``."""

@@ -1,1 +1,2 @@
-"""The OpenAI Responses API (``v1/responses``): its routes."""
+"""The OpenAI Responses API (``v1/responses``): ``schema``, ``translate`` (the contract), ``encoder``
+(``ResponsesCall``), ``route`` (create, retrieve, delete, cancel)."""

@@ -1,1 +1,2 @@
-"""vLLM's tokenizer routes (``tokenize``, ``detokenize``, ``tokenizer_info``)."""
+"""vLLM's tokenizer routes (``tokenize``, ``detokenize``, ``tokenizer_info``): ``schema``, ``translate``
+(the contract), ``encoder`` (the answers), ``route``."""
