@@ -66,9 +66,8 @@ from llm_api.api.constraints import ToolPlan, json_object_constraint, json_schem
 from llm_api.api.errors import ApiError, echo
 from llm_api.api.reasoning import template_variables
 from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, GenerateRequest, Limits, WorkFields
-from llm_api.api.validation import decode_json
 from llm_api.protocols.chat.schema import ChatBody, ChatMessage, ToolDefinition
-from llm_api.protocols.common.checks import apply_output, tool_choice_keyword
+from llm_api.protocols.common.checks import apply_output, call_arguments, tool_choice_keyword
 from llm_api.protocols.common.openai import validate_call
 from llm_api.protocols.common.openai_call import OpenAICall
 from llm_api.protocols.common.sampling import check_token_range, to_sampling_params
@@ -120,13 +119,7 @@ def _check_reasoning(messages: list[ChatMessage]) -> None:
 def _check_tool_call_arguments(messages: list[ChatMessage]) -> None:
     for i, message in enumerate(messages):
         for j, item in enumerate(message.tool_calls or ()):
-            param = f"messages[{i}].tool_calls[{j}].function.arguments"
-            try:
-                value = decode_json(item.function.arguments.encode("utf-8"), what=f"{param!r}", code="invalid_value")
-            except ApiError as error:
-                raise ApiError(400, error.code, error.message, param) from None
-            if not isinstance(value, dict):
-                raise ApiError(400, "invalid_value", f"{param!r} must be a JSON object (as text)", param)
+            call_arguments(item.function.arguments, f"messages[{i}].tool_calls[{j}].function.arguments")
 
 
 def _structured_output(call: ChatBody, limits: Limits) -> Constraint | ToolPlan | None:

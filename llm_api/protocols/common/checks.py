@@ -2,6 +2,7 @@
 
 * ``tool_choice_keyword``: a ``tool_choice`` keyword (``none``, ``auto``, ``required``) or the API's named
   choice (chat: ``{"type": "function", "function": {"name"}}``; Responses: ``{"type": "function", "name"}``).
+* ``call_arguments``: an earlier tool call's ``arguments`` (JSON text) -> the object, or 400 naming the field.
 * ``refuse_ignore_eos``: ``ignore_eos`` with a constraint is refused (a grammar decides where the answer
   ends), naming ``ignore_eos``, with the API's code for a bad value (native ``invalid_parameter``, OpenAI
   ``invalid_value``).
@@ -19,6 +20,7 @@ from llm_api.api.errors import ApiError, echo
 from llm_api.api.reasoning import answer_only
 from llm_api.api.request import GenerateRequest, Limits
 from llm_api.api.tools import ToolFormat
+from llm_api.api.validation import decode_json
 from llm_api.structured.spec import Constraint
 
 TOOL_CHOICES = ("none", "auto", "required")
@@ -37,6 +39,18 @@ def tool_choice_keyword(value: Any, has_tools: bool, named_form: str) -> str | N
                        f"{named_form}, got {echo(value)}", "tool_choice")
     if value != "none" and not has_tools:
         raise ApiError(400, "invalid_value", f"'tool_choice' {value} needs 'tools'", "tool_choice")
+    return value
+
+
+def call_arguments(text: str, param: str) -> dict:
+    """An earlier call's arguments (the JSON text of an object, field ``param``) -> the object (what chat
+    templates render), or 400 ``invalid_value`` naming ``param``."""
+    try:
+        value = decode_json(text.encode("utf-8"), what=repr(param), code="invalid_value")
+    except ApiError as error:
+        raise ApiError(400, error.code, error.message, param) from None
+    if not isinstance(value, dict):
+        raise ApiError(400, "invalid_value", f"{param!r} must be a JSON object (as text)", param)
     return value
 
 

@@ -80,7 +80,7 @@ from llm_api.api.fields import field_path, first_error, is_type_error, message_o
 from llm_api.api.reasoning import template_variables
 from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, GenerateRequest, Limits, WorkFields
 from llm_api.api.validation import decode_json
-from llm_api.protocols.common.checks import TOOL_CHOICES, apply_output, tool_choice_keyword
+from llm_api.protocols.common.checks import TOOL_CHOICES, apply_output, call_arguments, tool_choice_keyword
 from llm_api.protocols.common.openai import api_error, check_model
 from llm_api.protocols.common.sampling import check_token_range, to_sampling_params
 from llm_api.protocols.responses.encoder import ResponsesCall
@@ -280,7 +280,7 @@ def _turns(items: list) -> list[dict]:
             turns.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
         else:
             call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": _arguments(item.arguments, f"input[{i}].arguments")}}
+                    "function": {"name": item.name, "arguments": call_arguments(item.arguments, f"input[{i}].arguments")}}
             last = turns[-1] if turns else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
@@ -291,16 +291,6 @@ def _turns(items: list) -> list[dict]:
             turns[-1]["reasoning_content"] = "\n\n".join(([previous] if previous else []) + reasoning)
             reasoning = []
     return turns
-
-
-def _arguments(text: str, param: str) -> dict:
-    try:
-        value = decode_json(text.encode("utf-8"), what=repr(param), code="invalid_value")
-    except ApiError as error:
-        raise ApiError(400, error.code, error.message, param) from None
-    if not isinstance(value, dict):
-        raise ApiError(400, "invalid_value", f"{param!r} must be a JSON object (as text)", param)
-    return value
 
 
 def _structured_output(call: ResponsesBody, limits: Limits) -> tuple[Constraint | None, ToolPlan | None, str]:
