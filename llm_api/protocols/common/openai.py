@@ -1,11 +1,12 @@
 """The pieces of OpenAI's wire format that chat, completions and the Responses API share.
 
-Content types; ``sse`` (one server-sent event); ``api_error`` (a pydantic validation error -> the OpenAI-shaped
-400 naming the field: ``unknown_parameter``, ``missing_required_parameter``, ``invalid_type``,
-``invalid_value``); ``check_model`` (404 ``model_not_found`` unless the base model or a served LoRA
-adapter); ``models_list`` (``GET v1/models``); ``ToolName`` (OpenAI's rule for function and schema names);
-and, for chat and completions, the fields both bodies take (``OpenAIBody``) and ``validate_call``, the
-steps both run before their own (decode, validate, neutral-only parameters, model, ``n``, ``stream_options``).
+Content types; ``sse`` (one server-sent event); ``decode_body`` (the body's JSON object); ``api_error`` (a
+pydantic validation error -> the OpenAI-shaped 400 naming the field: ``unknown_parameter``,
+``missing_required_parameter``, ``invalid_type``, ``invalid_value``); ``check_model`` (404
+``model_not_found`` unless the base model or a served LoRA adapter); ``models_list`` (``GET v1/models``);
+``ToolName`` (OpenAI's rule for function and schema names); and, for chat and completions, the fields both
+bodies take (``OpenAIBody``) and ``validate_call``, the steps both run before their own (decode, validate,
+neutral-only parameters, model, ``n``, ``stream_options``).
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def api_error(error: ValidationError) -> ApiError:
     return ApiError(400, code, message_of(detail), param)
 
 
-def _decode(body: Any) -> dict:
+def decode_body(body: Any) -> dict:
+    """A body (JSON bytes, or an already decoded object) -> its JSON object (400 ``invalid_json`` otherwise)."""
     if isinstance(body, (bytes, bytearray)):
         body = decode_json(body)
     if not isinstance(body, dict):
@@ -120,7 +122,7 @@ def validate_call(model_class: type[OpenAIBody], body: Any, model_name: str, lim
     """A chat or completions body (bytes or an already decoded object) -> the validated ``model_class`` and the
     decoded object: parameters accepted only at their ``neutral`` values (anything else refused by name),
     ``model`` the base model or a served adapter, ``n`` within MAX_NUM_SEQS, ``stream_options`` with ``stream``."""
-    data = _decode(body)
+    data = decode_body(body)
     try:
         call = model_class.model_validate(data, context={"limits": limits})
     except ValidationError as error:

@@ -79,9 +79,8 @@ from llm_api.api.errors import ApiError, echo
 from llm_api.api.fields import field_path, first_error, is_type_error, message_of, unknown_fields
 from llm_api.api.reasoning import template_variables
 from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, GenerateRequest, Limits, WorkFields
-from llm_api.api.validation import decode_json
 from llm_api.protocols.common.checks import TOOL_CHOICES, apply_output, call_arguments, tool_choice_keyword
-from llm_api.protocols.common.openai import api_error, check_model
+from llm_api.protocols.common.openai import api_error, check_model, decode_body
 from llm_api.protocols.common.sampling import check_token_range, to_sampling_params
 from llm_api.protocols.responses.encoder import ResponsesCall
 from llm_api.protocols.responses.schema import (ITEM_TYPES, MAX_CHARS_PER_INPUT_TOKEN, MAX_INPUT_ITEMS, MAX_PARTS,
@@ -95,11 +94,7 @@ def parse_responses(body: Any, model_name: str, limits: Limits,
                     adapters: Collection[str] = ()) -> tuple[GenerateRequest, ResponsesCall]:
     """A ``/v1/responses`` body (bytes or an already decoded object) -> our request and its encoder
     (``model``: the base model or one of the LoRA ``adapters``)."""
-    data = body
-    if isinstance(data, (bytes, bytearray)):
-        data = decode_json(data)
-    if not isinstance(data, dict):
-        raise ApiError(400, "invalid_json", "the body must be a JSON object", None)
+    data = decode_body(body)
     _refuse_unsupported_kinds(data)
     try:
         call = ResponsesBody.model_validate(data, context={"limits": limits})
