@@ -57,6 +57,7 @@ class Limits:
     # tool_choice auto on a template without a tool format, in the generic form (GENERIC_TOOL_CHOICE_AUTO);
     # false: refused as vLLM refuses auto without a tool parser
     generic_tool_choice_auto: bool = True
+    priority_scheduling: bool = False  # SCHEDULING_POLICY=priority: a request's priority is taken, else only 0
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class GenerateRequest:
     inputs_embeds: list[list[float]] | None = None
     token_ids: list[int] | None = None  # the prompt as token ids (checked below the vocabulary size)
     params: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0  # vLLM's: lower first (SCHEDULING_POLICY=priority; else always 0)
     stream: bool = True  # HTTP always streams; gRPC streams only when asked (see docs/torchserve.md)
     client_request_id: str | None = None  # the client's label: unique among live requests
     timeout_s: float | None = None

@@ -392,6 +392,13 @@ class Settings:
         "no drafts on a step with more decoding sequences than this (a big batch gains less than verifying drafts "
         "costs; measured, docs/benchmarks.md \"Speculative decoding\")", minimum=0)
     max_num_seqs: int = setting("MAX_NUM_SEQS", 64, "requests decoded together at most", minimum=1)
+    # Off by default: with it, any key holder can put its requests ahead of everyone's and preempt them.
+    scheduling_policy: str = setting(
+        "SCHEDULING_POLICY", "fcfs",
+        "`fcfs`: requests are served in arrival order, and a request's `priority` other than 0 gets a 400; "
+        "`priority`: a request's `priority` (an integer, lower first, vLLM's field) orders the queue and a better "
+        "priority preempts worse running requests when memory or `MAX_NUM_SEQS` is short. Any key holder may then "
+        "use it", choices=("fcfs", "priority"))
     max_num_batched_tokens: int = setting(
         "MAX_NUM_BATCHED_TOKENS", 0,
         "tokens per engine step, at least `MAX_NUM_SEQS`; long prompts are prefilled in chunks of it, so it bounds "

@@ -130,7 +130,8 @@ class ModelService:
                              _vocab_size(lm.model), settings.max_num_seqs, detect_tool_format(lm.tokenizer),
                              settings.max_request_work,
                              reasoning_format(settings.reasoning_parser, lm.tokenizer),
-                             generic_tool_choice_auto=settings.generic_tool_choice_auto)
+                             generic_tool_choice_auto=settings.generic_tool_choice_auto,
+                             priority_scheduling=settings.scheduling_policy == "priority")
         self.lora: LoraRegistry | None = self._build_lora() if settings.lora_enabled else None
         self.engine: LLMEngine | None = self._build_engine() if settings.engine == "paged" else None
         core = self.engine if self.engine is not None else ReferenceCore(lm.model, lm.eos_token_ids,
@@ -466,6 +467,7 @@ class Generation:
         self._deadline = deadline
         self.lora_id = 0  # the LoRA adapter's load id (0: the base model) and its name
         self.adapter: str | None = None
+        self._priority = request.priority
         self._echo = request.echo
         self._echo_text = request.text  # (None: a prompt of ids or a chat, decoded when echoed)
         self._echo_only = request.echo_only
@@ -489,7 +491,7 @@ class Generation:
         end: Finished | None = None
         try:
             outputs = service.loop.generate(self.request_id, self._prompt_ids, self.params, self._prompt_embeds,
-                                            self.lora_id)
+                                            self.lora_id, self._priority)
             async with aclosing(outputs):
                 while end is None:
                     # The deadline bounds each wait on the engine, never the consumer's own awaits.

@@ -67,7 +67,7 @@ from llm_api.api.errors import ApiError, echo
 from llm_api.api.reasoning import template_variables
 from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, GenerateRequest, Limits, WorkFields
 from llm_api.protocols.chat.schema import ChatBody, ChatMessage, ToolDefinition
-from llm_api.protocols.common.checks import apply_output, call_arguments, tool_choice_keyword
+from llm_api.protocols.common.checks import apply_output, call_arguments, check_priority, tool_choice_keyword
 from llm_api.protocols.common.openai import validate_call
 from llm_api.protocols.common.openai_call import OpenAICall
 from llm_api.protocols.common.sampling import check_token_range, to_sampling_params
@@ -101,6 +101,7 @@ def parse_chat(body: Any, model_name: str, limits: Limits,
         ignore_eos=call.ignore_eos, logprobs=logprobs, n=call.n)
     request.work_fields = WorkFields("n", param, "top_logprobs")
     request.adapter, request.adapter_param = (None if call.model == model_name else call.model), "model"
+    request.priority = check_priority(call.priority, limits)
     include_usage = call.stream_options is not None and call.stream_options.include_usage
     return request, OpenAICall(kind="chat", model=call.model, stream=call.stream, include_usage=include_usage,
                                n=call.n, with_logprobs=logprobs is not None, tool_format=tool_format,

@@ -6,6 +6,9 @@
 * ``refuse_ignore_eos``: ``ignore_eos`` with a constraint is refused (a grammar decides where the answer
   ends), naming ``ignore_eos``, with the API's code for a bad value (native ``invalid_parameter``, OpenAI
   ``invalid_value``).
+* ``check_priority``: a request's ``priority`` (vLLM's field: an integer, lower first), taken only under
+  SCHEDULING_POLICY=priority; otherwise anything but 0 is refused naming ``priority`` (as vLLM refuses it
+  without its priority policy), so a client never believes it was served ahead when it was not.
 * ``apply_output``: a response format's constraint, or the plan of the tools (``llm_api.api.constraints.
   plan_tools``), set on the request; then the ``ignore_eos`` refusal; then, for a model with a reasoning
   parser, the constraint applied to the answer after the think block (``answer_only``).
@@ -24,6 +27,18 @@ from llm_api.api.validation import decode_json
 from llm_api.structured.spec import Constraint
 
 TOOL_CHOICES = ("none", "auto", "required")
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # (an int32, as vLLM's field is on the wire; plenty of levels)
+
+
+def check_priority(value: int | None, limits: Limits, code: str = "unsupported_value") -> int:
+    """The request's priority (not given: 0); 400 ``code`` naming ``priority`` for another value when the
+    server schedules in arrival order."""
+    if value is None or value == 0:
+        return 0
+    if not limits.priority_scheduling:
+        raise ApiError(400, code, "'priority' is not served: this server schedules requests in arrival order "
+                       "(SCHEDULING_POLICY=fcfs); send 0 or leave it out", "priority")
+    return value
 
 
 def tool_choice_keyword(value: Any, has_tools: bool, named_form: str) -> str | None:

@@ -22,6 +22,7 @@ from llm_api.api.fields import (Integer, LogitBias, Number, StopStrings, StrictF
                                 field_path, first_error, is_type_error, message_of, unknown_fields)
 from llm_api.api.request import MAX_SEED, Limits
 from llm_api.api.validation import decode_json
+from llm_api.protocols.common.checks import PRIORITY_RANGE
 
 SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
 JSON_CONTENT_TYPE = "application/json"
@@ -83,6 +84,7 @@ class OpenAIBody(BaseModel):
     logit_bias: LogitBias(text_ok=False) | None = None
     # vLLM's extension (benchmark clients send it to get outputs of a fixed length): generate past EOS
     ignore_eos: StrictFlag = False
+    priority: Integer(*PRIORITY_RANGE, text_ok=False) | None = None  # vLLM's (common.checks.check_priority)
 
 
 def api_error(error: ValidationError) -> ApiError:

@@ -20,6 +20,7 @@ from typing import Any, Collection
 
 from llm_api.api.errors import ApiError
 from llm_api.api.request import GenerateRequest, Limits, WorkFields
+from llm_api.protocols.common.checks import check_priority
 from llm_api.protocols.common.openai import validate_call
 from llm_api.protocols.common.openai_call import OpenAICall
 from llm_api.protocols.common.sampling import check_token_range, to_sampling_params
@@ -50,6 +51,7 @@ def parse_completions(body: Any, model_name: str, limits: Limits,
         ignore_eos=call.ignore_eos, logprobs=logprobs, prompt_logprobs=logprobs if request.echo else None, n=call.n)
     request.work_fields = WorkFields("n", "max_tokens", "logprobs")
     request.adapter, request.adapter_param = (None if call.model == model_name else call.model), "model"
+    request.priority = check_priority(call.priority, limits)
     include_usage = call.stream_options is not None and call.stream_options.include_usage
     prompts = _prompts(call.prompt, limits)
     if len(prompts) * call.n > limits.max_n:

@@ -13,6 +13,7 @@ from llm_api.api.fields import (Flag, Integer, LogitBias, NonEmptyText, Number, 
                                 from_form_json)
 from llm_api.api.request import MAX_SEED, Limits
 from llm_api.api.validation import decode_json
+from llm_api.protocols.common.checks import PRIORITY_RANGE
 from llm_api.engine.sampling_params import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -94,6 +95,7 @@ class NativeBody(BaseModel):
     stream: Flag | None = None
     request_id: Text | None = None
     adapter: Text | None = None  # a LoRA adapter's name (the service answers 404 for an unknown one)
+    priority: Integer(*PRIORITY_RANGE) | None = None  # vLLM's: lower first (SCHEDULING_POLICY=priority)
     timeout: Number(0.0, 86400.0, low_open=True) | None = None
     n: WholeNumber = 1  # range: 1 .. MAX_NUM_SEQS (a setting), checked below
     logprobs: Integer(0, MAX_TOP_LOGPROBS) | None = None

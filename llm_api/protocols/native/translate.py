@@ -35,7 +35,7 @@ from llm_api.api.fields import first_error, message_of, unknown_fields
 from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, INPUT_FIELDS, CancelRequest, GenerateRequest, Limits
 from llm_api.api.validation import decode_json
 from llm_api.engine.sampling_params import SamplingParams
-from llm_api.protocols.common.checks import refuse_ignore_eos
+from llm_api.protocols.common.checks import check_priority, refuse_ignore_eos
 from llm_api.protocols.common.sampling import to_sampling_params
 from llm_api.protocols.native.schema import CONSTRAINT_FIELDS, MAX_REQUEST_ID_CHARS, NativeBody
 
@@ -79,6 +79,7 @@ def parse_request(row: Mapping[str, Any], limits: Limits, default_stream: bool =
         timeout_s=body.timeout,
         output=body.output,
         adapter=body.adapter,
+        priority=check_priority(body.priority, limits, "invalid_parameter"),
     )
 
 

@@ -9,8 +9,9 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
 from llm_api.api.errors import ApiError, echo
-from llm_api.api.fields import Number, StrictFlag, StrictWholeNumber, Text, check_text, fail
+from llm_api.api.fields import Integer, Number, StrictFlag, StrictWholeNumber, Text, check_text, fail
 from llm_api.api.reasoning import REASONING_EFFORTS
+from llm_api.protocols.common.checks import PRIORITY_RANGE
 from llm_api.protocols.common.openai import ToolName
 
 MAX_INPUT_ITEMS = 2048  # items of ``input`` (a conversation longer than this cannot fit a prompt here anyway)
@@ -217,6 +218,7 @@ class ResponsesBody(_Strict):
     prompt_cache_key: Label | None = None  # a routing hint; the prefix cache here needs none
     safety_identifier: Label | None = None  # like user: a label for abuse reports; nothing here uses it
     ignore_eos: StrictFlag = False  # vLLM's extension, as on chat: generate past EOS up to max_output_tokens
+    priority: Integer(*PRIORITY_RANGE, text_ok=False) | None = None  # vLLM's, as on chat (common.checks)
 
 
 def check_call_ids(prior: list[dict], items: list) -> None:

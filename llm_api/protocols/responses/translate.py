@@ -79,7 +79,8 @@ from llm_api.api.errors import ApiError, echo
 from llm_api.api.fields import field_path, first_error, is_type_error, message_of, unknown_fields
 from llm_api.api.reasoning import template_variables
 from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, GenerateRequest, Limits, WorkFields
-from llm_api.protocols.common.checks import TOOL_CHOICES, apply_output, call_arguments, tool_choice_keyword
+from llm_api.protocols.common.checks import (TOOL_CHOICES, apply_output, call_arguments, check_priority,
+                                             tool_choice_keyword)
 from llm_api.protocols.common.openai import api_error, check_model, decode_body
 from llm_api.protocols.common.sampling import check_token_range, to_sampling_params
 from llm_api.protocols.responses.encoder import ResponsesCall
@@ -153,6 +154,7 @@ def parse_responses(body: Any, model_name: str, limits: Limits,
         "safety_identifier": call.safety_identifier,
     }
     request.adapter, request.adapter_param = (None if call.model == model_name else call.model), "model"
+    request.priority = check_priority(call.priority, limits)
     if call.background and not call.store:
         raise ApiError(400, "invalid_value", "'background' needs 'store' (a background response is read back "
                        "with GET /v1/responses/{id})", "background")
