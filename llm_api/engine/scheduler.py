@@ -234,7 +234,7 @@ class Scheduler:
 
         # Then admit waiting requests, unless memory was just short enough to preempt. A running choice 0
         # still prefilling keeps room for the siblings it will fork.
-        num_seqs = len(self.running) + sum(len(self._unforked.get(r.seq_id, ())) for r in self.running)
+        num_seqs = self._num_running_seqs()
         running_loras = {r.lora_id for r in self.running if r.lora_id}
         position = 0  # requests of an adapter that cannot join (MAX_LORAS others run) wait; the next may go
         while position < len(self.waiting) and budget > 0 and not memory_short:
@@ -399,11 +399,7 @@ class Scheduler:
         """Give the request enough blocks for ``num_new_tokens`` more tokens; False if too few are free.
         A running request about to write into a block it shares gets a copy of it (``copies``)."""
         pool = self.block_pool
-        num_computed = request.num_computed_tokens + len(hit_block_ids) * self.block_size
-        num_needed = _cdiv(num_computed + num_new_tokens, self.block_size) - len(request.block_ids)
-        num_needed -= len(hit_block_ids)
-        # Hit blocks that nobody holds are in the free queue: taking them leaves fewer to allocate.
-        num_hits_from_free = sum(1 for b in hit_block_ids if pool.ref_counts[b] == 0)
+        num_needed, num_hits_from_free = self._blocks_to_take(request, num_new_tokens, hit_block_ids)
         copy_tail = copies is not None and self._writes_shared_block(request)
         if num_needed + num_hits_from_free + copy_tail > pool.num_free_blocks:
             return False
@@ -418,6 +414,18 @@ class Scheduler:
         if num_needed > 0:
             request.block_ids.extend(pool.allocate(num_needed))
         return True
+
+    def _blocks_to_take(self, request: Request, num_new_tokens: int, hit_block_ids: Sequence[int]) -> tuple[int, int]:
+        """(new blocks to allocate, cached hit blocks now in the free queue) for ``num_new_tokens`` more tokens
+        of the request after ``hit_block_ids``: both come out of the free blocks."""
+        num_computed = request.num_computed_tokens + len(hit_block_ids) * self.block_size
+        num_needed = _cdiv(num_computed + num_new_tokens, self.block_size) - len(request.block_ids) - len(hit_block_ids)
+        # Hit blocks that nobody holds are in the free queue: taking them leaves fewer to allocate.
+        return num_needed, sum(1 for b in hit_block_ids if self.block_pool.ref_counts[b] == 0)
+
+    def _num_running_seqs(self) -> int:
+        """Running sequences, with the siblings a running choice 0 still prefilling will fork."""
+        return len(self.running) + sum(len(self._unforked.get(r.seq_id, ())) for r in self.running)
 
     def _writes_shared_block(self, request: Request) -> bool:
         """The next token's K/V go into the request's last block, and another sequence holds it too. (Only
@@ -475,16 +483,13 @@ class Scheduler:
         if head.lora_id and head.lora_id not in {r.lora_id for r in self.running} and \
                 len({r.lora_id for r in self.running if r.lora_id}) >= self.config.max_loras:
             return
-        pool = self.block_pool
         hit_block_ids = self._find_cached_blocks(head)
-        num_hit_tokens = len(hit_block_ids) * self.block_size
-        num_new_tokens = min(head.num_tokens - num_hit_tokens, self.config.max_num_batched_tokens)
-        num_blocks = (_cdiv(num_hit_tokens + num_new_tokens, self.block_size) - len(hit_block_ids)
-                      + sum(1 for b in hit_block_ids if pool.ref_counts[b] == 0))
+        num_new_tokens = min(head.num_tokens - len(hit_block_ids) * self.block_size, self.config.max_num_batched_tokens)
+        num_blocks = sum(self._blocks_to_take(head, num_new_tokens, hit_block_ids))
         num_seqs = 1 + len(self._unforked.get(head.seq_id, ()))
         while self.running and self.running[-1].priority > head.priority:
-            seqs_used = len(self.running) + sum(len(self._unforked.get(r.seq_id, ())) for r in self.running)
-            if seqs_used + num_seqs <= self.config.max_num_seqs and num_blocks <= pool.num_free_blocks:
+            if (self._num_running_seqs() + num_seqs <= self.config.max_num_seqs
+                    and num_blocks <= self.block_pool.num_free_blocks):
                 return
             self._preempt(self.running.pop(), output)
 
