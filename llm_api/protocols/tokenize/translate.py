@@ -22,6 +22,8 @@ Errors are ``ApiError``s, rendered in the OpenAI shape by the edge (as vLLM does
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from pydantic import ValidationError
 
 from llm_api.api.errors import ApiError, model_not_found
@@ -30,14 +32,11 @@ from llm_api.api.validation import decode_json
 from llm_api.protocols.common.openai import api_error
 from llm_api.protocols.tokenize.schema import DetokenizeBody, TokenizeBody
 
+Body = TypeVar("Body", TokenizeBody, DetokenizeBody)
+
 
 def parse_tokenize(body: bytes | bytearray, model_name: str) -> TokenizeRequest:
-    data = _object(body)
-    try:
-        call = TokenizeBody.model_validate(data)
-    except ValidationError as error:
-        raise api_error(error) from None
-    _check_model(call.model, model_name)
+    call = _validated(TokenizeBody, body, model_name)
     if (call.prompt is None) == (call.messages is None):
         raise ApiError(400, "invalid_value", "give exactly one of 'prompt' or 'messages'", "prompt")
     if call.messages is not None:
@@ -49,12 +48,7 @@ def parse_tokenize(body: bytes | bytearray, model_name: str) -> TokenizeRequest:
 
 
 def parse_detokenize(body: bytes | bytearray, model_name: str, vocab_size: int, max_tokens: int) -> list[int]:
-    data = _object(body)
-    try:
-        call = DetokenizeBody.model_validate(data)
-    except ValidationError as error:
-        raise api_error(error) from None
-    _check_model(call.model, model_name)
+    call = _validated(DetokenizeBody, body, model_name)
     token_ids = call.tokens
     if len(token_ids) > max_tokens:
         raise ApiError(400, "invalid_value", f"'tokens' may hold at most {max_tokens} ids", "tokens")
@@ -65,13 +59,16 @@ def parse_detokenize(body: bytes | bytearray, model_name: str, vocab_size: int, 
     return token_ids
 
 
-def _object(body: bytes | bytearray) -> dict:
+def _validated(schema: type[Body], body: bytes | bytearray, model_name: str) -> Body:
+    """The body as ``schema`` (400 for JSON that is not an object or does not fit it; 404 for a ``model``
+    other than this one: optional here, as in vLLM)."""
     data = decode_json(body)
     if not isinstance(data, dict):
         raise ApiError(400, "invalid_json", "the body must be a JSON object")
-    return data
-
-
-def _check_model(model: str | None, model_name: str) -> None:
-    if model is not None and model != model_name:
-        raise model_not_found(model, model_name)
+    try:
+        call = schema.model_validate(data)
+    except ValidationError as error:
+        raise api_error(error) from None
+    if call.model is not None and call.model != model_name:
+        raise model_not_found(call.model, model_name)
+    return call
