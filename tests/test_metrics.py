@@ -60,6 +60,20 @@ def test_request_life_reports_latencies_and_counts():
     assert values(seen, "llm_num_requests_waiting")[-1] == 2
 
 
+def test_generated_tokens_are_published_with_the_gauges_not_per_output():
+    """A stream's outputs are counted, and the count is published at most once per gauge interval (on
+    TorchServe every publication is a log line on the worker's event loop) and at the request's end."""
+    metrics, seen, clock = make(Stats())
+    timer = metrics.start(5, arrival=0.0)
+    for step in range(100):  # 100 outputs over 2.5 s, from the start's publication (t=100)
+        clock.t = 100.0 + step / 40
+        timer.tokens(1)
+    assert len(values(seen, "llm_generation_tokens_total")) == 2  # (at t=101 and t=102)
+    timer.finish()
+    assert len(values(seen, "llm_generation_tokens_total")) == 3
+    assert sum(values(seen, "llm_generation_tokens_total")) == 100
+
+
 def test_engine_counters_are_published_as_increments():
     stats = Stats()
     metrics, seen, clock = make(stats)

@@ -35,7 +35,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -293,8 +293,9 @@ class LLMEngine:
         budget: ``llm_api.engine.step_budget``); None when it has nothing."""
         return self.step_budget.idle_delay() if self.step_budget is not None else None
 
-    def idle_work(self) -> None:
-        """Re-measure the step budget into free blocks (only while no request runs); raise it if it grew."""
+    def idle_work(self, interrupted: Callable[[], bool] = lambda: False) -> None:
+        """Re-measure the step budget into free blocks (only while no request runs); raise it if it grew.
+        Stops early once ``interrupted()`` (work arrived: ``step_budget``'s module docstring)."""
         if self.step_budget is None or self.has_unfinished_requests():
             return
         pool = self.scheduler.block_pool
@@ -303,7 +304,7 @@ class LLMEngine:
             return
         block_ids = pool.allocate(needed)
         try:
-            raised = self.step_budget.refine(block_ids)
+            raised = self.step_budget.refine(block_ids, interrupted)
         finally:
             pool.free(block_ids)
         if raised is not None:

@@ -23,7 +23,9 @@ chooses 512). Contention only ever adds time, so the quiet figure is the largest
   timed up to ``PROBE_REPEATS`` times after a warm-up, the sizes interleaved, the fastest counting);
 * **re-measured while idle** after serving starts (``idle_work``, run by the engine loop once it has been
   idle for the next delay of ``REFINE_IDLE_S``): a larger budget replaces the one in use and the cache's;
-  a smaller one is ignored;
+  a smaller one is ignored. A request that arrives meanwhile stops the re-measurement before its next
+  timed chunk (it waits for one probe chunk at most, not the whole re-measurement: seconds on a busy host),
+  and the same re-measurement is tried at the next idle spell;
 * **bounded below** by an analytic estimate (``analytic_floor``: the model's multiply-adds at
   ``FLOOR_FLOPS_PER_THREAD``, a rate every x86-64 or arm64 core running torch's kernels exceeds), so a
   probe swamped by noise cannot shrink the steps below what the arithmetic alone allows.
@@ -47,7 +49,7 @@ import time
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -125,14 +127,17 @@ def probe_sizes(block_size: int, num_blocks: int, max_model_len: int) -> tuple[i
 
 @torch.inference_mode()
 def measure(runner: ModelRunner, block_ids: list[int], block_size: int, max_model_len: int, repeats: int,
-            max_seconds: float) -> Timing:
-    """Time prefill chunks of the two probe sizes into ``block_ids`` (blocks nobody else holds now)."""
+            max_seconds: float, interrupted: Callable[[], bool] = lambda: False) -> Timing | None:
+    """Time prefill chunks of the two probe sizes into ``block_ids`` (blocks nobody else holds now); None
+    when ``interrupted()`` turns true before a chunk (the measurement is abandoned)."""
     small, large = probe_sizes(block_size, len(block_ids), max_model_len)
     needed = -(-large // block_size)
     best = {small: float("inf"), large: float("inf")}
     started = time.monotonic()
     for attempt in range(repeats + 1):  # the first run of each size warms up (allocator, kernels)
         for num_tokens in (small, large):
+            if interrupted():
+                return None
             seconds = _timed_prefill(runner, num_tokens, block_ids[:needed], str(attempt))
             if attempt:
                 best[num_tokens] = min(best[num_tokens], seconds)
@@ -251,6 +256,7 @@ class CpuStepBudget:
             self._refinements_done = len(REFINE_IDLE_S) - 1  # one more look, once idle
             return self.budget
         timing = measure(self.runner, free_block_ids, self.block_size, self.max_model_len, PROBE_REPEATS, PROBE_MAX_S)
+        assert timing is not None  # (nothing interrupts the start's probe)
         measured = budget_for(timing, self.block_size, self.max_num_seqs)
         self.budget = max(measured, self.floor)
         logger.info("token budget per step: %d, measured at start (a prefill token costs %.2f ms and a step %.0f ms "
@@ -266,11 +272,15 @@ class CpuStepBudget:
             return None
         return REFINE_IDLE_S[self._refinements_done]
 
-    def refine(self, free_block_ids: list[int]) -> int | None:
-        """Re-measure into ``free_block_ids``; the new budget when it is larger than the one in use, else None."""
-        self._refinements_done += 1
+    def refine(self, free_block_ids: list[int], interrupted: Callable[[], bool] = lambda: False) -> int | None:
+        """Re-measure into ``free_block_ids``; the new budget when it is larger than the one in use, else None.
+        Stopped, and not counted as done, once ``interrupted()`` (module docstring)."""
         timing = measure(self.runner, free_block_ids, self.block_size, self.max_model_len, REFINE_REPEATS,
-                         PROBE_MAX_S / 2)
+                         PROBE_MAX_S / 2, interrupted)
+        if timing is None:
+            logger.debug("step budget re-measurement stopped: a request arrived")
+            return None
+        self._refinements_done += 1
         measured = budget_for(timing, self.block_size, self.max_num_seqs)
         self._remember(measured, timing)
         if measured <= self.budget:

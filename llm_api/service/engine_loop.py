@@ -10,7 +10,8 @@ stats (``stats``) and the time it last made progress, so readers (metrics, healt
 ``generate()`` raises the core's refusal (bad input, prompt too long) before yielding anything; if a step
 raises, every stream in the engine ends with that error and their requests are aborted, so no stream
 hangs; once idle for the delay the core names (``idle_work_delay``), the thread runs the core's idle work
-(``LLMEngine``: re-measuring its CPU step budget), which a request arriving meanwhile waits for; if the
+(``LLMEngine``: re-measuring its CPU step budget), which stops early when a request arrives (the
+request waits for one probe chunk at most); if the
 consumer stops iterating or is cancelled, its request is aborted in a ``finally``. A request with
 ``params.n`` > 1 has one stream carrying the outputs of all its sequences (each with its ``index``); it ends
 when all n have finished.
@@ -50,7 +51,8 @@ class EngineCore(Protocol):
     def stats(self) -> Any: ...
 
     # Optional (``LLMEngine``): work the core does only while idle (re-measuring its CPU step budget).
-    # idle_work_delay() -> seconds of idleness before idle_work() is due, or None; idle_work() -> None.
+    # idle_work_delay() -> seconds of idleness before idle_work() is due, or None;
+    # idle_work(interrupted) -> None, returning soon once interrupted() (a message is waiting) is true.
 
 
 class EngineDeadError(RuntimeError):
@@ -195,7 +197,9 @@ class EngineLoop:
 
     def _idle_work(self) -> None:
         try:
-            self.core.idle_work()  # type: ignore[attr-defined]  # (only called when idle_work_delay exists)
+            # (only called when idle_work_delay exists; the list is read without the lock: a stale answer
+            # costs one more probe chunk, never a lost message)
+            self.core.idle_work(lambda: bool(self._commands or self._shutdown))  # type: ignore[attr-defined]
         except Exception:  # idle work only improves the core: a failure must not stop serving
             logger.exception("idle work failed")
         self.stats = self.core.stats()

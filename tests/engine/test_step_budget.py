@@ -1,7 +1,7 @@
 """The per-step token budget sized to a CPU (MAX_NUM_BATCHED_TOKENS=0): measured at engine start, a
 multiple of the block size, never below max_num_seqs, robust to noisy timings, and the engine it sizes still
 matches generate(); cached per host and settings, re-measured while idle and only ever raised, bounded below
-by the model's arithmetic."""
+by the model's arithmetic; a re-measurement gives way to a request that arrives."""
 
 from __future__ import annotations
 
@@ -117,6 +117,61 @@ def test_re_measuring_while_idle_only_raises_the_budget(tiny_models, tmp_path, m
     assert tokens == reference_greedy(reference_model, prompt, 8)
 
 
+def test_a_request_stops_the_re_measurement_before_its_next_chunk(tiny_models, tmp_path, monkeypatch):
+    """measure() runs no chunk once interrupted; an interrupted re-measurement changes nothing, counts as
+    not done (the same one is due at the next idle spell) and gives its blocks back."""
+    model, reference_model = get_model(tiny_models, "llama")
+    engine = make_engine(model, max_num_batched_tokens=None, max_num_seqs=8, step_budget_cache=str(tmp_path / "c"))
+    budget, done = engine.config.max_num_batched_tokens, engine.step_budget._refinements_done
+    chunks = []
+    real = step_budget._timed_prefill
+    monkeypatch.setattr(step_budget, "_timed_prefill", lambda *args: chunks.append(args[1]) or real(*args))
+    engine.idle_work(lambda: len(chunks) >= 3)  # (a request arrives during the third chunk)
+    assert len(chunks) == 3
+    assert engine.config.max_num_batched_tokens == budget and engine.step_budget._refinements_done == done
+    assert_engine_idle(engine)
+    engine.idle_work()  # uninterrupted: it runs to its end and counts (the next delay is due)
+    assert len(chunks) > 3 + 2 and engine.step_budget._refinements_done == done + 1
+
+
+def test_the_engine_loop_interrupts_idle_work_when_a_message_arrives():
+    """The loop's idle work is told when a message waits (it stops within a chunk), and the message is then
+    applied."""
+    import threading
+
+    from llm_api.service.engine_loop import EngineLoop
+
+    class Core:
+        def __init__(self):
+            self.began, self.waited, self.aborted = threading.Event(), None, []
+
+        def add_request(self, *args, **kwargs): ...
+        def abort_request(self, request_id, index=None): self.aborted.append(request_id)
+        def has_unfinished_requests(self): return False
+        def run_step(self, on_outputs): ...
+        def stats(self): return None
+        def idle_work_delay(self): return 0.01 if self.waited is None else None
+
+        def idle_work(self, interrupted):  # a long re-measurement, asking between its chunks
+            self.began.set()
+            started = time.monotonic()
+            while not interrupted() and time.monotonic() - started < 30:
+                time.sleep(0.01)
+            self.waited = time.monotonic() - started
+
+    core = Core()
+    loop = EngineLoop(core)
+    try:
+        assert core.began.wait(5)
+        loop.abort("x")  # any message
+        deadline = time.monotonic() + 5
+        while not core.aborted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert core.aborted == ["x"] and core.waited is not None and core.waited < 5
+    finally:
+        loop.shutdown()
+
+
 def test_the_analytic_floor_bounds_a_swamped_probe(tiny_models, monkeypatch):
     """A probe whose fixed cost alone exceeds the step target would give one block; the floor, from the
     model's arithmetic, gives what a slow core still manages."""
@@ -141,7 +196,7 @@ def test_the_engine_loop_runs_idle_work_only_when_idle():
         def run_step(self, on_outputs): ...
         def stats(self): return None
         def idle_work_delay(self): return 0.05 if self.idle_calls < 3 else None
-        def idle_work(self): self.idle_calls += 1
+        def idle_work(self, interrupted): self.idle_calls += 1
 
     core = Core()
     loop = EngineLoop(core)
