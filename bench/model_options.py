@@ -57,7 +57,8 @@ def measure(option: str) -> dict:
     from llm_api.model import loader as model_loader
     from llm_api.model.settings import Settings
     from llm_api.protocols.native.translate import parse_request
-    from llm_api.service.service import Finished, ModelService, TextDelta
+    from llm_api.service.events import Finished, TextDelta
+    from llm_api.service.service import ModelService
 
     model_path = model_dir()
     env = {"MODEL_PATH": str(model_path), "KV_CACHE_MEMORY_MIB": "64", **OPTIONS[option]}

@@ -18,7 +18,8 @@ import torch
 from llm_api.model import loader as model_loader
 from llm_api.model.settings import ConfigError, Settings
 from llm_api.protocols.native.translate import parse_request
-from llm_api.service.service import ModelService, TextDelta
+from llm_api.service.events import TextDelta
+from llm_api.service.service import ModelService
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -1,4 +1,4 @@
-"""The response store (llm_api.service.response_store): bounds, TTL, owners, SQLite persistence.
+"""The response store (llm_api.protocols.responses.store): bounds, TTL, owners, SQLite persistence.
 
 Both stores run the same tests through ``make_store`` (memory, and SQLite in a temporary file); the clock is
 injected, so expiry needs no waiting. The flood test puts 100,000 entries of random sizes and checks the
@@ -22,7 +22,7 @@ import pytest
 
 from llm_api.model.settings import ConfigError, Settings
 from llm_api.service.owners import owner_of
-from llm_api.service.response_store import (
+from llm_api.protocols.responses.store import (
     ENTRY_OVERHEAD_BYTES,
     WAL_LIMIT_BYTES,
     MemoryResponseStore,

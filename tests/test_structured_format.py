@@ -268,7 +268,7 @@ def test_a_refused_parse_lets_go_of_what_it_made_on_its_own_thread():
     0.07-0.2 s)."""
     import weakref
 
-    from llm_api.service.service import _refusal_let_go
+    from llm_api.service.input import _refusal_let_go
 
     class Held:
         pass

@@ -85,7 +85,7 @@ def _api_key(raw: str) -> str:
 
 def _store_path(raw: str) -> str:
     """RESPONSES_STORE_PATH: empty (memory), or an SQLite file. Whether it opens is checked when the store is
-    opened (llm_api.service.response_store.open_response_store), which names this variable too."""
+    opened (llm_api.protocols.responses.store.open_response_store), which names this variable too."""
     if raw and (raw != raw.strip() or "\0" in raw):
         raise ConfigError(f"RESPONSES_STORE_PATH={raw!r} is not supported; allowed values: empty (memory) or a "
                           "file path without leading or trailing spaces")
@@ -485,7 +485,7 @@ class Settings:
         "HEADER_TIMEOUT_S", 5.0,
         "`llm_api serve` only: a new connection must start a request within this many seconds, else it is closed "
         "(`KEEPALIVE_TIMEOUT_S` still bounds every connection)", minimum=0.0)
-    # Stored responses (the Responses API's store: true; llm_api.service.response_store).
+    # Stored responses (the Responses API's store: true; llm_api.protocols.responses.store).
     responses_store_max_entries: int = setting(
         "RESPONSES_STORE_MAX_ENTRIES", 10_000,
         "stored responses (`store: true`, the Responses API's default) kept at most; the oldest is evicted first. "

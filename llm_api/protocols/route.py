@@ -6,8 +6,10 @@
   ``{name: bytes}``), its headers (lower-case names), whether it came over gRPC and, if so, whether the
   client reads a stream.
 * ``RouteContext``: what the serving process offers a route: the service (``None`` while the model
-  loads), the native end-of-stream marker, whether the process drains, and the Prometheus text where the
-  edge serves one.
+  loads), the native end-of-stream marker, whether the process drains, the Prometheus text where the
+  edge serves one, and ``ApiStates``: what APIs keep across requests (the Responses API's stored and
+  in-flight responses), opened once per serving process by its edge (``table.open_api_states``) and
+  closed at its shutdown.
 * ``Whole`` (a complete answer: status, body, content type, headers) or ``Streamed`` (``Part``s from
   ``llm_api.service.answer.encoded_parts`` and the encoder whose ``fail`` ends a stream that broke
   mid-way): what a route answers. Errors are ``ApiError``s, raised; the edge renders them in the route's
@@ -25,6 +27,7 @@ from typing import Any, AsyncGenerator, Awaitable, Callable, Mapping
 
 from llm_api.api.encoding import AnswerEncoder
 from llm_api.api.errors import ApiError
+from llm_api.protocols.responses.state import Responses
 from llm_api.service.answer import Part
 from llm_api.service.service import ModelService
 
@@ -61,6 +64,7 @@ class RouteContext:
     # () -> the key management routes need in X-Management-Key (TorchServe's management key; None: token auth
     # off), where the edge's own auth does not already stand for it (the standalone server's bearer key does).
     management_key: Callable[[], str | None] | None = None
+    apis: "ApiStates | None" = None  # None: the edge serves no API that keeps state (gRPC: the native route)
 
     def loaded(self) -> ModelService:
         """The service, or the 503 a request gets while the model loads."""
@@ -74,6 +78,16 @@ class RouteContext:
         if self.draining:
             raise ApiError(503, "shutting_down", "the server is shutting down; retry on another replica")
         return service
+
+
+@dataclass
+class ApiStates:
+    """What the APIs keep across requests in one serving process (each API owns its own)."""
+
+    responses: Responses  # llm_api.protocols.responses.state
+
+    def close(self) -> None:
+        self.responses.close()
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ The TorchServe handler, the standalone HTTP server and the gRPC servicer hold no
 what they received into a ``Call``, ask ``find`` for the route (by the path below their root), run
 ``answer`` and write the ``Whole`` or ``Streamed`` it returns, rendering a raised ``ApiError`` with
 ``error_body`` in the route's shape. Adding a route is a ``route`` module in its API's folder of
-``llm_api.protocols`` and a line below.
+``llm_api.protocols`` and a line below. An API that keeps state across requests (the Responses API's
+stored responses) opens it in ``open_api_states``, which each edge calls once at start.
 
 ``find(method, path, edge, headers)``: ``edge`` is ``"server"`` (paths below ``/``) or
 ``"torchserve"`` (paths below ``/predictions/<model>/<version>/``, where the empty path is the native
@@ -27,10 +28,19 @@ from llm_api.protocols.lora import route as lora
 from llm_api.protocols.native import route as native
 from llm_api.protocols.probes import route as probes
 from llm_api.protocols.responses import route as responses
-from llm_api.protocols.route import Answer, Call, Route, RouteContext
+from llm_api.model.settings import Settings
+from llm_api.protocols.responses.state import open_responses
+from llm_api.protocols.route import Answer, ApiStates, Call, Route, RouteContext
 from llm_api.protocols.tokenize import route as tokenizer
 
 METHOD_OVERRIDE_HEADER = "x-http-method-override"
+
+
+def open_api_states(settings: Settings) -> ApiStates:
+    """What the APIs keep across requests (``RouteContext.apis``); raises ConfigError for a setting that
+    cannot be served (an unusable RESPONSES_STORE_PATH)."""
+    return ApiStates(open_responses(settings))
+
 
 ROUTES: tuple[Route, ...] = (
     Route("generate", "POST", native.generate, paths=("predictions/{model}",), model_paths=("",), errors="native"),

@@ -50,7 +50,7 @@ from llm_api.server.transport import (
 )
 from llm_api.service.answer import Chunk, Refusal
 from llm_api.service.owners import single_authorization
-from llm_api.protocols.route import Call, RouteContext, Whole, error_body
+from llm_api.protocols.route import ApiStates, Call, RouteContext, Whole, error_body
 from llm_api.protocols.table import answer, error_shape, find, is_public
 from llm_api.service.service import ModelService
 
@@ -74,6 +74,7 @@ class ServerState:
     limits: TransportLimits = field(default_factory=lambda: TransportLimits.from_settings(Settings()))
     connections: ConnectionGuard | None = None  # installed on the server once it listens
     service: ModelService | None = None
+    apis: ApiStates | None = None  # what the APIs keep across requests (opened at start)
 
 
 STATE = web.AppKey("state", ServerState)
@@ -202,7 +203,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
         headers = {name.lower(): value for name, value in request.headers.items()}
         call = Call(request_id, request.method, await _row(request), headers, owner=request.get("owner", ""))
         ctx = RouteContext(state.marker, state.service, state.lifecycle.draining,
-                           lambda: (state.metrics.render(), METRICS_CONTENT_TYPE))
+                           lambda: (state.metrics.render(), METRICS_CONTENT_TYPE), apis=state.apis)
         result = await answer(route, params, ctx, call)
     except ApiError as error:
         raise RouteError(error, shape) from None

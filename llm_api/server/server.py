@@ -23,7 +23,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from llm_api.model.settings import Settings
+from llm_api.model.settings import ConfigError, Settings
+from llm_api.protocols.table import open_api_states
 from llm_api.server.connections import ConnectionGuard
 from llm_api.server.auth import BearerAuth, resolve_key
 from llm_api.server.grpc_api import build_grpc_server
@@ -52,9 +53,14 @@ async def serve(settings: Settings, options: ServeOptions) -> int:
     if not options.auth:
         logger.warning("bearer-key auth is OFF (--no-auth): anyone who reaches %s:%d can use the model",
                        options.host, options.port)
+    try:
+        apis = open_api_states(settings)  # (an unusable RESPONSES_STORE_PATH stops the start here)
+    except ConfigError as err:
+        logger.error("llm_api serve: %s", err)
+        return 2
     state = ServerState(marker=settings.end_of_stream_token, auth=BearerAuth(key), lifecycle=lifecycle,
                         metrics=ServerMetrics(settings.model_name), max_request_bytes=settings.max_request_bytes,
-                        limits=TransportLimits.from_settings(settings))
+                        limits=TransportLimits.from_settings(settings), apis=apis)
     # handler_cancellation: aiohttp cancels a handler whose client disconnected (http_api's docstring);
     # the transport limits: llm_api.server.transport.
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None,
@@ -112,6 +118,7 @@ async def serve(settings: Settings, options: ServeOptions) -> int:
         await runner.cleanup()
         if service is not None:
             service.shutdown()
+        apis.close()
 
 
 def _on_signal(lifecycle: Lifecycle) -> None:
@@ -130,7 +137,7 @@ def _load_in_background(loop: asyncio.AbstractEventLoop, settings: Settings, met
     def work():
         try:
             service = ModelService.load(settings, metrics.sink)
-            _ = service.prompts  # built here rather than by the first request, on the event loop
+            _ = service.inputs.prompts  # built here rather than by the first request, on the event loop
         except BaseException as error:  # noqa: BLE001 (reported through the future)
             loop.call_soon_threadsafe(settle, None, error)
             return

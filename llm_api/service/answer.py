@@ -32,7 +32,8 @@ from typing import Any, AsyncGenerator, Callable, Sequence, TypeVar, cast
 from llm_api.api.encoding import AnswerEncoder
 from llm_api.api.errors import ApiError
 from llm_api.api.request import GenerateRequest
-from llm_api.service.service import ChoiceFinished, Event, Finished, ModelService, TextDelta
+from llm_api.service.events import ChoiceFinished, Event, Finished, TextDelta
+from llm_api.service.service import ModelService
 
 LARGE_BODY_BYTES = 64 * 1024  # bodies above this are parsed off the event loop
 BATCH_QUEUE_EVENTS = 64  # events of a several-prompt call waiting for the client (its prompts then wait)
@@ -74,7 +75,7 @@ async def parse_large(service: ModelService, parse: Callable[..., T], body: byte
 async def parse_sized(service: ModelService, size: int, parse: Callable[..., T], *args: Any) -> T:
     """``parse(*args)`` of a request of ``size`` bytes, on the service's worker threads when that is large."""
     if size > LARGE_BODY_BYTES:
-        return await service.offload(parse, *args)
+        return await service.inputs.offload(parse, *args)
     return parse(*args)
 
 

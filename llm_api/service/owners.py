@@ -1,6 +1,6 @@
 """Who owns a stored response: one function for every edge.
 
-A stored response (llm_api.service.response_store) is readable only by whoever created it, and "whoever"
+A stored response (llm_api.protocols.responses.store) is readable only by whoever created it, and "whoever"
 is the credential the request carried. ``owner_of`` turns an Authorization header into an owner: the
 SHA-256 hex of the header's text (surrounding spaces dropped; an absent header is the empty text), so the
 store never holds a key, a key never reaches a log through an owner, and different keys are different

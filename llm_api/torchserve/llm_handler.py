@@ -35,8 +35,8 @@ from llm_api.api.errors import ApiError, internal_error
 from llm_api.model.settings import ConfigError, Settings
 from llm_api.service.answer import Chunk, Part, Refusal
 from llm_api.service.owners import torchserve_owner
-from llm_api.protocols.route import Call, RouteContext, Whole, error_body
-from llm_api.protocols.table import answer, error_shape, find
+from llm_api.protocols.route import ApiStates, Call, RouteContext, Whole, error_body
+from llm_api.protocols.table import answer, error_shape, find, open_api_states
 from llm_api.service.service import ModelService
 from llm_api.torchserve.metrics_sink import TorchServeMetricSink
 from llm_api.torchserve.reply import Reply
@@ -48,6 +48,7 @@ class LLMHandler(BaseHandler):
     def __init__(self) -> None:
         super().__init__()
         self.service: ModelService | None = None
+        self.apis: ApiStates | None = None
         self.async_mode = False
         self.marker = ""
         self.grpc_streaming = False
@@ -75,6 +76,7 @@ class LLMHandler(BaseHandler):
             self._loop = asyncio.new_event_loop()
         self.marker = settings.end_of_stream_token
         self.grpc_streaming = settings.grpc_streaming
+        self.apis = open_api_states(settings)  # (what the APIs keep: an unusable RESPONSES_STORE_PATH stops here)
         self.service = ModelService.load(settings, TorchServeMetricSink(settings.model_name))
         self.service.metrics.announce()
         self.initialized = True
@@ -109,7 +111,7 @@ class LLMHandler(BaseHandler):
             owner = torchserve_owner(reply.headers.get("authorization"), None if reply.is_grpc else _inference_key())
             call = Call(reply.request_id, None, row, reply.headers, grpc=reply.is_grpc,
                         grpc_stream=reply.is_grpc and self.grpc_streaming, owner=owner)
-            ctx = RouteContext(self.marker, self._service, management_key=_management_key)
+            ctx = RouteContext(self.marker, self._service, management_key=_management_key, apis=self.apis)
             result = await answer(route, params, ctx, call)
             if isinstance(result, Whole):
                 if result.status == 200:

@@ -87,7 +87,8 @@ def test_every_sampling_feature_at_once_in_bf16(embedded_model_path):
     from llm_api.protocols.native.translate import parse_request
     from llm_api.model import loader
     from llm_api.model.settings import Settings
-    from llm_api.service.service import ChoiceFinished, Finished, ModelService, TextDelta
+    from llm_api.service.events import ChoiceFinished, Finished, TextDelta
+    from llm_api.service.service import ModelService
 
     settings = Settings.from_env({"MODEL_PATH": str(embedded_model_path), "DTYPE": "bfloat16",
                                   "KV_CACHE_MEMORY_MIB": "32"})

@@ -34,7 +34,7 @@ from llm_api.protocols.responses.encoder import ResponsesCall
 from llm_api.protocols.responses.translate import parse_responses
 from llm_api.api.request import GenerateRequest
 from llm_api.service.answer import Final, Part, Refusal, encoded_parts, parse_large
-from llm_api.service.live_responses import InFlightResponse
+from llm_api.protocols.responses.state import InFlightResponse, Responses
 from llm_api.protocols.route import Answer, Call, RouteContext, Streamed, Whole
 from llm_api.service.service import ModelService
 
@@ -47,34 +47,42 @@ def _owner(call: Call) -> str:
     return call.owner
 
 
+def _state(ctx: RouteContext) -> Responses:
+    """The API's state (its edge opened it at start); 503 while the model loads, as every route of it."""
+    ctx.loaded()
+    if ctx.apis is None:
+        raise internal_error("this edge does not serve the Responses API")
+    return ctx.apis.responses
+
+
 def _not_found(response_id: str, param: str | None = None) -> ApiError:
     return ApiError(404, "not_found", f"no response with id {echo(response_id)}", param)
 
 
 async def create(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:
-    service = ctx.serving()
+    service, responses = ctx.serving(), _state(ctx)
     request, encoder = await parse_large(service, parse_responses, call.json_body(), service.model_name,
                                          service.limits, service.adapter_names())
     owner = _owner(call)
     if encoder.previous_response_id is not None:
-        stored = await asyncio.to_thread(service.responses.store.get, encoder.previous_response_id, owner)
+        stored = await asyncio.to_thread(responses.store.get, encoder.previous_response_id, owner)
         if stored is None:
             raise _not_found(encoder.previous_response_id, "previous_response_id")
         encoder.continue_from(json.loads(stored.conversation_json), request)
     if encoder.background:
         entry = InFlightResponse(owner, call.request_id, encoder)
-        service.responses.in_flight[encoder.id] = entry  # (before the answer: a poll right after it finds it)
-        service.responses.run_in_background(_background(service, request, encoder, call.request_id, owner, entry))
+        responses.in_flight[encoder.id] = entry  # (before the answer: a poll right after it finds it)
+        responses.run_in_background(_background(service, responses, request, encoder, call.request_id, owner, entry))
         return Whole(200, json.dumps({**encoder.response_json(), "status": "queued"}))
-    return Streamed(_tracked(service, request, encoder, call.request_id, owner), encoder)
+    return Streamed(_tracked(service, responses, request, encoder, call.request_id, owner), encoder)
 
 
-async def _background(service: ModelService, request: GenerateRequest, encoder: ResponsesCall, request_id: str,
-                      owner: str, entry: InFlightResponse) -> None:
+async def _background(service: ModelService, responses: Responses, request: GenerateRequest, encoder: ResponsesCall,
+                      request_id: str, owner: str, entry: InFlightResponse) -> None:
     """A background response to its end; a refusal or an error ends it ``failed`` (stored all the same)."""
     error: ApiError | None = None
     try:
-        async with aclosing(_tracked(service, request, encoder, request_id, owner, entry)) as parts:
+        async with aclosing(_tracked(service, responses, request, encoder, request_id, owner, entry)) as parts:
             async for part in parts:
                 if isinstance(part, Refusal):
                     detail = json.loads(part.body).get("error") or {}
@@ -86,14 +94,14 @@ async def _background(service: ModelService, request: GenerateRequest, encoder: 
         error = internal_error()
     if error is not None:
         encoder.fail(error)
-        await asyncio.to_thread(service.responses.store.put, encoder.id, owner, json.dumps(encoder.response_json()),
+        await asyncio.to_thread(responses.store.put, encoder.id, owner, json.dumps(encoder.response_json()),
                                 json.dumps(encoder.conversation()))
 
 
-async def _tracked(service: ModelService, request: GenerateRequest, encoder: ResponsesCall, request_id: str,
+async def _tracked(service: ModelService, responses: Responses, request: GenerateRequest, encoder: ResponsesCall, request_id: str,
                    owner: str, entry: InFlightResponse | None = None) -> AsyncGenerator[Part, None]:
     """The answer's parts, with the response known as in flight meanwhile and stored before its last part."""
-    live = service.responses.in_flight
+    live = responses.in_flight
     if entry is None:
         entry = InFlightResponse(owner, request_id, encoder)
         live[encoder.id] = entry
@@ -101,7 +109,7 @@ async def _tracked(service: ModelService, request: GenerateRequest, encoder: Res
         async with aclosing(encoded_parts(service, request, encoder, request_id, owner=owner)) as parts:
             async for part in parts:
                 if isinstance(part, Final) and encoder.store:
-                    stored = await asyncio.to_thread(service.responses.store.put, encoder.id, owner,
+                    stored = await asyncio.to_thread(responses.store.put, encoder.id, owner,
                                                      json.dumps(encoder.response_json()),
                                                      json.dumps(encoder.conversation()))
                     if not stored:
@@ -113,7 +121,7 @@ async def _tracked(service: ModelService, request: GenerateRequest, encoder: Res
 
 
 async def retrieve(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:
-    responses = ctx.loaded().responses
+    responses = _state(ctx)
     response_id, owner = params["id"], _owner(call)
     live = responses.in_flight.get(response_id)
     if live is not None and live.owner == owner:
@@ -126,17 +134,17 @@ async def retrieve(ctx: RouteContext, call: Call, params: dict[str, str]) -> Ans
 
 async def delete(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:
     response_id = params["id"]
-    if not await asyncio.to_thread(ctx.loaded().responses.store.delete, response_id, _owner(call)):
+    if not await asyncio.to_thread(_state(ctx).store.delete, response_id, _owner(call)):
         raise _not_found(response_id)
     return Whole(200, json.dumps({"id": response_id, "object": "response.deleted", "deleted": True}))
 
 
 async def cancel(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:
-    service = ctx.loaded()
+    service, responses = ctx.loaded(), _state(ctx)
     response_id, owner = params["id"], _owner(call)
-    live = service.responses.in_flight.get(response_id)
+    live = responses.in_flight.get(response_id)
     if live is None or live.owner != owner:
-        if await asyncio.to_thread(service.responses.store.get, response_id, owner) is None:
+        if await asyncio.to_thread(responses.store.get, response_id, owner) is None:
             raise _not_found(response_id)
         raise ApiError(400, "invalid_request", f"the response {echo(response_id)} has finished; only a response "
                        "being generated can be cancelled")

@@ -25,14 +25,14 @@ async def parse_detokenize_call(service: ModelService, body: bytes | bytearray) 
 
 async def tokenize(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:
     service = ctx.serving()
-    token_ids = await service.tokenize(await parse_tokenize_call(service, call.json_body()))
+    token_ids = await service.inputs.tokenize(await parse_tokenize_call(service, call.json_body()))
     return Whole(200, tokenize_answer(token_ids, service.max_model_len))
 
 
 async def detokenize(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:
     service = ctx.serving()
     token_ids = await parse_detokenize_call(service, call.json_body())
-    return Whole(200, detokenize_answer(await service.detokenize(token_ids)))
+    return Whole(200, detokenize_answer(await service.inputs.detokenize(token_ids)))
 
 
 async def tokenizer_info(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:

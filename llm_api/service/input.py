@@ -1,0 +1,177 @@
+"""Input processing: a parsed request becomes what the engine takes, or its refusal (vLLM's input processor).
+
+``InputProcessor`` renders and tokenizes prompts (``PromptBuilder``), converts embeddings, checks every
+limit a request must meet on its own, and compiles its grammar; ``ModelService`` admits what it prepared
+against what all live requests share (capacity, labels, adapters). In the order a request meets them:
+
+* ``check(request)``, before anything is tokenized: work over MAX_REQUEST_WORK whatever the prompt is
+  (``llm_api.api.request.work_refusal``), a prompt whose length in characters cannot fit MAX_INPUT_TOKENS,
+  the prompt's logprobs on the ``generate()`` reference path (the paged engine computes them);
+* ``prepare(request, owner, arrival)``: the token ids (or the embeddings tensor), then a prompt that became
+  no tokens (400 ``empty_prompt``), the work with its tokens, prompt + ``max_new_tokens`` over what the KV
+  cache holds for one request (400 ``prompt_too_long``), the grammar (compiled on its own pool, by owner:
+  ``llm_api.service.grammars``; 400 naming the field when the library rejects it), and the request's
+  deadline (its ``timeout_s``, never beyond REQUEST_TIMEOUT_S) and cost in tokens for admission.
+
+Prompts longer than ``OFF_LOOP_MIN_SIZE`` (characters, or embedding values) are prepared on a small thread
+pool, off the event loop, which also serves ``offload`` (large bodies) and the tokenizer routes
+(``tokenize``, ``detokenize``: vLLM's /tokenize and /detokenize, tokenizing exactly as ``prepare`` does).
+A refusal raised on that pool leaves without its traceback (``_refusal_let_go``), so what the failed work
+made is freed there, not on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, cast
+
+import torch
+
+from llm_api.api.errors import ApiError
+from llm_api.api.prompt import PromptBuilder
+from llm_api.api.request import GenerateRequest, Limits, TokenizeRequest, work_refusal
+from llm_api.model.loader import LoadedModel
+from llm_api.model.settings import Settings
+from llm_api.service.grammars import GrammarCompilation
+
+# Prompts longer than this (characters, or embedding values) are prepared on the thread pool: below it
+# the work (well under a millisecond) costs less than the hand-off.
+OFF_LOOP_MIN_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready for admission: its prompt as ids or embeddings, what it costs and when it expires."""
+
+    prompt_ids: list[int] | None
+    prompt_embeds: torch.Tensor | None
+    num_prompt_tokens: int
+    cost: int  # prompt + n x max_new_tokens: what it holds of MAX_TOKENS_IN_FLIGHT
+    deadline: float  # monotonic
+
+
+class InputProcessor:
+    def __init__(self, settings: Settings, lm: LoadedModel, limits: Limits, kv_max_model_len: int | None,
+                 path_name: str):
+        self.settings = settings
+        self.lm = lm
+        self.limits = limits
+        self._kv_max_model_len = kv_max_model_len  # None: no paged KV cache (the reference path)
+        self._path_name = path_name
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="llm-prepare")
+        self.grammars = GrammarCompilation(lm.tokenizer, _logits_width(lm.model), lm.eos_token_ids)
+
+    @functools.cached_property
+    def prompts(self) -> PromptBuilder:
+        return PromptBuilder(self.lm.tokenizer, self.settings.max_input_tokens)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.grammars.shutdown()
+
+    async def offload(self, fn, *args):
+        """Run ``fn(*args)`` on the small worker pool (large prompts and bodies): the event loop keeps
+        serving the other requests meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(_refusal_let_go, fn, *args))
+
+    # ------------------------------------------------------------------------------------------
+    # a generation request
+
+    def check(self, request: GenerateRequest) -> None:
+        """The refusals that need no tokens (module docstring)."""
+        refusal = work_refusal(request, 0, self.limits.max_request_work) or self.prompts.too_long(request)
+        if refusal is not None:
+            raise refusal
+        if request.params.prompt_logprobs is not None and self._kv_max_model_len is None:
+            raise ApiError(400, "unsupported_parameter", "'echo' with 'logprobs' (the prompt's logprobs) needs the "
+                           f"paged engine; this model runs on the {self._path_name}", "echo")
+
+    async def prepare(self, request: GenerateRequest, owner: str, arrival: float) -> Prepared:
+        """Tokenize, check and compile (module docstring); ``request.params`` gets the compiled grammar."""
+        prompt_ids, prompt_embeds = await self._prompt(request)
+        if prompt_ids is not None:
+            num_prompt_tokens = len(prompt_ids)
+        else:
+            assert prompt_embeds is not None  # _prompt gives ids or embeddings
+            num_prompt_tokens = int(prompt_embeds.shape[0])
+        if num_prompt_tokens == 0:  # (the engine has nothing to prefill: an answer needs one token to follow)
+            raise ApiError(400, "empty_prompt", "the prompt becomes no tokens (it holds only characters the "
+                           "tokenizer drops); send text the model can read")
+        refusal = work_refusal(request, num_prompt_tokens, self.limits.max_request_work)
+        if refusal is not None:
+            raise refusal
+        self._check_fits(num_prompt_tokens, request.params.max_new_tokens)
+        deadline = arrival + min(request.timeout_s or self.settings.request_timeout_s, self.settings.request_timeout_s)
+        if request.constraint is not None:
+            grammar = await self.grammars.compile(request.constraint, deadline, owner)
+            request.params = dataclasses.replace(request.params, grammar=grammar)
+        return Prepared(prompt_ids, prompt_embeds, num_prompt_tokens,
+                        num_prompt_tokens + request.params.n * request.params.max_new_tokens, deadline)
+
+    async def _prompt(self, request: GenerateRequest) -> tuple[list[int] | None, torch.Tensor | None]:
+        # (a tensor of embeddings, or token ids)
+        work: Callable[[GenerateRequest], Any]
+        result: Any
+        if request.inputs_embeds is not None:
+            work, size = self._embeds_tensor, len(request.inputs_embeds) * (self.limits.hidden_size or 1)
+        else:
+            work, size = self.prompts.token_ids, request.num_input_chars()
+        if size < OFF_LOOP_MIN_SIZE:
+            result = work(request)
+        else:
+            result = await asyncio.get_running_loop().run_in_executor(self._pool, work, request)
+        return (None, result) if request.inputs_embeds is not None else (result, None)
+
+    def _embeds_tensor(self, request: GenerateRequest) -> torch.Tensor:
+        return torch.tensor(request.inputs_embeds, dtype=cast(torch.dtype, self.lm.model.dtype), device=self.lm.device)
+
+    def _check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
+        limit = self._kv_max_model_len
+        if limit is not None and num_prompt_tokens + max_new_tokens > limit:
+            raise ApiError(400, "prompt_too_long",
+                           f"prompt ({num_prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
+                           f"{limit} tokens the KV cache can hold for one request (KV_CACHE_MEMORY_MIB, "
+                           f"MAX_INPUT_TOKENS, MAX_NEW_TOKENS)")
+
+    # ------------------------------------------------------------------------------------------
+    # the tokenizer routes
+
+    async def tokenize(self, request: TokenizeRequest) -> list[int]:
+        """The ids a prompt or chat becomes, exactly as ``prepare`` would tokenize it (ApiError when it
+        cannot be served: over MAX_INPUT_TOKENS, no chat template)."""
+        as_generate = GenerateRequest(text=request.text, messages=request.messages)
+        refusal = self.prompts.too_long(as_generate)
+        if refusal is not None:
+            raise refusal
+        work = functools.partial(self.prompts.ids_of, request.text, request.messages, request.add_special_tokens)
+        if as_generate.num_input_chars() < OFF_LOOP_MIN_SIZE:
+            return work()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, work)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        work = functools.partial(self.lm.tokenizer.decode, token_ids)
+        if len(token_ids) < OFF_LOOP_MIN_SIZE // 4:
+            return work()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, work)
+
+
+def _logits_width(model) -> int:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(config.vocab_size)
+
+
+def _refusal_let_go(fn, *args):
+    """``fn(*args)``; an ``ApiError`` it raises leaves without its traceback and the exceptions it came from,
+    whose frames hold what the parse made (a decoded 6 MB body: 66,000 objects), so they are freed here on
+    the worker thread and not on the event loop that receives the error, where freeing them took 0.07-0.2 s
+    with the GIL held (docs/reliability.md, "Hostile input, by class"). The edges render an error from its
+    own fields, never from its traceback."""
+    try:
+        return fn(*args)
+    except ApiError as error:
+        error.__context__ = error.__cause__ = None
+        raise error.with_traceback(None) from None
