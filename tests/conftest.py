@@ -191,6 +191,26 @@ def embedded_lm_fp32(group_shared, embedded_model_path):
         Settings.from_env({"MODEL_PATH": str(embedded_model_path), "DTYPE": "float32"})))
 
 
+def _grammar_compiler_built(server):
+    """``server``, once a structured-output request has built its grammar compiler. A server builds it for
+    the first request that needs one (llm_api.service.grammars: about 0.9 s here, holding the GIL up to
+    0.4 s at a stretch), a one-time stall of every stream it serves meanwhile; beside the suite's other
+    workers that stall stretched to 9 s inside a hostile test's witness (twice in CI: whichever test sent the
+    shared server its first tools request), where what the witness is there to catch is each input's own
+    stall. The shared servers whose tests run witnesses build it before their first test."""
+    from bench.harness import hostile
+
+    try:
+        answer = hostile.post_json(server, hostile.openai_path(server, "chat/completions"),
+                                   {"model": server.model_name, "messages": [{"role": "user", "content": "Hi"}],
+                                    "max_tokens": 1, "response_format": {"type": "json_object"}})
+        assert answer.status == 200, answer.body[:300]
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
 @pytest.fixture
 def classic_server(group_shared, tmp_path_factory, embedded_model_path):
     """The paged engine under classic batching (batchSize 8), float32, archive built as a .mar file.
@@ -221,9 +241,9 @@ def async_server(group_shared, tmp_path_factory, embedded_model_path):
     from bench.harness.torchserve_server import REPO
 
     config = (REPO / "model-config.yaml").read_text()
-    return group_shared.get("async_server", lambda: _serve(
+    return group_shared.get("async_server", lambda: _grammar_compiler_built(_serve(
         tmp_path_factory, embedded_model_path, "async", config,
-        env={"KV_CACHE_MEMORY_MIB": "64", "GRPC_STREAMING": "true", "DTYPE": "float32", "SPECULATIVE_TOKENS": "4"}),
+        env={"KV_CACHE_MEMORY_MIB": "64", "GRPC_STREAMING": "true", "DTYPE": "float32", "SPECULATIVE_TOKENS": "4"})),
         _stop)
 
 
@@ -233,8 +253,8 @@ def standalone_server(group_shared, tmp_path_factory, embedded_model_path):
     classic server (greedy answers comparable with generate()), the test servers' KV pool. Speculative
     decoding is on (SPECULATIVE_TOKENS=4): greedy answers are the same with it, so every test of this server
     also checks that, and tests/test_server_speculative.py checks what is particular to it."""
-    return group_shared.get("standalone_server", lambda: _serve_standalone(
-        tmp_path_factory, embedded_model_path, "standalone", {"DTYPE": "float32", "SPECULATIVE_TOKENS": "4"}),
+    return group_shared.get("standalone_server", lambda: _grammar_compiler_built(_serve_standalone(
+        tmp_path_factory, embedded_model_path, "standalone", {"DTYPE": "float32", "SPECULATIVE_TOKENS": "4"})),
         _stop)
 
 
@@ -268,9 +288,9 @@ def hermes_server(group_shared, tmp_path_factory, embedded_model_path):
 
     def start():
         model = hermes_model(tmp_path_factory, embedded_model_path)
-        return _serve(tmp_path_factory, embedded_model_path, "hermes", (REPO / "model-config.yaml").read_text(),
-                      env={"MODEL_PATH": str(model), "KV_CACHE_MEMORY_MIB": "64", "GRPC_STREAMING": "true",
-                           "DTYPE": "float32"})
+        return _grammar_compiler_built(_serve(
+            tmp_path_factory, embedded_model_path, "hermes", (REPO / "model-config.yaml").read_text(),
+            env={"MODEL_PATH": str(model), "KV_CACHE_MEMORY_MIB": "64", "GRPC_STREAMING": "true", "DTYPE": "float32"}))
 
     return group_shared.get("hermes_server", start, _stop)
 
