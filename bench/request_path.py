@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,9 +52,10 @@ async def _drive(num_requests: int, num_tokens: int, num_stops: int, logprobs: i
                                   params=params)
         counted = 0
         async for event in service.generate(request, f"bench-{i}"):
+            finished: Any = event  # (either tree's Finished: its class lives in another module in each)
             if type(event).__name__ == "Finished":
-                assert event.error is None, event.error
-                counted = event.num_generated_tokens
+                assert finished.error is None, finished.error
+                counted = finished.num_generated_tokens
         return counted
 
     try:

@@ -35,7 +35,7 @@ from llm_api.api.errors import ApiError
 from llm_api.api.request import Limits
 from llm_api.protocols.responses.encoder import ResponsesCall
 from llm_api.protocols.responses.schema import MAX_INPUT_ITEMS
-from llm_api.protocols.responses.translate import parse_responses
+from llm_api.protocols.responses.translate import continued, parse_responses
 from llm_api.api.reasoning import QWEN3, THINK_END, answer_only
 from llm_api.api.tools import GENERIC, HERMES, generic_tool_prompt
 from llm_api.engine.request import FinishReason
@@ -286,7 +286,7 @@ def test_previous_response_id_continues_the_stored_conversation():
     assert stored == [{"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": "Hello Ada."}]
     request, second = parse({"input": "What is my name?", "previous_response_id": first.id, "instructions": "Short."})
     assert second.previous_response_id == first.id
-    second.continue_from(stored, request)
+    request = continued(request, second, stored)
     assert request.messages == [{"role": "system", "content": "Short."}, *stored,
                                 {"role": "user", "content": "What is my name?"}]
     assert Response.model_validate(json.loads(feed(second, "Ada.", 2))).previous_response_id == first.id
@@ -298,10 +298,10 @@ def test_previous_response_id_continues_the_stored_conversation():
     assert err.value.param == "input[0].call_id"
     request, third = parse({"input": [output], "previous_response_id": "resp_1"})
     with pytest.raises(ApiError) as err:
-        third.continue_from(stored, request)
+        continued(request, third, stored)
     assert err.value.param == "input[0].call_id"
-    third.continue_from([{"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_9", "type": "function", "function": {"name": "f", "arguments": {}}}]}], request)
+    request = continued(request, third, [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_9", "type": "function", "function": {"name": "f", "arguments": {}}}]}])
     assert request.messages[-1] == {"role": "tool", "tool_call_id": "call_9", "content": "x"}
 
 
@@ -476,7 +476,7 @@ def test_reasoning_item_before_the_message_streamed_and_whole(size):
     # the stored conversation carries the thinking for a continuation (interleaved thinking)
     assert whole.conversation()[-1] == {"role": "assistant", "content": "The answer", "reasoning_content": "abc"}
     request, follow = parse({"input": "and then?", "previous_response_id": whole.id}, THINKING)
-    follow.continue_from(whole.conversation(), request)
+    request = continued(request, follow, whole.conversation())
     assert request.messages[1]["reasoning_content"] == "abc"
 
     _, streamed = parse({"input": "x", "stream": True}, THINKING)
@@ -604,10 +604,10 @@ def service(hermes_model_path):
 
 
 def served_client(service) -> tuple[openai.OpenAI, list]:
-    """An openai client whose requests run through parse_responses, the service and encoded_parts (what
-    an edge does, minus sockets), with a dict as the store of conversations (the lead's store's part);
+    """An openai client whose requests run through parse_responses, admit and encoded_parts (what an edge
+    does, minus sockets), with a dict as the store of conversations (the lead's store's part);
     the calls made are listed for the test to look at."""
-    from llm_api.service.answer import Refusal, encoded_parts
+    from llm_api.service.answer import Refusal, admit, encoded_parts
 
     calls: list[ResponsesCall] = []
     store: dict[str, list[dict]] = {}
@@ -618,12 +618,13 @@ def served_client(service) -> tuple[openai.OpenAI, list]:
             if call.previous_response_id is not None:
                 if call.previous_response_id not in store:
                     raise ApiError(404, "not_found", "no such response", "previous_response_id")
-                call.continue_from(store[call.previous_response_id], request)
+                request = continued(request, call, store[call.previous_response_id])
+            generations = await admit(service, request, f"r{len(calls) + 1}")
         except ApiError as error:
             return httpx.Response(error.status, content=error.openai_text().encode())
         calls.append(call)
         payload = ""
-        async for part in encoded_parts(service, request, call, f"r{len(calls)}"):
+        async for part in encoded_parts(generations, call):
             if isinstance(part, Refusal):
                 return httpx.Response(part.status, content=part.body.encode())
             payload += part.payload

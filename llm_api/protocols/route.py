@@ -23,12 +23,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 from llm_api.api.encoding import AnswerEncoder
 from llm_api.api.errors import ApiError
 from llm_api.protocols.responses.state import Responses
-from llm_api.service.answer import Part
+from llm_api.service.answer import EncodedParts
 from llm_api.service.service import ModelService
 
 JSON_CONTENT_TYPE = "application/json"
@@ -100,7 +100,7 @@ class Whole:
 
 @dataclass
 class Streamed:
-    parts: AsyncGenerator[Part, None]
+    parts: EncodedParts  # (its aclose releases the admitted requests, read or not)
     encoder: AnswerEncoder  # its fail() ends an answer that broke after chunks went out
 
 

@@ -17,7 +17,7 @@ UNAVAILABLE. The request id issued for a call comes back in the initial metadata
 a gRPC request can be cancelled with ``{"cancel": id}`` too.
 
 A client that cancels its call or goes away: grpc.aio cancels the servicer's task, and the cancellation
-closes ``service.generate`` (abort, KV blocks freed at the engine's next step).
+closes the answer's parts (abort, KV blocks freed at the engine's next step).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ nothing). While the model loads or the server drains, the generation routes answ
 
 A client that goes away: the server runs with ``handler_cancellation`` on, so aiohttp cancels the
 handler's task as soon as the connection is lost, wherever it is waiting (admission, the first token,
-between chunks); the cancellation closes ``service.generate``, which aborts the request in the engine
+between chunks); the cancellation closes the answer's parts, which abort the request in the engine
 and frees its KV blocks at the engine's next step. A write to a connection already closed ends the same
 way, and so does a client that stops reading (a write that does not finish within ``WRITE_TIMEOUT_S``);
 the other transport limits (slow heads and bodies, sizes, the connection cap) are

@@ -1,4 +1,4 @@
-"""What every front end does with one request, whatever owns its sockets: parse, drive, encode.
+"""What every front end does with one request, whatever owns its sockets: parse, admit, drive, encode.
 
 The TorchServe handler and the standalone server differ only in how bytes reach a client; the steps in
 between are the same and live here, so the two edges cannot drift apart:
@@ -7,18 +7,22 @@ between are the same and live here, so the two edges cannot drift apart:
   format's parser (``llm_api.protocols``: each API's routes call theirs), run on the service's worker
   threads when the body is large (embeddings: up to ~6 MB of JSON; a /detokenize body may hold a million
   ids), so the event loop keeps serving the other streams meanwhile. They raise ``ApiError``.
-* ``encoded_parts(service, request, encoder, request_id, marker)``: ``service.generate``'s events (text
-  deltas and choice ends of every choice, then one ``Finished``) through any ``AnswerEncoder``
-  (``llm_api.api.encoding``: native, OpenAI chat/completions, responses) into what the client receives,
-  as ``Part``s: ``Chunk`` (send it now, the answer is a 200 from here on), then exactly one of ``Final``
-  (the last payload of a 200 answer, possibly the whole answer when nothing was streamed) or ``Refusal``
-  (the request failed before anything was sent: its status and error body). Chunks and finals carry the
-  encoder's content type. ``ApiError`` from admission, or a unary answer outgrowing the native
-  encoder's ``max_unary_bytes`` (``response_too_large``), propagates before the first part, as from
-  ``service.generate``.
+* ``admit(service, request, request_id, marker, owner)``: a call's requests admitted (``ModelService.admit``;
+  several prompts of one completions call each as ``<request_id>.<p>``), or the first refusal raised with
+  every request admitted before it released. A route admits before it answers, so a refusal (4xx, 503)
+  leaves the route as a raised ``ApiError``, before the edge writes anything: its one way out.
+* ``encoded_parts(generations, encoder)``: the admitted requests' events (text deltas and choice ends of
+  every choice, then one ``Finished``) through any ``AnswerEncoder`` (``llm_api.api.encoding``: native,
+  OpenAI chat/completions, responses) into what the client receives, as ``Part``s: ``Chunk`` (send it now,
+  the answer is a 200 from here on), then exactly one of ``Final`` (the last payload of a 200 answer,
+  possibly the whole answer when nothing was streamed) or ``Refusal`` (the request failed after admission
+  and before anything was sent, such as its deadline or a cancel: its status and error body). Chunks and
+  finals carry the encoder's content type. A unary answer outgrowing the native encoder's
+  ``max_unary_bytes`` raises ``response_too_large`` before the first part.
 
-Leaving the iteration early (a client that went away) closes ``service.generate``, which aborts the
-request and frees its KV blocks.
+Closing the parts (``aclose``, what every edge's ``aclosing`` does), whether or not they were read, releases
+the admitted requests: one read part-way is aborted in the engine and its KV blocks are freed; one never
+read leaves the live table it was admitted to.
 """
 
 from __future__ import annotations
@@ -30,10 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, Callable, Sequence, TypeVar, cast
 
 from llm_api.api.encoding import AnswerEncoder
-from llm_api.api.errors import ApiError
 from llm_api.api.request import GenerateRequest
 from llm_api.service.events import ChoiceFinished, Event, Finished, TextDelta
-from llm_api.service.service import ModelService
+from llm_api.service.service import Generation, ModelService
 
 LARGE_BODY_BYTES = 64 * 1024  # bodies above this are parsed off the event loop
 BATCH_QUEUE_EVENTS = 64  # events of a several-prompt call waiting for the client (its prompts then wait)
@@ -79,24 +82,68 @@ async def parse_sized(service: ModelService, size: int, parse: Callable[..., T],
     return parse(*args)
 
 
-async def encoded_parts(service: ModelService, request: GenerateRequest | Sequence[GenerateRequest],
-                        encoder: AnswerEncoder, request_id: str, marker: str = "", owner: str = ""
-                        ) -> AsyncGenerator[Part, None]:
-    """``service.generate``'s events through ``encoder``: chunks, then the final part or the refusal.
-    ``request``: one, or the requests of a call with several prompts (``batch_events``). ``marker``: text
-    the detokenizer keeps out of the answer (the native end-of-stream marker); ``owner``: who sent it
-    (``Call.owner``)."""
+async def admit(service: ModelService, request: GenerateRequest | Sequence[GenerateRequest], request_id: str,
+                marker: str = "", owner: str = "") -> list[Generation]:
+    """``request`` (or each request of a call with several prompts: ids ``<request_id>.<p>``) admitted, or
+    the first refusal raised with the ones admitted before it released. ``marker``: text the detokenizer
+    keeps out of the answer (the native end-of-stream marker); ``owner``: who sent it (``Call.owner``)."""
+    requests = [request] if isinstance(request, GenerateRequest) else list(request)
+    if len(requests) == 1:  # (its own id: what a cancel names)
+        return [await service.admit(requests[0], request_id, marker, owner)]
+    admitted: list[Generation] = []
+    try:
+        for p, one in enumerate(requests):
+            admitted.append(await service.admit(one, f"{request_id}.{p}", marker, owner))
+    except BaseException:
+        for generation in admitted:
+            generation.release()
+        raise
+    return admitted
+
+
+class EncodedParts:
+    """The ``Part``s of an admitted answer (module docstring): an async iterator whose ``aclose`` releases
+    the admitted requests, read or not (an async generator never started runs no ``finally``). ``wrap``:
+    a route's own pass over the parts (the Responses API stores the answer before its last part)."""
+
+    def __init__(self, generations: list[Generation], encoder: AnswerEncoder,
+                 wrap: Callable[[AsyncGenerator[Part, None]], AsyncGenerator[Part, None]] | None = None):
+        self._generations = generations
+        parts = _encoded_parts(generations, encoder)
+        self._parts = wrap(parts) if wrap is not None else parts
+
+    def __aiter__(self) -> "EncodedParts":
+        return self
+
+    async def __anext__(self) -> Part:
+        return await self._parts.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self._parts.aclose()
+        finally:
+            for generation in self._generations:
+                generation.release()
+
+
+def encoded_parts(generations: list[Generation], encoder: AnswerEncoder,
+                  wrap: Callable[[AsyncGenerator[Part, None]], AsyncGenerator[Part, None]] | None = None
+                  ) -> EncodedParts:
+    """The parts of the admitted ``generations`` (one, or a call's several prompts) through ``encoder``."""
+    return EncodedParts(generations, encoder, wrap)
+
+
+async def _encoded_parts(generations: list[Generation], encoder: AnswerEncoder) -> AsyncGenerator[Part, None]:
     started = False
     kind = encoder.content_type
-    requests = [request] if isinstance(request, GenerateRequest) else list(request)
-    async with aclosing(batch_events(service, requests, request_id, marker, owner)) as events:
+    async with aclosing(batch_events(generations)) as events:
         async for event in events:
             if isinstance(event, TextDelta):
                 chunk = encoder.delta(event.text, event.index, event.logprobs, num_tokens=event.num_tokens)
             elif isinstance(event, ChoiceFinished):
                 chunk = encoder.choice_finish(event.index, event.reason, event.num_generated_tokens)
             elif event.error is None:
-                assert event.reason is not None  # a Finished without an error has its reason (Generation._finished)
+                assert event.reason is not None  # a Finished without an error has its reason
                 yield Final(encoder.finish(event.reason, event.num_prompt_tokens, event.num_generated_tokens,
                                            num_cached_tokens=event.num_cached_tokens), kind)
                 return
@@ -112,33 +159,28 @@ async def encoded_parts(service: ModelService, request: GenerateRequest | Sequen
     raise RuntimeError("the request ended without a final event")
 
 
-async def batch_events(service: ModelService, requests: list[GenerateRequest], request_id: str, marker: str,
-                       owner: str) -> AsyncGenerator[Event, None]:
-    """The events of a call's requests as one answer's. One request: ``service.generate``'s own. Several (a
-    completions call with a list of prompts): each runs as its own request (id ``<request_id>.<p>``) at
-    once, prompt ``p``'s choice ``i`` becomes choice ``p * n + i``, and one ``Finished`` ends the answer:
-    the first prompt's reason with every prompt's token counts, or the first error (a refusal of any
-    prompt included), which closes the other prompts' generations and so frees their KV blocks."""
-    if len(requests) == 1:
-        async with aclosing(service.generate(requests[0], request_id, marker, owner)) as events:
+async def batch_events(generations: list[Generation]) -> AsyncGenerator[Event, None]:
+    """The events of a call's admitted requests as one answer's. One request: its own events. Several (a
+    completions call with a list of prompts): they run at once, prompt ``p``'s choice ``i`` becomes choice
+    ``p * n + i``, and one ``Finished`` ends the answer: the first prompt's reason with every prompt's token
+    counts, or the first error, which closes the other prompts' generations and so frees their KV blocks."""
+    if len(generations) == 1:
+        async with aclosing(generations[0].events()) as events:
             async for event in events:
                 yield event
         return
-    n = requests[0].params.n
+    n = generations[0].params.n
     queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue(maxsize=BATCH_QUEUE_EVENTS)
 
-    async def run(p: int, request: GenerateRequest) -> None:
-        try:
-            async with aclosing(service.generate(request, f"{request_id}.{p}", marker, owner)) as events:
-                async for event in events:
-                    await queue.put((p, event))
-        except ApiError as error:  # (a refusal at admission)
-            await queue.put((p, Finished(None, error, 0, 0)))
+    async def run(p: int, generation: Generation) -> None:
+        async with aclosing(generation.events()) as events:
+            async for event in events:
+                await queue.put((p, event))
 
-    tasks = [asyncio.create_task(run(p, request)) for p, request in enumerate(requests)]
+    tasks = [asyncio.create_task(run(p, generation)) for p, generation in enumerate(generations)]
     try:
         ends: dict[int, Finished] = {}
-        while len(ends) < len(requests):
+        while len(ends) < len(generations):
             p, event = await _next_event(queue, tasks)
             if isinstance(event, TextDelta):
                 yield dataclasses.replace(event, index=p * n + event.index)
@@ -161,7 +203,7 @@ async def batch_events(service: ModelService, requests: list[GenerateRequest], r
 
 
 async def _next_event(queue: asyncio.Queue[tuple[int, Event]], tasks: list[asyncio.Task]) -> tuple[int, Event]:
-    """The next queued event; a task that failed without one (a bug: ``service.generate`` ends every request
+    """The next queued event; a task that failed without one (a bug: ``Generation.events`` ends every request
     with a ``Finished``) raises here rather than leaving the answer waiting."""
     getter = asyncio.ensure_future(queue.get())
     while True:

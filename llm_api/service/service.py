@@ -11,10 +11,11 @@ echo). State of one API (the Responses API's stored responses) belongs to that A
 (``llm_api.protocols.responses``). Routes (``llm_api.protocols``) parse a body into a ``GenerateRequest``,
 then:
 
-``async for event in service.generate(request, request_id)``:
+``generation = await service.admit(request, request_id)``, then ``async for event in generation.events()``
+(``service.generate`` is both in one, for in-process callers):
 
-1. before the first event, the request is admitted or ``ApiError`` is raised (nothing was sent yet, so
-   the edge answers with the error's status): a duplicate live ``request_id`` label (409), an unknown
+1. at admission the request is admitted or ``ApiError`` is raised (a route admits before it answers, so
+   nothing was sent yet and the edge answers with the error's status): a duplicate live ``request_id`` label (409), an unknown
    adapter (404, before the prompt is tokenized), every refusal of ``inputs`` (400: work over
    MAX_REQUEST_WORK, an empty prompt, over MAX_INPUT_TOKENS or the KV cache, a grammar the library
    rejects), a full server (503). Grammars reach the engine compiled, in ``SamplingParams.grammar`` (each
@@ -222,20 +223,21 @@ class ModelService:
 
     async def generate(self, request: GenerateRequest, request_id: str, marker: str = "",
                        owner: str = "") -> AsyncGenerator[Event, None]:
-        """Admit the request (or raise ApiError), then its events. ``marker``: text the detokenizer keeps
-        out of the answer (the native format's end-of-stream marker); ``owner``: who sent it (its edge's
-        ``Call.owner``: grammar compiles are shared out by it)."""
-        generation = await self._admit_request(request, request_id, marker, owner)
+        """Admit the request (or raise ApiError), then its events: ``admit`` and ``Generation.events`` in one
+        (in-process callers; the routes admit first, so a refusal is raised before their answer begins)."""
+        generation = await self.admit(request, request_id, marker, owner)
         try:
-            logger.info("request %s: %s, %d prompt tokens", request_id, request.input_kind,
-                        generation.num_prompt_tokens)
             async with aclosing(generation.events()) as events:
                 async for event in events:
                     yield event
         finally:
-            self._release(generation)  # (events() releases too; this covers a consumer that left before it ran)
+            generation.release()  # (events() releases too; this covers a consumer that left before it ran)
 
-    async def _admit_request(self, request: GenerateRequest, request_id: str, marker: str, owner: str) -> "Generation":
+    async def admit(self, request: GenerateRequest, request_id: str, marker: str = "", owner: str = "") -> "Generation":
+        """The request admitted (in the live table, holding its share of the capacity) or ApiError raised.
+        ``marker``: text the detokenizer keeps out of the answer (the native format's end-of-stream marker);
+        ``owner``: who sent it (its edge's ``Call.owner``: grammar compiles are shared out by it). The
+        caller reads ``events()`` or calls ``release()``: an admitted request nobody reads holds its share."""
         arrival = time.monotonic()
         label = request.client_request_id
         if label is not None and label in self._labels:
@@ -256,6 +258,7 @@ class ModelService:
         if label is not None:
             self._labels.add(label)
         self._tokens_in_flight += prepared.cost
+        logger.info("request %s: %s, %d prompt tokens", request_id, request.input_kind, prepared.num_prompt_tokens)
         return generation
 
     def _admit(self, cost: int) -> None:
@@ -334,6 +337,11 @@ class Generation:
                                   lambda: service.token_texts, functools.partial(service.loop.abort, request_id),
                                   self.adapter)
 
+    def release(self) -> None:
+        """Leave the service's live table (idempotent): ``events()`` does at its end; a caller that admitted
+        the request and will not read its events does it instead (its request never reached the engine)."""
+        self.service._release(self)
+
     def _log_end(self, end: Finished) -> None:
         if end.error is None:
             assert end.reason is not None  # a Finished without an error has its reason
@@ -371,7 +379,7 @@ class Generation:
             logger.exception("request %s failed", self.request_id)
             end = state.failed(internal_error())
         finally:
-            service._release(self)
+            self.release()
             timer.finish()
         assert end is not None  # (the loop ran until the state decided, or an error decided)
         self._log_end(end)

@@ -74,10 +74,11 @@ from llm_api.protocols.common.sampling import check_token_range, to_sampling_par
 from llm_api.structured.spec import Constraint
 
 
-def parse_chat(body: Any, model_name: str, limits: Limits,
-               adapters: Collection[str] = ()) -> tuple[GenerateRequest, OpenAICall]:
+def parse_chat(body: Any, model_name: str, limits: Limits, adapters: Collection[str] = (),
+               marker: str = "") -> tuple[GenerateRequest, OpenAICall]:
     """A chat body (bytes or an already decoded object) -> our request and the encoder of its answer. ``model``
-    is the base model's name or one of the LoRA ``adapters`` (the answer names the one asked)."""
+    is the base model's name or one of the LoRA ``adapters`` (the answer names the one asked); ``marker``:
+    the native end-of-stream marker, which the encoder keeps out of its error texts."""
     call, _ = validate_call(ChatBody, body, model_name, limits, adapters)
     request = GenerateRequest(stream=True)  # the handler streams internally; the call encodes the answer
     if call.top_logprobs and not call.logprobs:
@@ -103,7 +104,7 @@ def parse_chat(body: Any, model_name: str, limits: Limits,
     request.adapter, request.adapter_param = (None if call.model == model_name else call.model), "model"
     request.priority = check_priority(call.priority, limits)
     include_usage = call.stream_options is not None and call.stream_options.include_usage
-    return request, OpenAICall(kind="chat", model=call.model, stream=call.stream, include_usage=include_usage,
+    return request, OpenAICall(kind="chat", marker=marker, model=call.model, stream=call.stream, include_usage=include_usage,
                                n=call.n, with_logprobs=logprobs is not None, tool_format=tool_format,
                                reasoning_format=limits.reasoning_format, service_tier=call.service_tier)
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from llm_api.protocols.completions.translate import parse_completions
 from llm_api.protocols.route import Answer, Call, RouteContext, Streamed
-from llm_api.service.answer import encoded_parts, parse_large
+from llm_api.service.answer import admit, encoded_parts, parse_large
 
 
 async def completions(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:
     service = ctx.serving()
     requests, encoder = await parse_large(service, parse_completions, call.json_body(), service.model_name,
-                                          service.limits, service.adapter_names())
-    encoder.marker = ctx.marker
-    return Streamed(encoded_parts(service, requests, encoder, call.request_id, owner=call.owner), encoder)
+                                          service.limits, service.adapter_names(), ctx.marker)
+    generations = await admit(service, requests, call.request_id, owner=call.owner)
+    return Streamed(encoded_parts(generations, encoder), encoder)

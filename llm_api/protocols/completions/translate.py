@@ -29,12 +29,13 @@ from llm_api.protocols.completions.schema import NEUTRAL_VALUES, CompletionBody
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 
 
-def parse_completions(body: Any, model_name: str, limits: Limits,
-                      adapters: Collection[str] = ()) -> tuple[list[GenerateRequest], OpenAICall]:
+def parse_completions(body: Any, model_name: str, limits: Limits, adapters: Collection[str] = (),
+                      marker: str = "") -> tuple[list[GenerateRequest], OpenAICall]:
     """A completions body (bytes or an already decoded object) -> our requests (one per prompt of a list of
     prompts) and the encoder of the whole answer, whose choices are numbered prompt by prompt (prompt p's
     choice i is ``p * n + i``, as OpenAI numbers them). ``model`` is the base model's name or one of the LoRA
-    ``adapters`` (the answer names the one asked)."""
+    ``adapters`` (the answer names the one asked); ``marker``: the native end-of-stream marker, which the
+    encoder keeps out of its error texts."""
     call, _ = validate_call(CompletionBody, body, model_name, limits, adapters, neutral=NEUTRAL_VALUES)
     request = GenerateRequest(stream=True)  # the handler streams internally; the call encodes the answer
     logprobs = call.logprobs
@@ -59,7 +60,7 @@ def parse_completions(body: Any, model_name: str, limits: Limits,
                        f"{limits.max_n} sequences a request may run together (the server's MAX_NUM_SEQS)", "prompt")
     requests = [dataclasses.replace(request, text=p, params=request.params) if isinstance(p, str) else
                 dataclasses.replace(request, token_ids=p) for p in prompts]
-    return requests, OpenAICall(kind="completions", model=call.model, stream=call.stream,
+    return requests, OpenAICall(kind="completions", marker=marker, model=call.model, stream=call.stream,
                                 include_usage=include_usage, n=call.n * len(requests),
                                 with_logprobs=logprobs is not None)
 

@@ -19,7 +19,7 @@ from llm_api.protocols.native.encoder import GRPC_MAX_MESSAGE_BYTES, NativeStrea
 from llm_api.protocols.native.translate import parse_request
 from llm_api.api.request import CancelRequest, GenerateRequest
 from llm_api.protocols.route import Answer, Call, RouteContext, Streamed, Whole
-from llm_api.service.answer import encoded_parts, parse_sized, row_size
+from llm_api.service.answer import admit, encoded_parts, parse_sized, row_size
 from llm_api.service.service import ModelService
 
 logger = logging.getLogger(__name__)
@@ -59,4 +59,5 @@ async def generate(ctx: RouteContext, call: Call, params: dict[str, str]) -> Ans
         request.stream = False  # a second message to a unary call kills TorchServe's worker
     # A unary gRPC answer is one message, which gRPC clients refuse above 4 MiB by default.
     encoder = native_encoder(request, ctx.marker, GRPC_MAX_MESSAGE_BYTES if call.grpc else None)
-    return Streamed(encoded_parts(service, request, encoder, call.request_id, ctx.marker, call.owner), encoder)
+    generations = await admit(service, request, call.request_id, ctx.marker, call.owner)
+    return Streamed(encoded_parts(generations, encoder), encoder)

@@ -12,7 +12,6 @@ from typing import Any
 from llm_api.api.errors import ApiError
 from llm_api.api.logprobs import LogprobItem
 from llm_api.api.reasoning import AnswerText, ReasoningFormat, ReasoningParser, ReasoningText
-from llm_api.api.request import GenerateRequest
 from llm_api.api.tools import ToolCallDelta, ToolCallParser, ToolFormat
 from llm_api.engine.request import FinishReason
 from llm_api.protocols.common.openai import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE
@@ -61,14 +60,17 @@ class ResponsesCall:
 
     # -- the store's hooks ------------------------------------------------------------------------
 
-    def continue_from(self, prior_turns: list[dict], request: GenerateRequest) -> None:
-        """Continue a stored conversation (``previous_response_id``): ``request.messages`` becomes this
-        call's instructions, ``prior_turns`` (what ``conversation()`` returned for that response) and the
-        new input. Raises ApiError (400) when a function_call_output answers no call of the conversation."""
+    def continue_from(self, prior_turns: list[dict]) -> None:
+        """This call continues a stored conversation (``previous_response_id``): ``prior_turns`` are what
+        ``conversation()`` returned for that response (stored again with this answer). Raises ApiError (400)
+        when a function_call_output answers no call of the conversation."""
         check_call_ids(prior_turns, self.input_items)
         self.prior_turns = list(prior_turns)
+
+    def prompt_turns(self) -> list[dict]:
+        """The chat turns this call's prompt renders: its instructions, the prior turns, the new input."""
         system = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
-        request.messages = system + self.prior_turns + self.input_turns
+        return system + self.prior_turns + self.input_turns
 
     def output_items(self) -> list[dict]:
         """The answer's output items (message and function_call items) as in the Response object, once

@@ -27,13 +27,13 @@ import asyncio
 import json
 import logging
 from contextlib import aclosing
-from typing import AsyncGenerator
+from typing import AsyncGenerator, Callable
 
 from llm_api.api.errors import ApiError, echo, internal_error
 from llm_api.protocols.responses.encoder import ResponsesCall
-from llm_api.protocols.responses.translate import parse_responses
+from llm_api.protocols.responses.translate import continued, parse_responses
 from llm_api.api.request import GenerateRequest
-from llm_api.service.answer import Final, Part, Refusal, encoded_parts, parse_large
+from llm_api.service.answer import Final, Part, Refusal, admit, encoded_parts, parse_large
 from llm_api.protocols.responses.state import InFlightResponse, Responses
 from llm_api.protocols.route import Answer, Call, RouteContext, Streamed, Whole
 from llm_api.service.service import ModelService
@@ -68,13 +68,14 @@ async def create(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answe
         stored = await asyncio.to_thread(responses.store.get, encoder.previous_response_id, owner)
         if stored is None:
             raise _not_found(encoder.previous_response_id, "previous_response_id")
-        encoder.continue_from(json.loads(stored.conversation_json), request)
+        request = continued(request, encoder, json.loads(stored.conversation_json))
     if encoder.background:
         entry = InFlightResponse(owner, call.request_id, encoder)
         responses.in_flight[encoder.id] = entry  # (before the answer: a poll right after it finds it)
         responses.run_in_background(_background(service, responses, request, encoder, call.request_id, owner, entry))
         return Whole(200, json.dumps({**encoder.response_json(), "status": "queued"}))
-    return Streamed(_tracked(service, responses, request, encoder, call.request_id, owner), encoder)
+    generations = await admit(service, request, call.request_id, owner=owner)
+    return Streamed(encoded_parts(generations, encoder, _tracked(responses, encoder, call.request_id, owner)), encoder)
 
 
 async def _background(service: ModelService, responses: Responses, request: GenerateRequest, encoder: ResponsesCall,
@@ -82,7 +83,9 @@ async def _background(service: ModelService, responses: Responses, request: Gene
     """A background response to its end; a refusal or an error ends it ``failed`` (stored all the same)."""
     error: ApiError | None = None
     try:
-        async with aclosing(_tracked(service, responses, request, encoder, request_id, owner, entry)) as parts:
+        generations = await admit(service, request, request_id, owner=owner)
+        parts = encoded_parts(generations, encoder, _tracked(responses, encoder, request_id, owner, entry))
+        async with aclosing(parts):
             async for part in parts:
                 if isinstance(part, Refusal):
                     detail = json.loads(part.body).get("error") or {}
@@ -92,32 +95,40 @@ async def _background(service: ModelService, responses: Responses, request: Gene
     except Exception:
         logger.exception("background response %s failed", encoder.id)
         error = internal_error()
+    responses.in_flight.pop(encoder.id, None)  # (the answer's pass did, unless admission refused it)
+    entry.ended.set()
     if error is not None:
         encoder.fail(error)
         await asyncio.to_thread(responses.store.put, encoder.id, owner, json.dumps(encoder.response_json()),
                                 json.dumps(encoder.conversation()))
 
 
-async def _tracked(service: ModelService, responses: Responses, request: GenerateRequest, encoder: ResponsesCall, request_id: str,
-                   owner: str, entry: InFlightResponse | None = None) -> AsyncGenerator[Part, None]:
-    """The answer's parts, with the response known as in flight meanwhile and stored before its last part."""
-    live = responses.in_flight
-    if entry is None:
-        entry = InFlightResponse(owner, request_id, encoder)
-        live[encoder.id] = entry
-    try:
-        async with aclosing(encoded_parts(service, request, encoder, request_id, owner=owner)) as parts:
-            async for part in parts:
-                if isinstance(part, Final) and encoder.store:
-                    stored = await asyncio.to_thread(responses.store.put, encoder.id, owner,
-                                                     json.dumps(encoder.response_json()),
-                                                     json.dumps(encoder.conversation()))
-                    if not stored:
-                        logger.info("response %s was not stored (over RESPONSES_STORE_MAX_BYTES)", encoder.id)
-                yield part
-    finally:
-        live.pop(encoder.id, None)
-        entry.ended.set()
+def _tracked(responses: Responses, encoder: ResponsesCall, request_id: str, owner: str,
+             entry: InFlightResponse | None = None) -> Callable[[AsyncGenerator[Part, None]], AsyncGenerator[Part, None]]:
+    """A pass over the answer's parts that keeps the response known as in flight meanwhile and stores it
+    before its last part."""
+
+    async def tracked(parts: AsyncGenerator[Part, None]) -> AsyncGenerator[Part, None]:
+        nonlocal entry
+        live = responses.in_flight
+        if entry is None:
+            entry = InFlightResponse(owner, request_id, encoder)
+            live[encoder.id] = entry
+        try:
+            async with aclosing(parts):
+                async for part in parts:
+                    if isinstance(part, Final) and encoder.store:
+                        stored = await asyncio.to_thread(responses.store.put, encoder.id, owner,
+                                                         json.dumps(encoder.response_json()),
+                                                         json.dumps(encoder.conversation()))
+                        if not stored:
+                            logger.info("response %s was not stored (over RESPONSES_STORE_MAX_BYTES)", encoder.id)
+                    yield part
+        finally:
+            live.pop(encoder.id, None)
+            entry.ended.set()
+
+    return tracked
 
 
 async def retrieve(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:

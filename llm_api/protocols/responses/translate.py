@@ -20,8 +20,8 @@ Contract (docs/responses.md has the user's view):
   before them) are one assistant turn with ``tool_calls``; each ``function_call_output`` must answer a
   call of the conversation (its ``call_id``).
 * ``previous_response_id`` is returned on the call (``call.previous_response_id``); the caller that
-  owns the store looks it up and calls ``call.continue_from(stored_turns, request)``, which sets
-  ``request.messages`` to the instructions, the stored turns and the new input. After the answer,
+  owns the store looks it up and calls ``continued(request, call, stored_turns)``: the request whose
+  messages are the instructions, the stored turns and the new input. After the answer,
   ``call.conversation()`` is what to store for the next turn (the prior turns, the input, the answer as
   chat turns; without the instructions, which OpenAI does not carry over), ``call.response_json()`` the
   Response object to store and serve on ``GET /v1/responses/{id}``.
@@ -69,6 +69,8 @@ Contract (docs/responses.md has the user's view):
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import replace
 from typing import Any, Collection
 
@@ -89,6 +91,14 @@ from llm_api.protocols.responses.schema import (ITEM_TYPES, MAX_CHARS_PER_INPUT_
                                                 FunctionCallOutputItem, FunctionTool, MessageItem, ReasoningItem,
                                                 ResponsesBody, TextConfig, check_call_ids)
 from llm_api.structured.spec import Constraint
+
+
+def continued(request: GenerateRequest, call: ResponsesCall, prior_turns: list[dict]) -> GenerateRequest:
+    """``request`` continuing the stored conversation ``prior_turns`` (``previous_response_id``): its
+    messages become the call's instructions, the prior turns and the new input; ``call`` stores them again
+    with its answer. ApiError (400) when a function_call_output answers no call of the conversation."""
+    call.continue_from(prior_turns)
+    return dataclasses.replace(request, messages=call.prompt_turns())
 
 
 def parse_responses(body: Any, model_name: str, limits: Limits,
@@ -125,7 +135,7 @@ def parse_responses(body: Any, model_name: str, limits: Limits,
                                limits=limits)
     request.template_kwargs = template_variables(None, effort, "reasoning.effort")
     system = [{"role": "system", "content": call.instructions}] if call.instructions is not None else []
-    request.messages = system + input_turns
+    request.messages = system + input_turns  # (the encoder's prompt_turns() before any continuation)
 
     settings = {
         "instructions": call.instructions,

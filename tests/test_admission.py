@@ -1,0 +1,74 @@
+"""Admission before the answer (llm_api.service.answer): a route admits its call's requests before it answers,
+so a refusal is raised before anything is written, and the parts of an admitted answer release what was
+admitted when they are closed, read or not.
+
+In process, on the embedded model (float32) with a service that holds one live request at most
+(MAX_NUM_SEQS=1, MAX_WAITING_REQUESTS=0):
+
+* a second request is refused with 503 ``overloaded`` at admission, raised (not a part);
+* several prompts of one call where a later prompt is refused: the ones admitted before it are released;
+* parts closed before their first read release the admission (the next request is admitted), and parts
+  read to the end leave the live table empty too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from llm_api.api.errors import ApiError
+from llm_api.api.request import GenerateRequest
+from llm_api.engine.sampling_params import SamplingParams
+from llm_api.model.settings import Settings
+from llm_api.protocols.native.route import native_encoder
+from llm_api.service.answer import Final, admit, encoded_parts
+from llm_api.service.service import ModelService
+
+
+@pytest.fixture
+def one_at_a_time(embedded_lm_fp32, embedded_model_path):
+    settings = Settings.from_env({"MODEL_PATH": str(embedded_model_path), "DTYPE": "float32",
+                                  "KV_CACHE_MEMORY_MIB": "16", "MAX_NUM_SEQS": "1", "MAX_WAITING_REQUESTS": "0",
+                                  "MAX_NUM_BATCHED_TOKENS": "64"})
+    service = ModelService(settings, embedded_lm_fp32)
+    yield service
+    service.shutdown()
+
+
+def request(text: str = "Once upon a time") -> GenerateRequest:
+    return GenerateRequest(text=text, params=SamplingParams(max_new_tokens=4))
+
+
+def test_a_refusal_is_raised_at_admission_and_closing_unread_parts_releases(one_at_a_time):
+    service = one_at_a_time
+
+    async def run():
+        first = await admit(service, request(), "a")
+        assert service.num_live_requests == 1
+        with pytest.raises(ApiError) as refused:
+            await admit(service, request(), "b")
+        assert refused.value.status == 503 and refused.value.code == "overloaded"
+        parts = encoded_parts(first, native_encoder(request(), "<|endoftext|>"))
+        await parts.aclose()  # (an edge whose client left before the answer began)
+        assert service.num_live_requests == 0
+        again = await admit(service, request(), "c")
+        parts = encoded_parts(again, native_encoder(request(), "<|endoftext|>"))
+        read = [part async for part in parts]
+        await parts.aclose()
+        assert isinstance(read[-1], Final) and service.num_live_requests == 0
+
+    asyncio.run(run())
+
+
+def test_a_refused_prompt_releases_the_prompts_admitted_before_it(one_at_a_time):
+    service = one_at_a_time
+
+    async def run():
+        with pytest.raises(ApiError) as refused:
+            await admit(service, [request("One"), request("Two")], "batch")
+        assert refused.value.status == 503
+        assert service.num_live_requests == 0
+        assert len(await admit(service, request(), "next")) == 1  # (the first prompt's share is back)
+
+    asyncio.run(run())
