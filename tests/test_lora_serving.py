@@ -214,17 +214,20 @@ def test_runtime_loading_is_off_by_default(standalone_server):
 
 def test_grpc_adapter_field(lora_server):
     """gRPC takes the native body in its input map: ``adapter`` selects the adapter; an unknown one is refused
-    with 404 ``model_not_found`` (a refusal travels as a message holding the native error object)."""
-    from llm_api.client import GRPCClient, HTTPClient, RequestRefused
+    at admission with ``model_not_found``, which the standalone gRPC edge answers as the status NOT_FOUND (as
+    for an unknown model name; other refusals travel as a message holding the native error object)."""
+    import grpc
+
+    from llm_api.client import GRPCClient, HTTPClient
 
     inputs = {"text": PROMPT, "max_new_tokens": "6", "do_sample": "false"}
     http = HTTPClient(lora_server.http, lora_server.model_name, lora_server.key())
     with GRPCClient(lora_server.grpc, lora_server.model_name, key=lora_server.key()) as client:
         assert client.generate({**inputs, "adapter": "alpha"}) == http.generate({**inputs, "adapter": "alpha"})
         assert client.generate({**inputs, "adapter": "alpha"}) != client.generate(inputs)
-        with pytest.raises(RequestRefused) as refused:
+        with pytest.raises(grpc.RpcError) as refused:
             client.generate({**inputs, "adapter": "nope"})
-        assert refused.value.status == 404 and refused.value.error["type"] == "model_not_found"
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND and "'nope'" in refused.value.details()
 
 
 def _metrics(server) -> str:

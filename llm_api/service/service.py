@@ -281,7 +281,7 @@ class ModelService:
                 self._labels.discard(generation.label)
 
     # ------------------------------------------------------------------------------------------
-    # the tokenizer routes (vLLM's /tokenize and /detokenize)
+    # what the routes read
 
     @property
     def max_model_len(self) -> int:
