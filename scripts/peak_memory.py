@@ -11,8 +11,9 @@ to pid 1, so it is still counted, and it is reported by pid at the end if it out
 whenever the RSS total sets a new peak, the proportional set (PSS from ``smaps_rollup``: shared
 pages divided among the processes that map them, what the processes take from the machine together; reading
 it walks each process's page tables, so not every time). It prints the peak of each, the processes alive at
-the PSS peak (largest first), the lowest ``MemAvailable`` the kernel reported during the run, and the
-command's exit status, which is also this script's. Linux only; standard library only (it runs before any
+the PSS peak (largest first), the lowest ``MemAvailable`` the kernel reported during the run, how busy the
+host's cores were over the run (``/proc/stat``: the whole host, so quiet neighbours are assumed; it says
+whether the command was bound by the cores or waited), and the command's exit status, which is also this script's. Linux only; standard library only (it runs before any
 set-up).
 """
 
@@ -122,6 +123,13 @@ def mem_available() -> int:
     return 0
 
 
+def cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores since boot; idle and iowait are not busy."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest time is inside user)
+    return total - fields[3] - fields[4], total
+
+
 def sample(started: float, keep: int, with_pss: bool) -> Sample:
     now = Sample(time.monotonic() - started, 0, 0)
     for pid in descendants(os.getpid(), keep):
@@ -150,6 +158,7 @@ def main() -> int:
         print("peak_memory: PR_SET_CHILD_SUBREAPER failed; orphans are not counted", file=sys.stderr)
 
     started = time.monotonic()
+    busy_before, total_before = cpu_times()
     child = subprocess.Popen(command)
     peak_rss = peak_pss = Sample(0, 0, 0)
     lowest_available = mem_available()
@@ -179,6 +188,8 @@ def main() -> int:
     stop.set()
     watcher.join()
     elapsed = time.monotonic() - started
+    busy_after, total_after = cpu_times()
+    busy_share = (busy_after - busy_before) / max(1, total_after - total_before)
     survivors = [(pid, command_line(pid)) for pid in descendants(os.getpid(), child.pid)]
 
     lines = [f"peak_memory: {' '.join(command)} exited {status} after {elapsed:.0f} s",
@@ -186,6 +197,7 @@ def main() -> int:
              f" ({len(peak_pss.processes)} processes)",
              f"peak RSS (summed, shared pages counted in each): {peak_rss.rss / MIB:,.0f} MiB at {peak_rss.at_s:.0f} s",
              f"lowest MemAvailable on the host: {lowest_available / MIB:,.0f} MiB",
+             f"host cores busy over the run: {busy_share:.0%} of {os.cpu_count()}",
              "processes at the PSS peak (PSS MiB, RSS MiB, pid, command):"]
     for pid, rss, pss, cmd in sorted(peak_pss.processes, key=lambda p: -p[2])[:25]:
         lines.append(f"  {pss / MIB:8,.0f} {rss / MIB:8,.0f} {pid:>8} {cmd}")
