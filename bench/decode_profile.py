@@ -37,7 +37,8 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF checkpoint folder (default: the embedded model)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--packed", default="auto", choices=["auto", "true", "false"], help="CPU_PACKED_WEIGHTS")
+    parser.add_argument("--packed", default="auto", choices=["auto", "true", "split", "false"],
+                        help="CPU_PACKED_WEIGHTS")
     parser.add_argument("--batch-sizes", default="1,16")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=8, help="decode steps per round and kind")
@@ -104,7 +105,7 @@ class PartTimers:
     def install(self):
         engine = self.engine
         for module in engine.model.modules():
-            if type(module).__name__ in ("Linear", "PackedLinear"):
+            if type(module).__name__ in ("Linear", "PackedLinear", "SplitLinear"):
                 self._wrap(module, "forward", "linear")
         self._wrap(engine.runner.backend, "forward", "attention")
         self._wrap(engine.model, "forward", "forward")
@@ -189,10 +190,10 @@ def main():
                                               enable_prefix_caching=False), set(lm.eos_token_ids))
     bandwidth = read_bandwidth(args.bandwidth_gib)
     weights = weight_bytes(lm.model)
-    packed = type(lm.model.get_output_embeddings()).__name__ == "PackedLinear"
+    layout = type(lm.model.get_output_embeddings()).__name__  # Linear, PackedLinear or SplitLinear
     host = describe()
     results = [profile_batch(engine, b, args.prompt_tokens, args.steps, args.rounds) for b in batch_sizes]
-    print(f"\nhost: {host}\n{args.dtype}, packed weights: {packed}; read bandwidth {bandwidth / 1e9:.1f} GB/s "
+    print(f"\nhost: {host}\n{args.dtype}, products: {layout}; read bandwidth {bandwidth / 1e9:.1f} GB/s "
           f"({args.bandwidth_gib} GiB float32 sum); weights read per step {weights / 1e6:.0f} MB; "
           f"batch-1 roofline {bandwidth / weights:.1f} tok/s\n")
     rows = [[part, *(f"{r['parts_s'][part] * 1e3:.1f} ({r['parts_s'][part] / r['step_s']:.0%})" for r in results)]
@@ -203,7 +204,7 @@ def main():
     print(f"\nbatch 1: weight products read {weights / products / 1e9:.1f} GB/s "
           f"({weights / products / bandwidth:.0%} of the measured bandwidth)")
     if args.out:
-        write_json(args.out, {"host": host, "dtype": args.dtype, "packed": packed, "bandwidth_bytes_per_s": bandwidth,
+        write_json(args.out, {"host": host, "dtype": args.dtype, "products": layout, "bandwidth_bytes_per_s": bandwidth,
                               "weight_bytes": weights, "results": results})
 
 

@@ -28,12 +28,13 @@ if TEST_DTYPE not in ("", "bfloat16", "float32"):
     raise pytest.UsageError(f"LLM_API_TEST_DTYPE={TEST_DTYPE!r}: allowed values: bfloat16, float32")
 if TEST_DTYPE:
     os.environ["DTYPE"] = TEST_DTYPE
-# The float32 kind is the 2-core AMD EPYC the suite also runs on: there CPU_PACKED_WEIGHTS=auto packs float32
-# weights (llm_api.model.packed_linear), so its servers (which read the real /proc/cpuinfo) are told to pack.
+# The float32 kind is the 2-core AMD EPYC the suite also runs on: there CPU_PACKED_WEIGHTS=auto splits float32
+# products across the cores (llm_api.model.split_linear), so its servers (which read the real /proc/cpuinfo) are
+# told to split.
 FORCED_CPUINFO = {"bfloat16": "vendor_id\t: GenuineIntel\nflags\t\t: avx2 avx512f avx512_bf16 amx_bf16\n",
                   "float32": "vendor_id\t: AuthenticAMD\nflags\t\t: avx2\n"}
 if TEST_DTYPE == "float32":
-    os.environ.setdefault("CPU_PACKED_WEIGHTS", "true")
+    os.environ.setdefault("CPU_PACKED_WEIGHTS", "split")
 
 CLASSIC_CONFIG = """\
 minWorkers: 1

@@ -23,7 +23,8 @@ import torch
 from llm_api.kernels import interpreter_enabled
 from llm_api.model import cpu
 from llm_api.model.host_memory import release_freed_heap
-from llm_api.model.packed_linear import pack_linear_weights, wants_packing
+from llm_api.model.packed_linear import pack_linear_weights, weight_layout
+from llm_api.model.split_linear import MAX_SPLIT_ROWS, split_linear_weights
 from llm_api.model.settings import ConfigError, Settings, parse_device_map
 from llm_api.model.placement import execution_device
 
@@ -160,10 +161,16 @@ def _load(settings: Settings, path: Path, device_map, cuda: bool) -> LoadedModel
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model.eval()
-    if quant is None and wants_packing(settings.cpu_packed_weights, dtype, on_cpu=not on_gpu):
+    layout = "plain" if quant is not None else weight_layout(settings.cpu_packed_weights, dtype, on_cpu=not on_gpu)
+    if layout == "packed":
         packed = pack_linear_weights(model)
         if packed:
             logger.info("CPU_PACKED_WEIGHTS=%s: %d linear layers packed for oneDNN", settings.cpu_packed_weights, packed)
+    elif layout == "split":
+        split = split_linear_weights(model)
+        if split:
+            logger.info("CPU_PACKED_WEIGHTS=%s: %d linear layers' products of up to %d rows split across %d threads",
+                        settings.cpu_packed_weights, split, MAX_SPLIT_ROWS, torch.get_num_threads())
     release_freed_heap()  # the checkpoint's tensors and replaced weights (llm_api.model.host_memory)
     logger.info(
         "loaded %s: dtype=%s device_map=%s quantization=%s%s", path.name, dtype, settings.device_map,

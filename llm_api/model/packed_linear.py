@@ -12,11 +12,13 @@ compiling the model. Measured on the hosts we have (docs/benchmarks.md, "Where a
   23.7 ms as ``F.linear`` and 17.9 ms packed, the whole step 35.8 and 29.7 ms (2 threads, 2026-11-26);
 * float32: torch's own products are MKL's, and MKL reads memory well on Intel CPUs only: on a 2-core AMD EPYC
   (avx2, no avx512) one row against the model's weight shapes read 9.6 GB/s through ``F.linear`` and 20.6 GB/s
-  packed (2026-11-25), while on the Xeon above a packed float32 step took 47.6 ms against 32.6. So ``auto``
-  packs float32 on AMD CPUs only (``llm_api.model.cpu.cpu_vendor``); ``true`` packs it everywhere, ``false``
-  nowhere.
+  packed (2026-11-25), while on the Xeon above a packed float32 step took 47.6 ms against 32.6. On the same
+  EPYC, measured again on 2026-11-27 beside the split product (``llm_api.model.split_linear``: a product of
+  a few rows split across the cores), split beat packed at every decode batch size, so ``auto`` now splits
+  float32 on AMD CPUs (``llm_api.model.cpu.cpu_vendor``) and leaves it to MKL elsewhere; ``true`` packs it
+  everywhere, ``split`` splits it, ``false`` does neither.
 
-``wants_packing(mode, dtype, on_cpu)`` applies that rule; ``pack_linear_weights(model)`` swaps every plain
+``weight_layout(mode, dtype, on_cpu)`` applies that rule; ``pack_linear_weights(model)`` swaps every plain
 ``nn.Linear`` of a model on the CPU for a ``PackedLinear`` holding only the packed copy (the row-major weight
 is dropped, so memory stays the same),
 except where a weight is shared: a tied ``lm_head`` keeps the embedding's weight alive, and its packed copy
@@ -67,15 +69,20 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def wants_packing(mode: str, dtype: torch.dtype, on_cpu: bool, vendor: str | None = None) -> bool:
-    """CPU_PACKED_WEIGHTS -> whether to pack: ``auto`` packs bfloat16, and float32 on AMD CPUs (module
-    docstring: measured), ``true`` both, ``false`` nothing; never off the CPU. ``vendor``: the CPU's
+def weight_layout(mode: str, dtype: torch.dtype, on_cpu: bool, vendor: str | None = None) -> str:
+    """CPU_PACKED_WEIGHTS -> how the linear layers' products run: ``"packed"`` (``PackedLinear``), ``"split"``
+    (``llm_api.model.split_linear``: a product of a few rows split across the cores) or ``"plain"``
+    (``F.linear``). ``auto``: bfloat16 packed; float32 split on AMD CPUs (measured there: split beats packed
+    at every decode batch size, module docstrings) and plain elsewhere (MKL's own products on an Intel Xeon).
+    ``true``: packed, ``split``: split, ``false``: plain. Never off the CPU. ``vendor``: the CPU's
     ``vendor_id`` (default: this one's)."""
     if not on_cpu or mode == "false" or dtype not in (torch.float32, torch.bfloat16):
-        return False
-    if mode == "true" or dtype == torch.bfloat16:
-        return True
-    return (cpu.cpu_vendor() if vendor is None else vendor) == "AuthenticAMD"
+        return "plain"
+    if mode in ("true", "split"):
+        return "packed" if mode == "true" else "split"
+    if dtype == torch.bfloat16:
+        return "packed"
+    return "split" if (cpu.cpu_vendor() if vendor is None else vendor) == "AuthenticAMD" else "plain"
 
 
 def _check_packed_product(linear: nn.Linear) -> str | None:

@@ -309,13 +309,15 @@ class Settings:
                                        choices=("nf4", "fp4"))
     cpu_packed_weights: str = setting(  # llm_api.model.packed_linear
         "CPU_PACKED_WEIGHTS", "auto",
-        "`auto`, `true`, `false`: on a CPU, reorder the linear layers' weights once at load into oneDNN's blocked "
-        "layout, so decode reads them faster: +21% batch-1 decode in bfloat16 on an AMX Xeon (docs/benchmarks.md, "
-        "\"Where a CPU decode step goes\"). `auto`: bfloat16 models (a CPU without bfloat16 instructions cannot pack "
-        "them and keeps `F.linear`, logged), and float32 models on AMD CPUs (where torch's float32 products, MKL's, "
-        "read memory at half oneDNN's speed; on an Intel Xeon a packed float32 decode step took 47.6 ms against "
-        "32.6); `true`: float32 everywhere; `false`: never; a tied `lm_head` costs one more copy of the embedding",
-        choices=("auto", "true", "false"))
+        "`auto`, `true`, `split`, `false`: how a CPU runs the linear layers' products. `true`: weights reordered once "
+        "at load into oneDNN's blocked layout (+21% batch-1 decode in bfloat16 on an AMX Xeon; a tied `lm_head` costs "
+        "one more copy of the embedding); `split`: products of up to 128 rows split across the cores along the "
+        "output features, over the weights as loaded (+18% batch-1 decode over packed in float32 on an AMD EPYC "
+        "with avx2, where one-row products otherwise run on one core); `false`: torch's `F.linear`. `auto`: "
+        "bfloat16 packed (a CPU without bfloat16 instructions cannot pack them and keeps `F.linear`, logged), "
+        "float32 split on AMD CPUs and `F.linear` on others (MKL's float32 products use the cores on an Intel "
+        "Xeon). Measured: docs/benchmarks.md, \"Where a CPU decode step goes\"",
+        choices=("auto", "true", "split", "false"))
     offload_folder: str = setting(
         "OFFLOAD_FOLDER", "", "where `\"disk\"` entries of a JSON `DEVICE_MAP` keep their weights",
         derive=_offload_folder, shown_default="`$LLM_API_CACHE/offload/$MODEL_NAME`")
