@@ -77,11 +77,17 @@ def test_a_model_this_cpu_cannot_pack_is_left_as_it_is(caplog):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
-def test_engine_on_packed_float32_weights_matches_generate(arch):
-    """float32 packed weights sum in another order than F.linear: the greedy tokens must not change."""
+@pytest.mark.parametrize("layout", ["packed", "split"])
+def test_engine_on_packed_or_split_float32_weights_matches_generate(arch, layout):
+    """float32 packed weights sum in another order than F.linear (split ones need not): the greedy tokens
+    must not change either way."""
     model, reference_model = tiny_model(arch), tiny_model(arch)
-    assert pack_linear_weights(model) > 0
-    assert isinstance(model.get_output_embeddings(), PackedLinear)
+    if layout == "packed":
+        assert pack_linear_weights(model) > 0
+    else:
+        assert split_linear_weights(model, threads=2) > 0
+    kind = PackedLinear if layout == "packed" else SplitLinear
+    assert isinstance(model.get_output_embeddings(), kind)
     generator = torch.Generator().manual_seed(5)
     arrivals = {0: [(f"r{i}", random_prompt(generator, n), greedy(12)) for i, n in enumerate((4, 19, 33))]}
     results = run_engine(make_engine(model), arrivals)
@@ -93,9 +99,10 @@ def test_the_loader_lays_out_weights_as_the_setting_says(embedded_model_path):
     """Through the loader (the servers' path): bfloat16 packed where this CPU can, float32 split on AMD CPUs,
     each when asked. (The packed embedded model's answers: tests/engine/test_bf16.py, against generate().)"""
     amd = cpu.cpu_vendor() == "AuthenticAMD"
+    splits = SplitLinear if torch.get_num_threads() > 1 else nn.Linear  # (one thread: nothing to split across)
     for dtype, mode, expect in [("bfloat16", "auto", PackedLinear if _bf16_packs() else nn.Linear),
-                                ("bfloat16", "false", nn.Linear), ("float32", "auto", SplitLinear if amd else nn.Linear),
-                                ("float32", "true", PackedLinear), ("float32", "split", SplitLinear)]:
+                                ("bfloat16", "false", nn.Linear), ("float32", "auto", splits if amd else nn.Linear),
+                                ("float32", "true", PackedLinear), ("float32", "split", splits)]:
         settings = Settings.from_env({"MODEL_PATH": str(embedded_model_path), "DTYPE": dtype,
                                       "CPU_PACKED_WEIGHTS": mode})
         model = load(settings).model
@@ -130,15 +137,3 @@ def test_split_parts_divide_the_output_features():
     model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 7))  # 7 output features: left as nn.Linear
     assert split_linear_weights(model, threads=2) == 1
     assert [type(m) for m in model] == [SplitLinear, nn.Linear]
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
-def test_engine_on_split_float32_weights_matches_generate(arch):
-    model, reference_model = tiny_model(arch), tiny_model(arch)
-    assert split_linear_weights(model, threads=2) > 0
-    assert isinstance(model.get_output_embeddings(), SplitLinear)
-    generator = torch.Generator().manual_seed(5)
-    arrivals = {0: [(f"r{i}", random_prompt(generator, n), greedy(12)) for i, n in enumerate((4, 19, 33))]}
-    results = run_engine(make_engine(model), arrivals)
-    for request_id, prompt, params in arrivals[0]:
-        assert results[request_id][0] == reference_greedy(reference_model, prompt, params.max_new_tokens)
