@@ -17,6 +17,7 @@ import argparse
 import os
 import statistics
 import time
+from typing import Any
 
 import torch
 from harness.host import describe
@@ -44,7 +45,8 @@ def build_engine(dtype: str, layout: str, max_batch: int, max_tokens: int):
     lm = load(Settings.from_env(dict(os.environ, DTYPE=dtype, CPU_PACKED_WEIGHTS=layout)))
     config = EngineConfig(num_blocks=max_batch * (-(-max_tokens // 16) + 1) + 8, max_num_seqs=max_batch,
                           max_num_batched_tokens=2048, enable_prefix_caching=False)
-    return LLMEngine(lm.model, config, set(lm.eos_token_ids)), type(lm.model.get_output_embeddings()).__name__
+    model: Any = lm.model  # (a transformers model: nn.Module's typing would read the method as a tensor)
+    return LLMEngine(model, config, set(lm.eos_token_ids)), type(model.get_output_embeddings()).__name__
 
 
 def decode(engine, batch: int, new_tokens: int, tag: str) -> tuple[float, list[list[int]]]:
