@@ -13,8 +13,8 @@ decode step took 137 ms against 93 ms. So DTYPE unset is bfloat16 where the flag
 elsewhere (``llm_api.model.loader.resolve_dtype``).
 
 ``cpu_model_name()`` reads the model name (a key of the cached step budget), ``cpu_vendor()`` the vendor
-(``llm_api.model.packed_linear`` packs float32 weights on AMD CPUs, where torch's float32 products, MKL's,
-read memory at half the speed oneDNN's do).
+(``llm_api.model.packed_linear.weight_layout`` splits float32 products across the cores on AMD CPUs, where
+torch's float32 products, MKL's, run a one-row product on one core).
 
 The rule reads flags rather than timing a product at start-up (what it did before): a timing on a busy
 machine can land either side of any threshold, and then the same host serves in one precision on one
