@@ -13,8 +13,8 @@ pages divided among the processes that map them, what the processes take from th
 it walks each process's page tables, so not every time). It prints the peak of each, the processes alive at
 the PSS peak (largest first), the lowest ``MemAvailable`` the kernel reported during the run, how busy the
 host's cores were over the run (``/proc/stat``: the whole host, so quiet neighbours are assumed; it says
-whether the command was bound by the cores or waited), and the command's exit status, which is also this script's. Linux only; standard library only (it runs before any
-set-up).
+whether the command was bound by the cores or waited), and the command's exit status, which is also this
+script's. Linux only; standard library only (it runs before any set-up).
 """
 
 from __future__ import annotations
