@@ -14,7 +14,7 @@ compiling the model. Measured on the hosts we have (docs/benchmarks.md, "Where a
   (avx2, no avx512) one row against the model's weight shapes read 9.6 GB/s through ``F.linear`` and 20.6 GB/s
   packed (2026-11-25), while on the Xeon above a packed float32 step took 47.6 ms against 32.6. On the same
   EPYC, measured again on 2026-11-27 beside the split product (``llm_api.model.split_linear``: a product of
-  a few rows split across the cores), split beat packed at every decode batch size, so ``auto`` now splits
+  a few rows split across the cores), split beat packed at batch 1 and 4 and matched it at 16, so ``auto`` now splits
   float32 on AMD CPUs (``llm_api.model.cpu.cpu_vendor``) and leaves it to MKL elsewhere; ``true`` packs it
   everywhere, ``split`` splits it, ``false`` does neither.
 
@@ -72,8 +72,8 @@ class PackedLinear(nn.Module):
 def weight_layout(mode: str, dtype: torch.dtype, on_cpu: bool, vendor: str | None = None) -> str:
     """CPU_PACKED_WEIGHTS -> how the linear layers' products run: ``"packed"`` (``PackedLinear``), ``"split"``
     (``llm_api.model.split_linear``: a product of a few rows split across the cores) or ``"plain"``
-    (``F.linear``). ``auto``: bfloat16 packed; float32 split on AMD CPUs (measured there: split beats packed
-    at every decode batch size, module docstrings) and plain elsewhere (MKL's own products on an Intel Xeon).
+    (``F.linear``). ``auto``: bfloat16 packed; float32 split on AMD CPUs (measured there: split beat packed
+    at decode batch 1 and 4 and matched it at 16, module docstrings) and plain elsewhere (MKL's own products on an Intel Xeon).
     ``true``: packed, ``split``: split, ``false``: plain. Never off the CPU. ``vendor``: the CPU's
     ``vendor_id`` (default: this one's)."""
     if not on_cpu or mode == "false" or dtype not in (torch.float32, torch.bfloat16):
