@@ -312,7 +312,7 @@ class Settings:
         "`auto`, `true`, `split`, `false`: how a CPU runs the linear layers' products. `true`: weights reordered once "
         "at load into oneDNN's blocked layout (+21% batch-1 decode in bfloat16 on an AMX Xeon; a tied `lm_head` costs "
         "one more copy of the embedding); `split`: products of up to 128 rows split across the cores along the "
-        "output features, over the weights as loaded (+18% batch-1 decode over packed in float32 on an AMD EPYC "
+        "output features, over the weights as loaded (+26% batch-1 decode over packed in float32 on an AMD EPYC "
         "with avx2, where one-row products otherwise run on one core); `false`: torch's `F.linear`. `auto`: "
         "bfloat16 packed (a CPU without bfloat16 instructions cannot pack them and keeps `F.linear`, logged), "
         "float32 split on AMD CPUs and `F.linear` on others (MKL's float32 products use the cores on an Intel "
