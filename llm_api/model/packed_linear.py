@@ -78,9 +78,9 @@ def weight_layout(mode: str, dtype: torch.dtype, on_cpu: bool, vendor: str | Non
     ``vendor_id`` (default: this one's)."""
     if not on_cpu or mode == "false" or dtype not in (torch.float32, torch.bfloat16):
         return "plain"
-    if mode in ("true", "split"):
-        return "packed" if mode == "true" else "split"
-    if dtype == torch.bfloat16:
+    if mode == "split":
+        return "split"
+    if mode == "true" or dtype == torch.bfloat16:
         return "packed"
     return "split" if (cpu.cpu_vendor() if vendor is None else vendor) == "AuthenticAMD" else "plain"
 
@@ -101,16 +101,22 @@ def _check_packed_product(linear: nn.Linear) -> str | None:
     return None
 
 
-def pack_linear_weights(model: nn.Module) -> int:
-    """Swap every plain ``nn.Linear`` with a CPU weight in ``model`` for a ``PackedLinear``; return how many.
-    Swaps nothing (and logs why) when this CPU or torch build cannot pack the model's dtype."""
+def cpu_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """Every plain ``nn.Linear`` of ``model`` with a CPU weight, as (parent, attribute name, layer): what
+    ``CPU_PACKED_WEIGHTS`` may swap. None of a model with offloaded weights (logged)."""
     if any(p.device.type == "meta" for p in model.parameters()):
         # Offloaded (DEVICE_MAP "disk" entries): accelerate's hooks swap weights in per forward, and a
         # swapped-out module would lose its hook. Offloading is for memory, not speed: leave it alone.
-        logger.info("CPU_PACKED_WEIGHTS: not packing a model with offloaded weights")
-        return 0
-    linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if type(child) is nn.Linear and child.weight.device.type == "cpu"]
+        logger.info("CPU_PACKED_WEIGHTS: leaving the linear layers of a model with offloaded weights as they are")
+        return []
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if type(child) is nn.Linear and child.weight.device.type == "cpu"]
+
+
+def pack_linear_weights(model: nn.Module) -> int:
+    """Swap every plain ``nn.Linear`` with a CPU weight in ``model`` for a ``PackedLinear``; return how many.
+    Swaps nothing (and logs why) when this CPU or torch build cannot pack the model's dtype."""
+    linears = cpu_linears(model)
     if not linears:
         return 0
     reason = _check_packed_product(linears[0][2])

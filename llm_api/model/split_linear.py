@@ -13,9 +13,10 @@ host, the medians were
     packed (ms)     48.7   85.3   117.6  146.4  324.3  1035.1   (llm_api.model.packed_linear)
     split (ms)      39.1   71.2   99.6   132.0  311.6  1289.5
 
-and a whole batch-1 decode step of the embedded model went from 11.6 tok/s packed (10.3 plain) to 13.7 tok/s
-split, with the same greedy tokens as ``F.linear``. Above ``MAX_SPLIT_ROWS`` (128: prefill chunks) the layer
-calls ``F.linear``, whose blocked ``sgemm`` uses every core itself.
+and batch-1 decode of the embedded model through the engine went from 10.6 tok/s packed (9.8 with
+``F.linear``) to 13.4 tok/s split, with the same greedy tokens as ``F.linear`` (``bench/cpu_products.py``).
+Above ``MAX_SPLIT_ROWS`` (128: prefill chunks) the layer calls ``F.linear``, whose blocked ``sgemm`` uses every
+core itself.
 
 ``SplitLinear`` keeps the module's own weight (no copy: a tied ``lm_head`` keeps sharing the embedding's
 tensor, where a packed copy costs ``vocab x hidden`` more), so ``state_dict`` and memory are unchanged.
@@ -32,6 +33,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llm_api.model.packed_linear import cpu_linears
+
 MAX_SPLIT_ROWS = 128  # above: F.linear (its blocked sgemm uses every core; split measured 20% slower at 512 rows)
 
 
@@ -42,7 +45,7 @@ def split_parts(out_features: int, threads: int) -> int:
 
 class SplitLinear(nn.Module):
     """``y = x @ W^T + b``, any leading shape of ``x``; up to ``MAX_SPLIT_ROWS`` rows as one batched product
-    over ``parts`` row blocks of ``W`` (the same sums as ``F.linear``, per output)."""
+    over ``parts`` row blocks of ``W`` (each output is the dot product ``F.linear`` computes for it)."""
 
     def __init__(self, linear: nn.Linear, parts: int):
         super().__init__()
@@ -70,17 +73,14 @@ class SplitLinear(nn.Module):
 
 
 def split_linear_weights(model: nn.Module, threads: int | None = None) -> int:
-    """Swap every plain ``nn.Linear`` with a CPU weight in ``model`` whose output features split into more
-    than one part for a ``SplitLinear``; return how many. ``threads``: default torch's thread count."""
-    if any(p.device.type == "meta" for p in model.parameters()):
-        return 0  # offloaded weights are swapped in by accelerate's hooks per forward (as packed_linear says)
+    """Swap every plain ``nn.Linear`` with a CPU weight in ``model`` (``cpu_linears``: none of an offloaded
+    model) whose output features split into more than one part for a ``SplitLinear``; return how many.
+    ``threads``: default torch's thread count."""
     threads = torch.get_num_threads() if threads is None else threads
     swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.device.type == "cpu":
-                parts = split_parts(child.out_features, threads)
-                if parts > 1:
-                    setattr(parent, name, SplitLinear(child, parts))
-                    swapped += 1
+    for parent, name, child in cpu_linears(model):
+        parts = split_parts(child.out_features, threads)
+        if parts > 1:
+            setattr(parent, name, SplitLinear(child, parts))
+            swapped += 1
     return swapped
