@@ -69,8 +69,6 @@ Contract (docs/responses.md has the user's view):
 
 from __future__ import annotations
 
-import dataclasses
-
 from dataclasses import replace
 from typing import Any, Collection
 
@@ -98,7 +96,7 @@ def continued(request: GenerateRequest, call: ResponsesCall, prior_turns: list[d
     messages become the call's instructions, the prior turns and the new input; ``call`` stores them again
     with its answer. ApiError (400) when a function_call_output answers no call of the conversation."""
     call.continue_from(prior_turns)
-    return dataclasses.replace(request, messages=call.prompt_turns())
+    return replace(request, messages=call.prompt_turns())
 
 
 def parse_responses(body: Any, model_name: str, limits: Limits,
