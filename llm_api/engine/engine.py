@@ -82,6 +82,9 @@ class EngineConfig:
     cuda_graphs: bool = Settings.cuda_graphs  # capture the decode step on CUDA (ignored elsewhere)
     cuda_graph_max_batch_size: int = Settings.cuda_graph_max_batch_size  # largest captured decode batch (<= max_num_seqs)
     fused_kernels: bool = Settings.fused_kernels  # one Triton kernel per RMSNorm and per rotary embedding (CUDA only)
+    # ... and, with fused_kernels, Llama-code decoder layers in 10 kernels (merged products, sums fused into the
+    # norms: engine.fused_layers). Not a setting: bench/gpu_decode.py --fused-kernels norms turns it off to compare.
+    fused_layers: bool = True
     speculative_tokens: int = Settings.speculative_tokens  # k draft tokens per step (n-gram prompt lookup); 0: off
     ngram_min: int = Settings.ngram_min
     ngram_max: int = Settings.ngram_max
@@ -171,7 +174,8 @@ class LLMEngine:
         # One request never needs more than the whole pool, so it can always run alone.
         self.max_model_len = min(wanted_max_len, self.kv_cache.max_num_tokens)
         self.lora = lora
-        self.runner = ModelRunner(model, self.kv_cache, self.attention, lora, fused_kernels=config.fused_kernels)
+        self.runner = ModelRunner(model, self.kv_cache, self.attention, lora, fused_kernels=config.fused_kernels,
+                                  fused_layers=config.fused_layers)
         self.step_budget: CpuStepBudget | None = None
         if config.max_num_batched_tokens is None:  # a CPU: size the step to it (chunked prefill)
             self.step_budget = CpuStepBudget(self.runner, model, BudgetCache(Path(config.step_budget_cache)

@@ -1,4 +1,5 @@
-"""Fused GPU kernels for a model's small per-layer operations: RMSNorm and rotary embedding (issue 26).
+"""Fused GPU kernels for a model's small per-layer operations: RMSNorm and rotary embedding (issue 26);
+with ``layers``, whole Llama-code decoder layers too (``llm_api.engine.fused_layers``, issue 39).
 
 At batch 1 a decode step of Llama-3.1-8B on an H200 read its weights in 3.6 ms but took 6.4: the
 transformers code around the matrix products launches ~37 small kernels per layer (eight per RMSNorm,
@@ -37,14 +38,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from llm_api.engine import fused_layers
+
 logger = logging.getLogger(__name__)
 
 _IN_FUSED_FORWARD = contextvars.ContextVar("llm_api_fused_forward", default=False)
-
-
-def _same_code(a: Any, b: Any) -> bool:
-    a, b = getattr(a, "__code__", None), getattr(b, "__code__", None)
-    return a is not None and b is not None and a.co_code == b.co_code and a.co_names == b.co_names
 
 
 def _llama():
@@ -56,7 +54,10 @@ def _llama():
 def _fused_norm(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     from llm_api.kernels.rms_norm import rms_norm
 
-    if not hidden_states.is_cuda:
+    handed = fused_layers.take_handed(self, hidden_states)  # (computed by the layer before, in its last kernel)
+    if handed is not None:
+        return handed
+    if not fused_layers.kernels_run_on(hidden_states):
         return type(self).forward(self, hidden_states)
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
@@ -83,7 +84,7 @@ def _rotary_dispatcher(original):
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if (_IN_FUSED_FORWARD.get() and unsqueeze_dim == 1 and q.is_cuda
+        if (_IN_FUSED_FORWARD.get() and unsqueeze_dim == 1 and fused_layers.kernels_run_on(q)
                 and rotary_supported(q, k, cos, sin)):
             return apply_rotary(q, k, cos, sin)
         return original(q, k, cos, sin, unsqueeze_dim)
@@ -100,7 +101,7 @@ def _original_rotary(function: Any) -> Any:
 def fusable_norms(model: nn.Module) -> list[nn.Module]:
     """The modules whose forward is Llama's RMSNorm code (and that no accelerate hook wraps)."""
     llama_norm = _llama().LlamaRMSNorm.forward
-    return [m for m in model.modules() if _same_code(type(m).forward, llama_norm) and not hasattr(m, "_hf_hook")
+    return [m for m in model.modules() if fused_layers.same_code(type(m).forward, llama_norm) and not hasattr(m, "_hf_hook")
             and not _overridden(m)]
 
 
@@ -122,20 +123,31 @@ def rotary_modeling_modules(model: nn.Module) -> list[types.ModuleType]:
     for name in sorted({type(m).__module__ for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")}):
         modeling = sys.modules.get(name)
         function = _original_rotary(getattr(modeling, "apply_rotary_pos_emb", None))
-        if (modeling is not None and _same_code(function, llama_rotary)
-                and _same_code(getattr(modeling, "rotate_half", None), llama.rotate_half)):
+        if (modeling is not None and fused_layers.same_code(function, llama_rotary)
+                and fused_layers.same_code(getattr(modeling, "rotate_half", None), llama.rotate_half)):
             found.append(modeling)
     return found
 
 
-def enable(model: nn.Module) -> dict[str, int]:
+NOTHING_FUSED = {"rms_norm": 0, "rotary": 0, "layers": 0, "merged": 0}
+
+
+def enable(model: nn.Module, layers: bool = True) -> dict[str, int]:
     """Swap in the fused kernels where ``model``'s code allows (CUDA models only; call once, before any
-    CUDA graph is captured). Returns what was swapped: {"rms_norm": modules, "rotary": modeling modules}."""
+    CUDA graph is captured); with ``layers``, also the fused decoder layers (``llm_api.engine.fused_layers``).
+    Returns what was swapped: {"rms_norm": modules, "rotary": modeling modules, "layers": decoder layers,
+    "merged": attention and MLP modules whose projections run as one product}."""
     from llm_api.kernels import triton_usable
 
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     if device.type != "cuda" or not triton_usable(device):
-        return {"rms_norm": 0, "rotary": 0}
+        return dict(NOTHING_FUSED)
+    return install(model, layers)
+
+
+def install(model: nn.Module, layers: bool = True) -> dict[str, int]:
+    """``enable`` without its device check: on CPU the kernels run only under Triton's interpreter (the
+    tests, tests/engine/test_fused_layers.py)."""
     norms = fusable_norms(model)
     for module in norms:
         if "forward" not in module.__dict__:  # (already swapped by an earlier engine on this model)
@@ -150,13 +162,21 @@ def enable(model: nn.Module) -> dict[str, int]:
         model.forward = types.MethodType(_fused_model_forward, model)
     elif rotary and not _is_fused(model.__dict__["forward"]):  # (someone else's wrapper: leave it be)
         rotary = 0
-    logger.info("fused GPU kernels: %d RMSNorm modules, rotary embedding in %d modeling modules", len(norms), rotary)
-    return {"rms_norm": len(norms), "rotary": rotary}
+    fused = {"rms_norm": len(norms), "rotary": rotary, "layers": 0, "merged": 0}
+    if layers:
+        fused.update(fused_layers.enable(model, norms, modeling_modules if rotary else []))
+    else:
+        fused_layers.disable(model)
+    logger.info("fused GPU kernels: %d RMSNorm modules, rotary embedding in %d modeling modules, %d decoder layers "
+                "(%d attention and MLP modules with merged products)", len(norms), rotary, fused["layers"],
+                fused["merged"])
+    return fused
 
 
 def disable(model: nn.Module) -> None:
     """Undo ``enable`` on ``model`` (its modules' own forwards again; the rotary dispatchers stay, inactive
     outside a fused model's forward)."""
+    fused_layers.disable(model)
     for module in model.modules():
         if _is_fused(module.__dict__.get("forward")):
             del module.forward

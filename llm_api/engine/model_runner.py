@@ -26,7 +26,8 @@ feeds one token id and samples, and which fits the largest captured size, goes t
 ``DecodeGraphRunner``.
 
 With ``fused_kernels`` (CUDA), RMSNorm and the rotary embedding run as one Triton kernel each
-(``llm_api.engine.fused_ops``).
+(``llm_api.engine.fused_ops``), and with ``fused_layers`` too, Llama-code decoder layers run merged
+products and fused residual sums (``llm_api.engine.fused_layers``).
 
 With a LoRA registry, each request's packed tokens are tagged with its adapter (``Request.lora_id``) and
 the forward runs inside ``llm_api.lora.context.lora_step``: the wrapped linears add each row's delta.
@@ -89,7 +90,7 @@ class BlockTables:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: PagedKVCache, backend: AttentionBackend, lora: Any = None,
-                 fused_kernels: bool = False):
+                 fused_kernels: bool = False, fused_layers: bool = True):
         self.model = model
         self.lora = lora  # llm_api.lora.registry.LoraRegistry, or None
         self.kv_cache = kv_cache
@@ -113,9 +114,9 @@ class ModelRunner:
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # Last (enable wraps model.forward, whose signature was read above); CUDA only; before the engine
         # captures its graphs, which record whichever kernels the forward launches.
-        self.fused = {"rms_norm": 0, "rotary": 0}
+        self.fused = dict(fused_ops.NOTHING_FUSED)
         if fused_kernels:
-            self.fused = fused_ops.enable(model)
+            self.fused = fused_ops.enable(model, layers=fused_layers)
         else:  # (an earlier engine on this model may have enabled them)
             fused_ops.disable(model)
 

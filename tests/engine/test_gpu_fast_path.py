@@ -43,6 +43,10 @@ def test_engine_with_graphs_matches_generate(arch):
     assert engine.cuda_graph_batch_sizes == capture_batch_sizes(8)
     # The fused kernels ran (gemma2's norm is its own code: only its rotary embedding is fused).
     assert engine.runner.fused["rotary"] == 1 and (engine.runner.fused["rms_norm"] > 0) == (arch != "gemma2")
+    # ... and the fused decoder layers: Llama's merges q/k/v and gate/up, Qwen2's and Mistral's attention
+    # (a sliding window) and Qwen3's (q/k norms) are their own code, so only their MLPs merge.
+    layers = {"llama": (2, 4), "qwen2": (2, 2), "mistral": (2, 2), "gemma2": (0, 0), "qwen3": (2, 2)}[arch]
+    assert (engine.runner.fused["layers"], engine.runner.fused["merged"]) == layers
     generator = torch.Generator().manual_seed(11)
     arrivals = {step: [(f"r{step}-{i}", random_prompt(generator, 3 + 7 * i + step), greedy(12 + i))
                        for i in range(3)] for step in (0, 2, 5)}
@@ -51,6 +55,20 @@ def test_engine_with_graphs_matches_generate(arch):
         for request_id, prompt, params in arrival:
             assert results[request_id][0] == reference_greedy(reference, prompt, params.max_new_tokens), request_id
     assert sum(engine.runner.decode_graphs.steps_by_size.values()) > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_layers_give_the_models_own_logits_on_the_gpu(arch):
+    """Finer than greedy tokens: a whole fp32 forward (transformers' attention) with the fused kernels and
+    layers agrees with the model's own to float32 rounding."""
+    from llm_api.engine import fused_ops
+
+    model = _cuda_model(arch, torch.float32)
+    reference = copy.deepcopy(model)
+    assert fused_ops.enable(model)["layers"] == 2
+    input_ids = torch.randint(0, 1000, (2, 6), generator=torch.Generator().manual_seed(3)).cuda()
+    with torch.inference_mode():
+        torch.testing.assert_close(model(input_ids).logits, reference(input_ids).logits, atol=1e-4, rtol=1e-4)
 
 
 def test_replay_equals_eager_bit_for_bit():

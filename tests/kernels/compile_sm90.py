@@ -19,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from llm_api.kernels import decode_attention, kv_write, prefill_attention
+from llm_api.kernels import activation, decode_attention, kv_write, prefill_attention, rms_norm, rotary
 
 BF16_ATTENTION = {"query_ptr": "*bf16", "key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16", "out_ptr": "*bf16",
                   "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
@@ -64,6 +64,18 @@ def main():
                 {"key_ptr": "*bf16", "value_ptr": "*bf16", "key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16",
                  "slot_mapping_ptr": "*i64"},
                 dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, HEAD_DIM_PAD=128))
+    # The fused layers' kernels at Llama-3.1-8B's sizes (hidden 4096, head dim 128), bf16.
+    norm = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "sum_ptr": "*bf16", "out_ptr": "*bf16",
+            "eps": "fp32"}
+    compile_one("rms-norm", rms_norm._rms_norm_kernel, norm, dict(BLOCK=4096), num_warps=16)
+    compile_one("add-rms-norm", rms_norm._add_rms_norm_kernel, norm, dict(BLOCK=4096), num_warps=16)
+    compile_one("silu-and-mul", activation._silu_and_mul_kernel, {"gate_up_ptr": "*bf16", "out_ptr": "*bf16"},
+                dict(BLOCK=activation.BLOCK))
+    rope = {name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "k_out_ptr", "key_cache_ptr",
+                                        "value_cache_ptr", "cos_ptr", "sin_ptr")}
+    compile_one("rotary", rotary._rotary_kernel, rope, dict(BLOCK=64), num_warps=1)
+    compile_one("rotary-store-kv", rotary._rotary_store_kv_kernel, {**rope, "slot_ptr": "*i64"}, dict(BLOCK=64),
+                num_warps=1)
 
 
 if __name__ == "__main__":

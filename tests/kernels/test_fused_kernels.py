@@ -1,5 +1,6 @@
-"""rms_norm and apply_rotary (Triton; the CPU interpreter without a GPU) against transformers' code;
-tests/engine/test_fused_ops_selection.py says which modules ``llm_api.engine.fused_ops`` swaps them into."""
+"""rms_norm, add_rms_norm, silu_and_mul, apply_rotary and rotary_store_kv (Triton; the CPU interpreter without a GPU) against
+transformers' code; tests/engine/test_fused_ops_selection.py says which modules ``llm_api.engine.fused_ops``
+swaps them into, tests/engine/test_fused_layers.py runs the fused decoder layers in the engine."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 
 from kernel_cases import DEVICE, TOLERANCES  # noqa: E402
 
-from llm_api.kernels.rms_norm import rms_norm, rms_norm_reference  # noqa: E402
-from llm_api.kernels.rotary import apply_rotary, apply_rotary_reference, rotary_supported  # noqa: E402
+from llm_api.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
+from llm_api.kernels.rms_norm import (add_rms_norm, add_rms_norm_reference, rms_norm,  # noqa: E402
+                                      rms_norm_reference)
+from llm_api.kernels.kv_write import store_kv_reference  # noqa: E402
+from llm_api.kernels.rotary import (apply_rotary, apply_rotary_reference, rotary_store_kv,  # noqa: E402
+                                    rotary_store_kv_supported, rotary_supported)
 
 
 def _generator(name: str) -> torch.Generator:
@@ -44,6 +49,57 @@ def test_rms_norm_matches_llama(case):
     assert not out.isnan().any()
     # (the products are rounded to the input dtype before the weight's: its tolerance applies)
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("case", NORM_CASES, ids=[c[0] for c in NORM_CASES])
+def test_add_rms_norm_matches_a_residual_sum_then_llama_norm(case):
+    name, shape, dtype, weight_dtype, strided = case
+    generator = _generator("add-" + name)
+    residual = (torch.randn(shape, generator=generator) * 3).to(dtype).to(DEVICE)
+    x = (torch.randn((2 * shape[0], *shape[1:]), generator=generator) * 3).to(dtype).to(DEVICE)
+    x = x[::2] if strided else x[: shape[0]]
+    weight = torch.randn(shape[-1], generator=generator).to(weight_dtype).to(DEVICE)
+    total, normed = add_rms_norm(x, residual, weight, 1e-6)
+    expected_total, expected_normed = add_rms_norm_reference(x, residual, weight, 1e-6)
+    assert total.dtype == expected_total.dtype and normed.dtype == expected_normed.dtype
+    if dtype == torch.float32 or DEVICE.type == "cuda":
+        assert torch.equal(total, expected_total)  # one rounding of one sum: exact
+    else:  # (the CPU interpreter truncates to 16-bit floats instead of rounding: an ulp)
+        torch.testing.assert_close(total, expected_total, **TOLERANCES[dtype])
+    torch.testing.assert_close(normed, expected_normed, **TOLERANCES[dtype])
+
+
+def test_add_rms_norm_refuses_mismatched_shapes():
+    with pytest.raises(ValueError, match="one shape"):
+        add_rms_norm(torch.zeros(2, 8, device=DEVICE), torch.zeros(3, 8, device=DEVICE), torch.ones(8, device=DEVICE),
+                     1e-6)
+
+
+# (id, rows shape, intermediate size, dtype, a strided view of the rows)
+SILU_CASES = [
+    ("fp32-rows", (3, 5), 96, torch.float32, False),
+    ("bf16-one-token-two-blocks", (1, 1), 1500, torch.bfloat16, False),
+    ("fp16-strided-rows", (4,), 64, torch.float16, True),
+    ("empty", (0,), 64, torch.float32, False),
+]
+
+
+@pytest.mark.parametrize("case", SILU_CASES, ids=[c[0] for c in SILU_CASES])
+def test_silu_and_mul_matches_llama_mlp(case):
+    name, rows, intermediate, dtype, strided = case
+    generator = _generator(name)
+    gate_up = (torch.randn((*rows, 2 * intermediate), generator=generator) * 4).to(dtype).to(DEVICE)
+    if strided:
+        gate_up = torch.cat((gate_up, gate_up), dim=0)[::2]
+    out = silu_and_mul(gate_up)
+    expected = silu_and_mul_reference(gate_up)
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+def test_silu_and_mul_refuses_an_odd_width():
+    with pytest.raises(ValueError, match="even"):
+        silu_and_mul(torch.zeros(2, 7, device=DEVICE))
 
 
 # (id, batch, query heads, key heads, tokens, head dim, dtype)
@@ -82,3 +138,36 @@ def test_rotary_refuses_what_it_cannot_take():
     assert not rotary_supported(q, k, cos, cos)
     with pytest.raises(ValueError, match="cannot take"):
         apply_rotary(q, k, cos, cos)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rotary_store_kv_equals_rotary_then_store(dtype):
+    """Strided q/k/v views of one product (as the fused layer splits it), a padding slot (-1) that must
+    write nothing, NaN-poisoned caches: the rows written and the rotated queries equal apply_rotary followed
+    by store_kv; every other row stays NaN."""
+    generator = _generator(f"rotary-store-{dtype}")
+    tokens, num_heads, num_kv_heads, dim, block_size = 5, 4, 2, 64, 4
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * dim, generator=generator).to(dtype).to(DEVICE)
+    q, k, v = (t.view(tokens, -1, dim) for t in qkv.split([num_heads * dim, num_kv_heads * dim,
+                                                           num_kv_heads * dim], -1))
+    angles = torch.rand(1, tokens, dim // 2, generator=generator) * 50
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
+    caches = [torch.full((6, block_size, num_kv_heads, dim), float("nan"), dtype=dtype, device=DEVICE)
+              for _ in range(4)]
+    key_cache, value_cache, key_expected, value_expected = caches
+    slots = torch.tensor([9, 2, -1, 17, 4], device=DEVICE)
+    assert rotary_store_kv_supported(q, k, v, cos, sin, key_cache, value_cache)
+    q_out = rotary_store_kv(q, k, v, cos, sin, key_cache, value_cache, slots)
+    # The reference takes [B, H, T, D]: the packed step as one sequence.
+    q_ref, k_ref = apply_rotary_reference(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    store_kv_reference(k_ref[0].transpose(0, 1), v, key_expected, value_expected, slots)
+    torch.testing.assert_close(q_out, q_ref[0].transpose(0, 1), **TOLERANCES[dtype])
+    torch.testing.assert_close(key_cache, key_expected, equal_nan=True, **TOLERANCES[dtype])
+    assert torch.equal(value_cache.isnan(), value_expected.isnan())
+    torch.testing.assert_close(value_cache, value_expected, equal_nan=True, atol=0, rtol=0)
+    # A cache of another dtype, or a batch of two rows: the caller keeps the separate kernels.
+    assert not rotary_store_kv_supported(q, k, v, cos, sin, key_cache.float() if dtype != torch.float32
+                                         else key_cache.double(), value_cache)
+    assert not rotary_store_kv_supported(q, k, v, cos.expand(2, -1, -1), sin.expand(2, -1, -1), key_cache,
+                                         value_cache)

@@ -1,0 +1,316 @@
+"""Decoder layers whose code is Llama's, run as fewer and larger GPU kernels (issue 39).
+
+With ``llm_api.engine.fused_ops`` (one kernel per RMSNorm and per rotary embedding) a batch-1 decode step
+of Llama-3.1-8B on an H200 still launched 17 kernels a layer, 7 of them products, and took 5.3 ms
+against 3.6 ms of weight reads (docs/benchmarks.md, "Measured on an H200"). ``enable(model)`` swaps the
+forward of each decoder layer whose code is ``LlamaDecoderLayer.forward`` (bytecode, as ``fused_ops``
+decides) and whose two norms ``fused_ops`` swapped, for one that runs, per layer:
+
+    input norm          done by the previous layer's last kernel, which hands it over (below)
+    q/k/v               one product over the three weights concatenated (vLLM's QKVParallelLinear)
+    rotary + KV write   one kernel: q rotated, k rotated and v written into the paged cache
+                        (``kernels.rotary.rotary_store_kv``; where the engine's Triton backend runs the
+                        attention, else the rotary kernel and the attention interface as before)
+    attention           the backend's decode kernels over the cache (``TritonBackend.attend``), then o_proj
+    sum + norm          one kernel: ``residual + attention`` and the post-attention norm of it
+    gate/up             one product over the two weights concatenated
+    SiLU x up           one kernel (``kernels.activation``)
+    down
+    sum + next norm     one kernel: ``residual + mlp`` and the next layer's input norm (the model's final
+                        norm after the last layer) of it
+
+that is 10 launches and 4 products a layer at batch-1 decode where transformers' code (after ``fused_ops``)
+launches 17 and 7: 77.2% of the read roofline instead of 66.8% (docs/benchmarks.md, "Fused decoder layers").
+
+Merged products: at ``enable`` the q, k and v weights (and gate and up) are copied into one tensor and the
+modules' own parameters become views of it, so the model holds no more memory and every other path
+(LoRA wrappers, a state dict, ``generate()``) sees the modules as before. The merged product runs only
+while that still holds, checked at each call: the projections are plain ``nn.Linear`` (not wrapped by
+LoRA, not quantized) whose weights still point into the merged tensor (a model moved or deep-copied
+since has its own, separate parameters). Otherwise, and for attention or MLP code that is not Llama's
+(Mistral's sliding window, Qwen3's q/k norms, a GELU MLP), the layer calls the module itself.
+
+The handover: the fused sum + norm computes the next norm's output, and stores it on that norm module
+with the tensor it normalized; the norm's fused forward (``fused_ops``) returns it when it is called on
+that same tensor object (the model's layer loop passes each layer's output straight to the next), and
+computes the norm itself otherwise. Python runs once per captured CUDA graph, so this costs nothing on
+replay.
+
+Rounding is transformers' at every step (each sum rounded to its dtype before the norm reads it, the
+activation rounded before its product), so greedy output stays token-identical to ``generate()`` in
+float32 (tests/engine/test_gpu_fast_path.py; on CPU under Triton's interpreter,
+tests/engine/test_fused_layers.py). Hand-written rather than compiled, for the reason ``fused_ops``
+gives.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Attributes this module keeps in a module's __dict__ (set with object.__setattr__: a module or tensor
+# stored through nn.Module.__setattr__ would join the module tree or its state).
+_NEXT_NORM = "_llm_api_next_norm"  # decoder layer -> the norm that reads its output
+_MERGED = "_llm_api_merged"  # attention / MLP -> MergedProjection
+_HANDOFF = "_llm_api_handoff"  # norm -> (the tensor it is to normalize, its output)
+_FUSED_ROTARY = "_llm_api_fused_rotary"  # attention -> True: its modeling module's rotary is Llama's (fused_ops)
+
+QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
+
+
+def same_code(a: Any, b: Any) -> bool:
+    """Two functions run the same bytecode on the same global and attribute names, compared below any
+    decorator that keeps ``__wrapped__`` (transformers wraps every decoder layer's forward in one
+    checkpointing wrapper, whose code alone is the same for all families)."""
+    a, b = getattr(_unwrap(a), "__code__", None), getattr(_unwrap(b), "__code__", None)
+    return a is not None and b is not None and a.co_code == b.co_code and a.co_names == b.co_names
+
+
+def _unwrap(function: Any) -> Any:
+    try:
+        return inspect.unwrap(function) if callable(function) else function
+    except ValueError:  # (a cycle of __wrapped__)
+        return function
+
+
+def _llama():
+    from transformers.models.llama import modeling_llama
+
+    return modeling_llama
+
+
+def kernels_run_on(tensor: torch.Tensor) -> bool:
+    """The fused kernels take this tensor: on CUDA, or on CPU under Triton's interpreter (the tests)."""
+    from llm_api.kernels import interpreter_enabled
+
+    return tensor.is_cuda or interpreter_enabled()
+
+
+class MergedProjection:
+    """Several ``nn.Linear`` of one input as one product: ``weight`` [sum of outputs, in], ``bias`` or None;
+    the modules' parameters are views of them (``merge``)."""
+
+    def __init__(self, names: tuple[str, ...], weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]):
+        self.names = names
+        self.weight = weight
+        self.bias = bias
+        self.sizes = sizes
+        self.pointers = self._pointers_expected()
+
+    def _pointers_expected(self) -> list[int]:
+        offsets = [0]
+        for size in self.sizes[:-1]:
+            offsets.append(offsets[-1] + size)
+        row = self.weight.stride(0) * self.weight.element_size()
+        return [self.weight.data_ptr() + offset * row for offset in offsets]
+
+    def holds(self, owner: nn.Module) -> bool:
+        """The modules are still the plain linears whose weights are views of this tensor."""
+        modules = [getattr(owner, name, None) for name in self.names]
+        return (all(type(m) is nn.Linear for m in modules)
+                and [m.weight.data_ptr() for m in modules] == self.pointers  # type: ignore[union-attr]
+                and all((m.bias is None) == (self.bias is None) for m in modules))  # type: ignore[union-attr]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def merge(owner: nn.Module, names: tuple[str, ...]) -> MergedProjection | None:
+    """Concatenate the weights (and biases) of ``owner``'s linears ``names`` into one tensor and make the
+    modules' parameters views of it; None (nothing changed) unless they are plain ``nn.Linear`` of one
+    input size, dtype and device, all with or all without a bias, and none already shares its storage."""
+    modules = [getattr(owner, name, None) for name in names]
+    if not all(type(m) is nn.Linear for m in modules):
+        return None
+    linears: list[nn.Linear] = modules  # type: ignore[assignment]
+    first = linears[0].weight
+    if any(m.weight.shape[1] != first.shape[1] or m.weight.dtype != first.dtype or m.weight.device != first.device
+           or m.weight.device.type == "meta" or (m.bias is None) != (linears[0].bias is None) for m in linears):
+        return None
+    with torch.no_grad():
+        weight = torch.cat([m.weight.detach() for m in linears])
+        bias = torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None
+        sizes = [m.weight.shape[0] for m in linears]
+        offset = 0
+        for m, size in zip(linears, sizes):
+            # (.data: the same Parameter objects stay in the model, now views of the merged tensor)
+            m.weight.data = weight[offset:offset + size]
+            if bias is not None and m.bias is not None:
+                m.bias.data = bias[offset:offset + size]
+            offset += size
+    if weight.is_cuda:
+        # The separate weights just freed go back to the device: the KV pool was sized before this runs,
+        # and a cache of every layer's old weights (13 GB for an 8B model) would not fit beside it.
+        torch.cuda.empty_cache()
+    return MergedProjection(names, weight, bias, sizes)
+
+
+def merged_projection(owner: nn.Module) -> MergedProjection | None:
+    """The merged product of ``owner``'s projections while it still holds (else None)."""
+    merged = owner.__dict__.get(_MERGED)
+    return merged if merged is not None and merged.holds(owner) else None
+
+
+def hand_over(norm: nn.Module, source: torch.Tensor, normed: torch.Tensor) -> None:
+    object.__setattr__(norm, _HANDOFF, (source, normed))
+
+
+def take_handed(norm: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor | None:
+    """The output handed to ``norm`` for exactly this tensor (else None: the norm computes it)."""
+    handed = norm.__dict__.pop(_HANDOFF, None)
+    return handed[1] if handed is not None and handed[0] is hidden_states else None
+
+
+def _attention(attn: nn.Module, hidden_states: torch.Tensor, position_embeddings, attention_mask,
+               past_key_values, **kwargs) -> torch.Tensor:
+    """``LlamaAttention.forward``'s output with one q/k/v product (the module itself where it is not
+    Llama's code or its projections are no longer merged)."""
+    merged = merged_projection(attn)
+    if merged is None:
+        output, _ = attn(hidden_states=hidden_states, position_embeddings=position_embeddings,
+                         attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+        return output
+    module: Any = attn
+    modeling = sys.modules[type(attn).__module__]
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, module.head_dim)
+    query, key, value = (t.view(hidden_shape) for t in merged(hidden_states).split(merged.sizes, -1))
+    cos, sin = position_embeddings
+    metadata = _paged_metadata(attn, kwargs) if attn.__dict__.get(_FUSED_ROTARY) and past_key_values is None else None
+    if metadata is not None and query.shape[0] == 1:  # (the engine's packed step: one row of T tokens)
+        from llm_api.kernels.rotary import rotary_store_kv, rotary_store_kv_supported
+
+        key_cache, value_cache = metadata.key_caches[module.layer_idx], metadata.value_caches[module.layer_idx]
+        if rotary_store_kv_supported(query[0], key[0], value[0], cos, sin, key_cache, value_cache):
+            rotated = rotary_store_kv(query[0], key[0], value[0], cos, sin, key_cache, value_cache,
+                                      metadata.slot_mapping_on(key_cache.device))
+            # (Llama's attention passes no sliding window or softcap to the attention function)
+            output = metadata.backend.attend(metadata, module.layer_idx, rotated, module.scaling, None, None)
+            return module.o_proj(output.reshape(*input_shape, -1))
+    query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    query, key = modeling.apply_rotary_pos_emb(query, key, cos, sin)  # (fused_ops' dispatcher, where installed)
+    if past_key_values is not None:
+        key, value = past_key_values.update(key, value, module.layer_idx)
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation,
+                                                      modeling.eager_attention_forward)
+    output, _ = interface(attn, query, key, value, attention_mask,
+                          dropout=0.0 if not attn.training else module.attention_dropout, scaling=module.scaling,
+                          **kwargs)
+    return module.o_proj(output.reshape(*input_shape, -1).contiguous())
+
+
+def _paged_metadata(attn: nn.Module, kwargs: dict):
+    """This forward's paged-attention metadata, when its attention runs through the engine's Triton backend,
+    which can attend over K/V already written (else None)."""
+    from llm_api.engine.attention.base import ATTENTION_NAME, METADATA_KWARG
+
+    module: Any = attn
+    metadata = kwargs.get(METADATA_KWARG)
+    if module.config._attn_implementation != ATTENTION_NAME or metadata is None:
+        return None
+    return metadata if callable(getattr(metadata.backend, "attend", None)) else None
+
+
+def _mlp(mlp: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """``LlamaMLP.forward`` with one gate/up product and one SiLU x up kernel (where it applies)."""
+    merged = merged_projection(mlp)
+    if merged is None:
+        return mlp(hidden_states)
+    from llm_api.kernels.activation import silu_and_mul
+
+    module: Any = mlp
+    return module.down_proj(silu_and_mul(merged(hidden_states)))
+
+
+def _fused_layer(self: Any, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
+                 use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
+    if not kernels_run_on(hidden_states):
+        return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                  past_key_values=past_key_values, use_cache=use_cache,
+                                  position_embeddings=position_embeddings, **kwargs)
+    from llm_api.kernels.rms_norm import add_rms_norm
+
+    normed = take_handed(self.input_layernorm, hidden_states)
+    if normed is None:
+        normed = self.input_layernorm(hidden_states)
+    attention = _attention(self.self_attn, normed, position_embeddings, attention_mask, past_key_values,
+                           position_ids=position_ids, use_cache=use_cache, **kwargs)
+    post = self.post_attention_layernorm
+    residual, normed = add_rms_norm(attention, hidden_states, post.weight, post.variance_epsilon)
+    mlp = _mlp(self.mlp, normed)
+    next_norm = self.__dict__.get(_NEXT_NORM)
+    if next_norm is None:
+        return residual + mlp
+    output, next_normed = add_rms_norm(mlp, residual, next_norm.weight, next_norm.variance_epsilon)
+    hand_over(next_norm, output, next_normed)
+    return output
+
+
+def _is_llama_layer(layer: nn.Module, swapped_norms: set[int]) -> bool:
+    return (same_code(type(layer).forward, _llama().LlamaDecoderLayer.forward)
+            and getattr(layer.__dict__.get("forward"), "__func__", _fused_layer) is _fused_layer
+            and not hasattr(layer, "_hf_hook")
+            and all(id(getattr(layer, name, None)) in swapped_norms
+                    for name in ("input_layernorm", "post_attention_layernorm")))
+
+
+def _is_silu(module: nn.Module) -> bool:
+    act = getattr(module, "act_fn", None)
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+def enable(model: nn.Module, swapped_norms: list[nn.Module], rotary_modules: list[types.ModuleType]) -> dict[str, int]:
+    """Swap the fused forward into ``model``'s Llama-code decoder layers (``swapped_norms``: the norms
+    ``fused_ops`` gave the fused forward; ``rotary_modules``: the modeling modules whose rotary it swapped),
+    merging their projections. Returns {"layers", "merged"}."""
+    llama = _llama()
+    swapped = {id(m) for m in swapped_norms}
+    get_decoder = getattr(model, "get_decoder", None)  # (transformers' base model under a task head)
+    decoder = get_decoder() if callable(get_decoder) else None
+    layers = list(getattr(decoder, "layers", None) or [])
+    fused = [layer for layer in layers if _is_llama_layer(layer, swapped)]
+    merged = 0
+    for layer in fused:
+        attn, mlp = layer.self_attn, layer.mlp
+        if same_code(type(attn).forward, llama.LlamaAttention.forward) and _MERGED not in attn.__dict__:
+            projection = merge(attn, QKV)
+            if projection is not None:
+                object.__setattr__(attn, _MERGED, projection)
+        if sys.modules.get(type(attn).__module__) in rotary_modules:
+            object.__setattr__(attn, _FUSED_ROTARY, True)
+        if (same_code(type(mlp).forward, llama.LlamaMLP.forward) and _is_silu(mlp)
+                and _MERGED not in mlp.__dict__):
+            projection = merge(mlp, GATE_UP)
+            if projection is not None:
+                object.__setattr__(mlp, _MERGED, projection)
+        merged += (_MERGED in attn.__dict__) + (_MERGED in mlp.__dict__)
+    fused_ids = {id(layer) for layer in fused}
+    final_norm = getattr(decoder, "norm", None)
+    for i, layer in enumerate(layers):
+        if id(layer) not in fused_ids:
+            continue
+        following = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
+        # Hand over only to a norm whose fused forward looks for it (else the work would be done twice).
+        if following is not None and id(following) in swapped:
+            object.__setattr__(layer, _NEXT_NORM, following)
+        layer.forward = types.MethodType(_fused_layer, layer)
+    return {"layers": len(fused), "merged": merged}
+
+
+def disable(model: nn.Module) -> None:
+    """Undo ``enable``'s forwards and handovers (merged weights stay merged: the modules read them as views)."""
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if getattr(forward, "__func__", None) is _fused_layer:
+            del module.forward
+        for name in (_NEXT_NORM, _HANDOFF, _FUSED_ROTARY):
+            module.__dict__.pop(name, None)
