@@ -16,6 +16,10 @@ written below, no downloads), bf16, built on the device once per model. For each
   roofline         tokens/s <= B x bandwidth / (weight bytes read per step + B x KV bytes per sequence),
                    bandwidth = the best of several large device-to-device copies (bytes = read + write).
 
+  products alone   the step's weight products (as the step runs them, merged where the engine merged them,
+                   and one by one) at batch 1 in one CUDA graph, nothing else: their read rate, and what is
+                   left of a step beside them (issue 39).
+
 Also: CUDA graphs on versus off (EngineConfig.cuda_graphs) for the 135M model at batch 1. A combination
 that would not fit in free memory (estimated) is recorded as skipped; one that raises (OOM, compile
 error) is recorded with its error and the run goes on. The JSON (``--out``) is rewritten after every
@@ -24,6 +28,7 @@ new measurements after that long (they are recorded as skipped). ``--models`` sp
 
   python bench/gpu_decode.py --out bench/results/gpu_decode.json
   python bench/gpu_decode.py --models llama-3.1-8b --batches 1,64 --out /tmp/llama.json
+  python bench/gpu_decode.py --models llama-3.1-8b --batches 1,64 --no-fused-layers   # the fused form before
   python bench/gpu_decode.py --smoke --out /tmp/smoke.json   # tiny fp32 model on CPU, a few seconds
   python bench/gpu_decode.py --summarize /tmp/llama.json ...   # the tables of earlier runs
 """
@@ -111,6 +116,7 @@ class BenchSettings:
     max_seconds: float | None
     smoke: bool
     fused_kernels: bool = True  # the engine's fused RMSNorm and rotary kernels (llm_api.engine.fused_ops)
+    fused_layers: bool = True  # ... and its fused decoder layers (llm_api.engine.fused_layers)
 
 
 def parse_settings(argv=None) -> tuple[BenchSettings, Path | None]:
@@ -130,8 +136,17 @@ def parse_settings(argv=None) -> tuple[BenchSettings, Path | None]:
                              "script end to end in seconds")
     parser.add_argument("--no-fused-kernels", action="store_true",
                         help="the engine without its fused RMSNorm and rotary kernels (transformers' code)")
+    parser.add_argument("--no-fused-layers", action="store_true",
+                        help="the fused RMSNorm and rotary kernels only: transformers' decoder layers around them "
+                             "(the fused form before issue 39)")
+    parser.add_argument("--partition-min-tokens", type=int, default=None,
+                        help="the decode attention's PARTITION_MIN_TOKENS knob (llm_api.kernels.decode_attention)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    if args.partition_min_tokens:
+        from llm_api.kernels import decode_attention
+
+        decode_attention.PARTITION_MIN_TOKENS = args.partition_min_tokens
 
     def int_list(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(",") if part.strip())
@@ -162,7 +177,7 @@ def parse_settings(argv=None) -> tuple[BenchSettings, Path | None]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         graphs_model=GRAPHS_MODEL if GRAPHS_MODEL in models else None, graphs_batch_size=1,
         copy_bytes=1 << 30, copy_trials=10, generate_repeats=1, max_seconds=args.max_seconds, smoke=False,
-        fused_kernels=not args.no_fused_kernels), out
+        fused_kernels=not args.no_fused_kernels, fused_layers=not args.no_fused_layers), out
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -376,7 +391,7 @@ def run_engine(model, prompts: torch.Tensor, settings: BenchSettings, device: to
         num_blocks=batch_size * cdiv(tokens_per_seq, settings.block_size) + 8,
         max_num_seqs=batch_size, max_num_batched_tokens=token_budget,
         max_model_len=tokens_per_seq + settings.block_size, attention_backend="auto", cuda_graphs=cuda_graphs,
-        fused_kernels=settings.fused_kernels,
+        fused_kernels=settings.fused_kernels, fused_layers=settings.fused_layers,
     )
     reset_peak(device)
     begin = time.perf_counter()
@@ -437,6 +452,55 @@ def run_engine(model, prompts: torch.Tensor, settings: BenchSettings, device: to
 def warm_up_engine(model, settings: BenchSettings, vocab_size: int, device: torch.device) -> None:
     """One small untimed engine run, so the first timed one does not pay for kernel compilation."""
     run_engine(model, prompts_for(2, settings.context_len, vocab_size), settings, device)
+
+
+def step_weights(model, merged: bool) -> list[torch.Tensor]:
+    """The weights one decode step multiplies by, in the order it does: per layer each projection's, or with
+    ``merged`` the merged q/k/v and gate/up tensors where ``llm_api.engine.fused_layers`` made them; then the
+    output head."""
+    from llm_api.engine import fused_layers
+
+    weights: list[torch.Tensor] = []
+    for layer in model.get_decoder().layers:
+        for owner, names in ((layer.self_attn, (*fused_layers.QKV, "o_proj")),
+                             (layer.mlp, (*fused_layers.GATE_UP, "down_proj"))):
+            projection = fused_layers.merged_projection(owner) if merged else None
+            if projection is not None:
+                weights.append(projection.weight)
+            weights.extend(getattr(owner, name).weight for name in names[len(projection.names) if projection else 0:])
+    weights.append(model.get_output_embeddings().weight)
+    return weights
+
+
+def run_products(model, device: torch.device, batch_size: int, merged: bool, replays: int = 20) -> dict:
+    """The step's products alone (``step_weights``, random inputs of ``batch_size`` rows) in one CUDA graph:
+    the time the weight reads take with nothing else on the GPU, and their read rate."""
+    weights = step_weights(model, merged)
+    inputs = {k: torch.randn(batch_size, k, device=device, dtype=weights[0].dtype)
+              for k in {w.shape[1] for w in weights}}
+
+    def products():
+        for weight in weights:
+            torch.nn.functional.linear(inputs[weight.shape[1]], weight)
+
+    products()  # (cuBLAS picks and initializes its kernels outside the capture)
+    synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        products()
+    for _ in range(3):
+        graph.replay()
+    synchronize(device)
+    begin = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    synchronize(device)
+    seconds = (time.perf_counter() - begin) / replays
+    read = sum(w.numel() * w.element_size() for w in weights)
+    del graph
+    return {"status": "ok", "batch_size": batch_size, "merged": merged, "products": len(weights),
+            "seconds_per_step": seconds, "weight_bytes": read, "read_bytes_per_s": read / seconds,
+            "tokens_per_s": batch_size / seconds}
 
 
 # ---------------------------------------------------------------------------------------- generate
@@ -550,7 +614,7 @@ class Results:
         self.doc: dict[str, Any] = {
             "benchmark": "bench/gpu_decode.py", "smoke": settings.smoke, "complete": False,
             "environment": environment(device), "settings": asdict(settings),
-            "bandwidth": None, "models": {}, "rows": [], "cuda_graphs": skipped("not run"),
+            "bandwidth": None, "models": {}, "rows": [], "cuda_graphs": skipped("not run"), "products": {},
             "elapsed_seconds": 0.0,
         }
 
@@ -666,6 +730,23 @@ def run_model(name: str, settings: BenchSettings, device: torch.device, dtype: t
         if graphs["on"].get("status") == "ok" and graphs["off"].get("status") == "ok":
             graphs["speedup"] = graphs["on"]["decode_tokens_per_s"] / graphs["off"]["decode_tokens_per_s"]
 
+    # The products alone at batch 1, as the step runs them (merged where the engine merged them) and one by
+    # one, beside the engine's step: what is left of the step is everything else.
+    if device.type == "cuda":
+        products: dict[str, Any] = {}
+        results.doc["products"][name] = products
+        for key, merged in (("merged", True), ("separate", False)):
+            measure(results, clock, products, key, f"{name}: products alone B=1 ({key})", run_products, model,
+                    device, 1, merged)
+        # (torch's other BLAS front end picks its kernels by other rules: the small products may differ)
+        default_blas = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            measure(results, clock, products, "merged, cublasLt", f"{name}: products alone B=1 (merged, cublasLt)",
+                    run_products, model, device, 1, True)
+        finally:
+            torch.backends.cuda.preferred_blas_library(default_blas)
+
     # generate(): the stock attention and norms, not the engine's paged attention and fused kernels.
     from llm_api.engine import fused_ops
 
@@ -705,12 +786,17 @@ def format_rate(measurement: dict, key: str = "decode_tokens_per_s") -> str:
     return {"skipped": "skip", "error": "error"}.get(str(status), "-")
 
 
+def fused_label(settings: dict) -> str:
+    if not settings.get("fused_kernels", True):
+        return "off"
+    return "on (decoder layers too)" if settings.get("fused_layers", True) else "on (norms and rotary only)"
+
+
 def print_table(doc: dict) -> None:
     env = doc["environment"]
     bandwidth = doc["bandwidth"]
     print(f"\n{env['device']} | torch {env['torch']} (CUDA {env['cuda']}) | triton {env['triton']} | "
-          f"transformers {env['transformers']} | {env['date']} | fused kernels "
-          f"{'on' if doc['settings'].get('fused_kernels', True) else 'off'}")
+          f"transformers {env['transformers']} | {env['date']} | fused kernels {fused_label(doc['settings'])}")
     if bandwidth:
         print(f"copy bandwidth {bandwidth['best_bytes_per_s'] / 1e9:.1f} GB/s (read + write, best of "
               f"{len(bandwidth['trial_seconds'])})")
@@ -731,6 +817,12 @@ def print_table(doc: dict) -> None:
         speedup = graphs.get("speedup")
         print(f"CUDA graphs, {graphs['model']} batch {graphs['batch_size']}: on {format_rate(graphs['on'])}, "
               f"off {format_rate(graphs['off'])} tok/s" + (f", speedup {speedup:.2f}x" if speedup else ""))
+    for name, products in doc.get("products", {}).items():
+        for key, result in products.items():
+            if result.get("status") == "ok":
+                print(f"products alone, {name} batch 1 ({key}, {result['products']}): "
+                      f"{result['seconds_per_step'] * 1e3:.3f} ms a step, "
+                      f"{result['read_bytes_per_s'] / 1e9:.0f} GB/s read, {result['tokens_per_s']:.1f} tok/s")
     problems = [(row["model"], row["batch_size"], key, row[key]) for row in doc["rows"]
                 for key in ("engine", "generate", "static_compile") if row[key].get("status") == "error"]
     for model, batch_size, key, measurement in problems:

@@ -16,12 +16,16 @@ adapter_model.safetensors) by this script, so it needs no peft.
 
     python bench/lora.py [--requests 16] [--tokens 64] [--rounds 3] [--rank 16] [--out result.json]
     python bench/lora.py --smoke        # 5 requests, 4 tokens, one round: a check that it runs (seconds)
+    MODEL_PATH=FOLDER DEVICE_MAP=cuda DTYPE=bfloat16 python bench/lora.py --random-weights   # a GPU machine
+                                        # (scripts/gpu_check.sh): FOLDER's config and tokenizer, random weights
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -61,6 +65,21 @@ def write_adapter(model, folder: Path, seed: int, rank: int, base_name: str) -> 
     return folder
 
 
+def random_checkpoint(source: str, folder: Path) -> str:
+    """``source``'s config and tokenizer files with random weights (seeded) saved beside them: the model's
+    shapes on a machine that lacks its weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder.mkdir(parents=True)
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "chat_template.jinja", "special_tokens_map.json"):
+        if (Path(source) / name).is_file():
+            shutil.copy(Path(source) / name, folder / name)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).save_pretrained(folder)
+    return str(folder)
+
+
 def run(engine: LLMEngine, prompts: list[list[int]], lora_ids: list[int], tokens: int, tag: str) -> float:
     """Tokens per second for all requests added at once and stepped to the end."""
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
@@ -80,6 +99,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--smoke", action="store_true", help="a few requests and tokens, one round")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="MODEL_PATH's config and tokenizer with random weights (a machine without them)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.smoke:
@@ -87,8 +108,13 @@ def main() -> int:
     settings = Settings.from_env()
     result: dict = {"benchmark": "bench/lora.py", "smoke": args.smoke, "requests": args.requests,
                     "tokens": args.tokens, "rank": args.rank, "dtype": settings.dtype,
-                    "cpu": cpu_model(), "torch_threads": torch.get_num_threads()}
+                    "cpu": cpu_model(), "torch_threads": torch.get_num_threads(), "device_map": settings.device_map,
+                    "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                    "random_weights": args.random_weights}
     with tempfile.TemporaryDirectory() as tmp:
+        if args.random_weights:
+            settings = dataclasses.replace(settings, model_path=random_checkpoint(settings.model_path,
+                                                                                  Path(tmp) / "model"))
         engines, registries, ids = {}, {}, {}
         for kind, max_loras in (("mixed", NUM_ADAPTERS), ("swapped", 2)):
             lm = load(settings)

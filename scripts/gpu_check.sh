@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # On a GPU machine without network (issues 11 and 26): install what scripts/gpu_prepare.sh packed into .gpu/,
 # then check. Each call carries .gpu (wheels, model files, Java: about 55 MiB).
-#   bash scripts/gpu_check.sh all           # in one call (~5 minutes on an H200): versions; correctness
+#   bash scripts/gpu_check.sh all           # in one call (~6 minutes on an H200): versions; correctness
 #                                           # (below); then bench/gpu_decode.py for Llama-3.1-8B shapes at
-#                                           # batch 1 and 64 with the fused kernels on and off, SmolLM2-135M
-#                                           # with graphs on and off, a 4k-token prefill;
-#                                           # bench/gpu_step_profile.py (SmolLM2-135M, batch 1); a summary last
+#                                           # batch 1 and 64 with the fused decoder layers on and off (and
+#                                           # the products alone), SmolLM2-135M with graphs on and off, a
+#                                           # 4k-token prefill; bench/gpu_step_profile.py (Llama-3.1-8B,
+#                                           # batch 1); bench/lora.py at batch 16; a summary last
 #   BENCH_NAME=smollm2 bash scripts/gpu_check.sh bench --models smollm2-135m --batches 1,64 --compile-batches ""
 #                                           # SmolLM2-135M with graphs on and off (~40 s)
 #   bash scripts/gpu_check.sh correctness   # the kernel, CUDA-graph, engine-vs-generate(), LoRA, grammar,
@@ -83,9 +84,10 @@ bench() {  # bench NAME SECONDS ARGS...: one bench/gpu_decode.py run, killed aft
 case "$what" in
   correctness) correctness ;;
   all)
-    # Within one call (~5 minutes on an H200, 2026-11-26): each stage has its own limit, so a hang costs that
-    # stage only; the benchmarks run after the tests, alone on the GPU; --max-seconds leaves each run time to
-    # write its table. Fused kernels on and off on the same machine, one after the other.
+    # Within one call (~6 minutes on an H200): each stage has its own limit, so a hang costs that stage
+    # only; the benchmarks run after the tests, alone on the GPU; --max-seconds leaves each run time to
+    # write its table. The fused decoder layers on and off (issue 39: the fused form before them) on the
+    # same machine, one after the other.
     timeout -k 10 150 bash -c "$(declare -f pytest correctness); python=$python out=$out; correctness" >/dev/null
     tests=$?
     if [ "$tests" = 124 ] && [ -n "${OUT:-}" ]; then  # (on the lent machine only, which runs nothing else:)
@@ -94,16 +96,22 @@ case "$what" in
     fi
     echo "== tests: exit $tests; $(grep -E "passed|failed" "$out/correctness.log" | tail -1)"
     grep -E "^(FAILED|ERROR) " "$out/correctness.log"
-    bench llama-fused 150 --models llama-3.1-8b --batches 1,64 --compile-batches 64 --max-seconds 110 >/dev/null
-    bench llama-unfused 80 --models llama-3.1-8b --batches 1,64 --compile-batches "" --max-seconds 50 \
-      --no-fused-kernels >/dev/null
+    bench llama-fused 120 --models llama-3.1-8b --batches 1,64 --compile-batches "" --max-seconds 90 >/dev/null
+    bench llama-norms 80 --models llama-3.1-8b --batches 1,64 --compile-batches "" --max-seconds 50 \
+      --no-fused-layers >/dev/null
     bench smollm2 40 --models smollm2-135m --batches 1 --compile-batches "" --max-seconds 25 >/dev/null
-    bench prefill-4k 50 --models llama-3.1-8b --batches 1 --context-len 4096 --steps 8 --compile-batches "" \
-      --max-seconds 30 >/dev/null
+    bench prefill-4k 45 --models llama-3.1-8b --batches 1 --context-len 4096 --steps 8 --compile-batches "" \
+      --max-seconds 25 >/dev/null
     # (into bench.log: the device tool brings back 8 files at most, and the versions, test log, JUnit XML,
     # bench log and four JSON files make 8)
-    timeout -k 5 45 "$python" bench/gpu_step_profile.py --model smollm2-135m --batch 1 >> "$out/bench.log" 2>&1
-    "$python" bench/gpu_decode.py --summarize "$out"/llama-fused.json "$out"/llama-unfused.json "$out"/smollm2.json \
+    timeout -k 5 50 "$python" bench/gpu_step_profile.py --model llama-3.1-8b --batch 1 --steps 20 \
+      >> "$out/bench.log" 2>&1
+    # Mixed LoRA adapters at batch 16 against the base (issue 24's bench, the embedded model's shapes)
+    MODEL_PATH=$GPU_MODEL_FILES DEVICE_MAP=cuda DTYPE=bfloat16 KV_CACHE_MEMORY_MIB=1024 MAX_NUM_SEQS=16 \
+      timeout -k 5 60 "$python" bench/lora.py --random-weights --requests 16 --tokens 64 --rounds 3 \
+      >> "$out/bench.log" 2>&1
+    grep -E '"(mixed|swapped)_over_base"' "$out/bench.log"
+    "$python" bench/gpu_decode.py --summarize "$out"/llama-fused.json "$out"/llama-norms.json "$out"/smollm2.json \
       "$out"/prefill-4k.json
     ;;
   bench)

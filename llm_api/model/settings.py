@@ -368,8 +368,9 @@ class Settings:
     fused_kernels: bool = setting(
         "FUSED_KERNELS", True,
         "on a GPU, one Triton kernel for each RMSNorm and each layer's rotary embedding instead of transformers' eight "
-        "and ten small ones (only where the model's code is Llama's, checked by bytecode: Llama, Mistral, Qwen2/3, "
-        "Granite, ...; docs/benchmarks.md \"GPU\"); `false` keeps transformers' code")
+        "and ten small ones, and decoder layers of Llama's code with q/k/v and gate/up merged into one product each "
+        "and the residual sums fused into the norms (only where the model's code is Llama's, checked by bytecode: "
+        "Llama, Mistral, Qwen2/3, ...; docs/benchmarks.md \"GPU\"); `false` keeps transformers' code")
     cuda_graph_max_batch_size: int = setting(
         "CUDA_GRAPH_MAX_BATCH_SIZE", 128,
         "largest captured decode batch (capped by `MAX_NUM_SEQS`); larger batches run eagerly", minimum=1)
