@@ -43,12 +43,11 @@ def _generate_both(model, reference, **config):
     return engine
 
 
-# (arch, decoder layers fused, attention + MLP modules merged, of 2 layers)
+# (arch, decoder layers fused, attention + MLP modules merged, of 2 layers); which others are chosen:
+# test_layers_are_chosen_by_their_code_below_transformers_wrapper
 CASES = [
     ("llama", 2, 4),  # all of it
-    ("qwen3", 2, 2),  # q/k norms in its attention: only the MLPs merge
-    ("mistral", 2, 2),  # a sliding window in its attention's code: likewise
-    ("gemma2", 0, 0),  # its own norm (1 + weight): nothing of this
+    ("qwen3", 2, 2),  # q/k norms in its attention: only the MLPs merge, its attention is its own code
 ]
 
 
@@ -63,9 +62,12 @@ def test_fused_layers_generate_what_generate_does(fused_on_cpu, arch, layers, me
 def test_layers_are_chosen_by_their_code_below_transformers_wrapper():
     """Every family's decoder-layer forward is wrapped in the same checkpointing function: the choice looks
     below it. Granite scales its residuals and Phi-3 adds dropout around them: neither is Llama's layer."""
-    counts = {arch: fused_ops.install(_model(arch)) for arch in ("llama", "qwen2", "granite", "phi3")}
+    counts = {arch: fused_ops.install(_model(arch)) for arch in ("llama", "qwen2", "mistral", "gemma2", "granite",
+                                                                  "phi3")}
+    # Qwen2's and Mistral's attention have a sliding window in their code: only their MLPs merge. Gemma2's
+    # norm adds 1 to its weight: no layer of its is Llama's.
     assert {arch: (c["layers"], c["merged"]) for arch, c in counts.items()} == {
-        "llama": (2, 4), "qwen2": (2, 2), "granite": (0, 0), "phi3": (0, 0)}
+        "llama": (2, 4), "qwen2": (2, 2), "mistral": (2, 2), "gemma2": (0, 0), "granite": (0, 0), "phi3": (0, 0)}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -83,11 +85,11 @@ def test_fused_forward_gives_the_models_own_logits(arch):
     fused_ops.disable(model)
 
 
-def test_merged_products_share_the_modules_weights(fused_on_cpu):
+def test_merged_products_share_the_modules_weights():
     model = _model("llama")
     before = sum(p.numel() for p in model.parameters())
     reference = copy.deepcopy(model)
-    _generate_both(model, reference)
+    fused_ops.install(model)
     attention = model.model.layers[0].self_attn
     merged = fused_layers.merged_projection(attention)
     assert merged is not None
