@@ -263,3 +263,18 @@ def test_sub_configs_default_to_the_settings_defaults():
     spec = SpeculativeConfig()
     assert (spec.num_tokens, spec.ngram_min, spec.ngram_max, spec.max_batch) == \
         (plain.speculative_tokens, plain.ngram_min, plain.ngram_max, plain.speculative_max_batch)
+
+
+def test_settings_check_refuses_quantization_without_bitsandbytes(monkeypatch, capsys):
+    """`make serve`'s check (``python -m llm_api.model.settings``) looks bitsandbytes up (without importing it:
+    that took 7-10 s) and, absent, stops with the install hint."""
+    import importlib.util
+
+    from llm_api.model import settings as settings_module
+
+    monkeypatch.setenv("QUANTIZATION", "8bit")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "bitsandbytes" else find_spec(name, *args))
+    assert settings_module.main() == 2
+    assert "QUANTIZATION=8bit needs bitsandbytes: pip install 'llm_api[quant]'" in capsys.readouterr().err
