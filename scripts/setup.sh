@@ -7,9 +7,12 @@
 # TORCH_SPEC overrides the torch requirement (default torch==2.13.0, the CPU build on this kind of
 # machine); on a CUDA machine, e.g.: TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 # SETUP_INSTALLER=pip installs with pip alone; the default, uv, installs the same requirements from the same
-# places with uv (pip puts uv into .venv first; pip again if that fails). uv downloads and unpacks in parallel
-# and compiles the bytecode on every core where pip uses one: on a 2-core host the first install took 40 s
-# instead of 124 s, most of the first run's time (issue 33).
+# places with uv (pip puts uv into .venv first; pip again if that fails). uv downloads and unpacks in parallel:
+# on a 2-core host the first install took 40 s instead of 124 s, most of the first run's time (issue 33). It
+# does not compile the bytecode ahead: Python writes it on the first import of each module, for the modules a
+# server uses, where compiling all of torch's took longer than the rest of the install (fresh clone, empty uv
+# cache, 2-core AMD EPYC avx2: set-up 62 s with --compile-bytecode and 25 s without; the first import of torch
+# and transformers then 4.8 s and 9.1 s, and 4.6 s from the second on).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
@@ -46,7 +49,7 @@ install() {
     cert="$(pip_config cert | sed -n 2p)"
     [ -z "${SSL_CERT_FILE:-}" ] && [ -n "$cert" ] && tls=("SSL_CERT_FILE=$cert")
     env "${tls[@]}" .venv/bin/uv pip install -q --python .venv/bin/python \
-      --compile-bytecode --index-strategy unsafe-best-match "${sources[@]}" "$@"
+      --index-strategy unsafe-best-match "${sources[@]}" "$@"
   else
     pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }
   fi
