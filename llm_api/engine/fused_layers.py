@@ -125,7 +125,7 @@ class MergedProjection:
 def merge(owner: nn.Module, names: tuple[str, ...]) -> MergedProjection | None:
     """Concatenate the weights (and biases) of ``owner``'s linears ``names`` into one tensor and make the
     modules' parameters views of it; None (nothing changed) unless they are plain ``nn.Linear`` of one
-    input size, dtype and device, all with or all without a bias, and none already shares its storage."""
+    input size, dtype and device, all with or all without a bias."""
     modules = [getattr(owner, name, None) for name in names]
     if not all(type(m) is nn.Linear for m in modules):
         return None
@@ -298,7 +298,7 @@ def enable(model: nn.Module, swapped_norms: list[nn.Module], rotary_modules: lis
     for i, layer in enumerate(layers):
         if id(layer) not in fused_ids:
             continue
-        following = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
+        following = getattr(layers[i + 1], "input_layernorm", None) if i + 1 < len(layers) else final_norm
         # Hand over only to a norm whose fused forward looks for it (else the work would be done twice).
         if following is not None and id(following) in swapped:
             object.__setattr__(layer, _NEXT_NORM, following)
