@@ -40,6 +40,8 @@ import pytest
 def test_doomed(i):
     time.sleep(1)
     if i == 1:
+        with open(os.environ["DEATH_FILE"], "w") as f:  # when it died, for the outer test's clock
+            f.write(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 
 @pytest.mark.xdist_group("slow")
@@ -52,15 +54,19 @@ def test_slow(i):
 def test_a_dead_worker_fails_its_tests_and_ends_the_run(tmp_path):
     (tmp_path / "conftest.py").write_text(NESTED_CONFTEST)
     (tmp_path / "test_nested.py").write_text(NESTED_TESTS)
-    started = time.monotonic()
+    death_file = tmp_path / "died"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup",
                           "--no-loadscope-reorder", "--max-worker-restart", "0", "-q", "-rfs", "test_nested.py"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=240,
-                         env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")})
-    elapsed = time.monotonic() - started
+                         env={**env, "DEATH_FILE": str(death_file)})
+    ended = time.time()
     out = run.stdout + run.stderr
     assert run.returncode != 0, out
-    assert elapsed < 60, f"the run took {elapsed:.0f} s after a worker died:\n{out}"
+    # From the worker's death to the end of the run: the nested run's own start-up (two workers loading
+    # every plugin of this venv) is not what this bounds, and took 20 s of a 64 s run on a loaded 2-core host.
+    after_death = ended - float(death_file.read_text())
+    assert after_death < 60, f"the run took {after_death:.0f} s after a worker died:\n{out}"
     assert "died" in out and "killed by SIGKILL" in out, out
     for i in (1, 2, 3):  # the one that was running, and those queued behind it on the same worker
         assert f"FAILED test_nested.py::test_doomed[{i}]" in out, out
