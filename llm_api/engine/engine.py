@@ -83,7 +83,7 @@ class EngineConfig:
     cuda_graph_max_batch_size: int = Settings.cuda_graph_max_batch_size  # largest captured decode batch (<= max_num_seqs)
     fused_kernels: bool = Settings.fused_kernels  # one Triton kernel per RMSNorm and per rotary embedding (CUDA only)
     # ... and, with fused_kernels, Llama-code decoder layers in 10 kernels (merged products, sums fused into the
-    # norms: engine.fused_layers). Not a setting: bench/gpu_decode.py --fused-kernels norms turns it off to compare.
+    # norms: engine.fused_layers). Not a setting: bench/gpu_decode.py --no-fused-layers turns it off to compare.
     fused_layers: bool = True
     speculative_tokens: int = Settings.speculative_tokens  # k draft tokens per step (n-gram prompt lookup); 0: off
     ngram_min: int = Settings.ngram_min

@@ -80,7 +80,8 @@ def _unwrap(function: Any) -> Any:
         return function
 
 
-def _llama():
+def llama_modeling():
+    """transformers' Llama modeling module: the code every swap here and in ``fused_ops`` compares with."""
     from transformers.models.llama import modeling_llama
 
     return modeling_llama
@@ -256,7 +257,7 @@ def _fused_layer(self: Any, hidden_states: torch.Tensor, attention_mask=None, po
 
 
 def _is_llama_layer(layer: nn.Module, swapped_norms: set[int]) -> bool:
-    return (same_code(type(layer).forward, _llama().LlamaDecoderLayer.forward)
+    return (same_code(type(layer).forward, llama_modeling().LlamaDecoderLayer.forward)
             and getattr(layer.__dict__.get("forward"), "__func__", _fused_layer) is _fused_layer
             and not hasattr(layer, "_hf_hook")
             and all(id(getattr(layer, name, None)) in swapped_norms
@@ -272,7 +273,7 @@ def enable(model: nn.Module, swapped_norms: list[nn.Module], rotary_modules: lis
     """Swap the fused forward into ``model``'s Llama-code decoder layers (``swapped_norms``: the norms
     ``fused_ops`` gave the fused forward; ``rotary_modules``: the modeling modules whose rotary it swapped),
     merging their projections. Returns {"layers", "merged"}."""
-    llama = _llama()
+    llama = llama_modeling()
     swapped = {id(m) for m in swapped_norms}
     get_decoder = getattr(model, "get_decoder", None)  # (transformers' base model under a task head)
     decoder = get_decoder() if callable(get_decoder) else None

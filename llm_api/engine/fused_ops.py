@@ -45,10 +45,7 @@ logger = logging.getLogger(__name__)
 _IN_FUSED_FORWARD = contextvars.ContextVar("llm_api_fused_forward", default=False)
 
 
-def _llama():
-    from transformers.models.llama import modeling_llama
-
-    return modeling_llama
+_llama = fused_layers.llama_modeling
 
 
 def _fused_norm(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:

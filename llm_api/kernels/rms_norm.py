@@ -32,17 +32,23 @@ MAX_HIDDEN = 65536  # one row in registers
 
 
 @triton.jit
+def _normalized(x, weight_ptr, offs, mask, D, eps):
+    """One row's ``weight * (x * rsqrt(mean(x**2) + eps)).to(x.dtype)``, in float32 (inlined by both kernels)."""
+    xf = x.to(tl.float32)
+    variance = tl.sum(xf * xf, axis=0) / D
+    y = (xf * tl.rsqrt(variance + eps)).to(x.dtype)  # the reference's cast back to the input dtype
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    return w.to(tl.float32) * y.to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, x_row_stride, out_row_stride, D, eps,
                      BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
     x = tl.load(x_ptr + row * x_row_stride + offs, mask=mask, other=0.0)
-    xf = x.to(tl.float32)
-    variance = tl.sum(xf * xf, axis=0) / D
-    y = (xf * tl.rsqrt(variance + eps)).to(x.dtype)  # the reference's cast back to the input dtype
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-    out = w.to(tl.float32) * y.to(tl.float32)
+    out = _normalized(x, weight_ptr, offs, mask, D, eps)
     tl.store(out_ptr + row * out_row_stride + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -94,12 +100,8 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, sum_ptr, out_ptr, x_ro
     # The reference's `residual + x` is its own kernel: the sum is rounded to its dtype before the norm reads it.
     total = (r.to(tl.float32) + x.to(tl.float32)).to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + row * sum_row_stride + offs, total, mask=mask)
-    tf = total.to(tl.float32)
-    variance = tl.sum(tf * tf, axis=0) / D
-    y = (tf * tl.rsqrt(variance + eps)).to(total.dtype)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + row * out_row_stride + offs, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    out = _normalized(total, weight_ptr, offs, mask, D, eps)
+    tl.store(out_ptr + row * out_row_stride + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
