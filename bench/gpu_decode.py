@@ -117,6 +117,7 @@ class BenchSettings:
     smoke: bool
     fused_kernels: bool = True  # the engine's fused RMSNorm and rotary kernels (llm_api.engine.fused_ops)
     fused_layers: bool = True  # ... and its fused decoder layers (llm_api.engine.fused_layers)
+    one_row_kernel: bool = True  # batch-1 products by llm_api.kernels.gemv where its rule takes them
 
 
 def parse_settings(argv=None) -> tuple[BenchSettings, Path | None]:
@@ -139,10 +140,16 @@ def parse_settings(argv=None) -> tuple[BenchSettings, Path | None]:
     parser.add_argument("--no-fused-layers", action="store_true",
                         help="the fused RMSNorm and rotary kernels only: transformers' decoder layers around them "
                              "(the fused form before issue 39)")
+    parser.add_argument("--no-gemv", action="store_true",
+                        help="batch-1 products by cuBLAS only, never llm_api.kernels.gemv (the form before it)")
     parser.add_argument("--partition-min-tokens", type=int, default=None,
                         help="the decode attention's PARTITION_MIN_TOKENS knob (llm_api.kernels.decode_attention)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    if args.no_gemv:
+        from llm_api.kernels import gemv
+
+        gemv.mode = "library"
     if args.partition_min_tokens:
         from llm_api.kernels import decode_attention
 
@@ -177,7 +184,8 @@ def parse_settings(argv=None) -> tuple[BenchSettings, Path | None]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         graphs_model=GRAPHS_MODEL if GRAPHS_MODEL in models else None, graphs_batch_size=1,
         copy_bytes=1 << 30, copy_trials=10, generate_repeats=1, max_seconds=args.max_seconds, smoke=False,
-        fused_kernels=not args.no_fused_kernels, fused_layers=not args.no_fused_layers), out
+        fused_kernels=not args.no_fused_kernels, fused_layers=not args.no_fused_layers,
+        one_row_kernel=not args.no_gemv), out
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -472,16 +480,22 @@ def step_weights(model, merged: bool) -> list[torch.Tensor]:
     return weights
 
 
-def run_products(model, device: torch.device, batch_size: int, merged: bool, replays: int = 20) -> dict:
+def run_products(model, device: torch.device, batch_size: int, merged: bool, replays: int = 20,
+                 one_row_kernel: bool = False) -> dict:
     """The step's products alone (``step_weights``, random inputs of ``batch_size`` rows) in one CUDA graph:
-    the time the weight reads take with nothing else on the GPU, and their read rate."""
+    the time the weight reads take with nothing else on the GPU, and their read rate. ``one_row_kernel``:
+    through ``kernels.gemv.row_product`` (its rule's configuration per shape), as the fused layers run a
+    batch-1 step."""
+    from llm_api.kernels import gemv
+
     weights = step_weights(model, merged)
     inputs = {k: torch.randn(batch_size, k, device=device, dtype=weights[0].dtype)
               for k in {w.shape[1] for w in weights}}
+    product = gemv.row_product if one_row_kernel else torch.nn.functional.linear
 
     def products():
         for weight in weights:
-            torch.nn.functional.linear(inputs[weight.shape[1]], weight)
+            product(inputs[weight.shape[1]], weight)
 
     products()  # (cuBLAS picks and initializes its kernels outside the capture)
     synchronize(device)
@@ -498,7 +512,8 @@ def run_products(model, device: torch.device, batch_size: int, merged: bool, rep
     seconds = (time.perf_counter() - begin) / replays
     read = sum(w.numel() * w.element_size() for w in weights)
     del graph
-    return {"status": "ok", "batch_size": batch_size, "merged": merged, "products": len(weights),
+    return {"status": "ok", "batch_size": batch_size, "merged": merged, "one_row_kernel": one_row_kernel,
+            "products": len(weights),
             "seconds_per_step": seconds, "weight_bytes": read, "read_bytes_per_s": read / seconds,
             "tokens_per_s": batch_size / seconds}
 
@@ -738,6 +753,14 @@ def run_model(name: str, settings: BenchSettings, device: torch.device, dtype: t
         for key, merged in (("merged", True), ("separate", False)):
             measure(results, clock, products, key, f"{name}: products alone B=1 ({key})", run_products, model,
                     device, 1, merged)
+        measure(results, clock, products, "merged, one-row kernel", f"{name}: products alone B=1 (merged, gemv)",
+                run_products, model, device, 1, True, one_row_kernel=True)
+        from llm_api.kernels import gemv
+
+        # which way each one-row shape ran: (block_n, block_k, warps), or the library's
+        model_doc["one_row_choices"] = {f"{key[2][0]}x{key[2][1]}{' silu' if key[4] else ''}":
+                                        (None if c is None else [c.block_n, c.block_k, c.num_warps])
+                                        for key, c in gemv.chosen().items()}
         # (torch's other BLAS front end picks its kernels by other rules: the small products may differ)
         default_blas = torch.backends.cuda.preferred_blas_library()
         torch.backends.cuda.preferred_blas_library("cublaslt")
@@ -789,7 +812,9 @@ def format_rate(measurement: dict, key: str = "decode_tokens_per_s") -> str:
 def fused_label(settings: dict) -> str:
     if not settings.get("fused_kernels", True):
         return "off"
-    return "on (decoder layers too)" if settings.get("fused_layers", True) else "on (norms and rotary only)"
+    if not settings.get("fused_layers", True):
+        return "on (norms and rotary only)"
+    return "on (decoder layers too)" + ("" if settings.get("one_row_kernel", True) else ", batch-1 products by cuBLAS")
 
 
 def print_table(doc: dict) -> None:
@@ -817,6 +842,9 @@ def print_table(doc: dict) -> None:
         speedup = graphs.get("speedup")
         print(f"CUDA graphs, {graphs['model']} batch {graphs['batch_size']}: on {format_rate(graphs['on'])}, "
               f"off {format_rate(graphs['off'])} tok/s" + (f", speedup {speedup:.2f}x" if speedup else ""))
+    for name, model_doc in doc.get("models", {}).items():
+        if model_doc.get("one_row_choices"):
+            print(f"one-row products of {name} (None: cuBLAS): {model_doc['one_row_choices']}")
     for name, products in doc.get("products", {}).items():
         for key, result in products.items():
             if result.get("status") == "ok":

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # On a GPU machine without network (issues 11 and 26): install what scripts/gpu_prepare.sh packed into .gpu/,
 # then check. Each call carries .gpu (wheels, model files, Java: about 55 MiB).
-#   bash scripts/gpu_check.sh all           # in one call (~6 minutes on an H200): versions; correctness
-#                                           # (below); then bench/gpu_decode.py for Llama-3.1-8B shapes at
-#                                           # batch 1 and 64 with the fused decoder layers on and off (and
-#                                           # the products alone), SmolLM2-135M with graphs on and off, a
+#   bash scripts/gpu_check.sh all           # in one call (~7 minutes on an H200): versions; correctness
+#                                           # (below); bench/gpu_gemv.py --quick (the one-row product); then
+#                                           # bench/gpu_decode.py for Llama-3.1-8B shapes at batch 1 and 64
+#                                           # with the fused decoder layers on and off, batch 1 with cuBLAS
+#                                           # for every product (and the products alone), SmolLM2-135M with graphs on and off, a
 #                                           # 4k-token prefill; bench/gpu_step_profile.py (Llama-3.1-8B,
 #                                           # batch 1); bench/lora.py at batch 16; a summary last
 #   BENCH_NAME=smollm2 bash scripts/gpu_check.sh bench --models smollm2-135m --batches 1,64 --compile-batches ""
@@ -63,7 +64,7 @@ EOF
 
 pytest() {  # pytest NAME ARGS...: one run, its log and JUnit XML under $out
   local name=$1; shift
-  "$python" -m pytest -q -p no:cacheprovider -rs --timeout 600 --junitxml "$out/$name.xml" "$@" 2>&1 \
+  "$python" -m pytest -q -p no:cacheprovider -rs --timeout 600 --junitxml "$env_dir/$name.xml" "$@" 2>&1 \
     | tee "$out/$name.log"
   return "${PIPESTATUS[0]}"
 }
@@ -88,7 +89,7 @@ case "$what" in
     # only; the benchmarks run after the tests, alone on the GPU; --max-seconds leaves each run time to
     # write its table. The fused decoder layers on and off (issue 39: the fused form before them) on the
     # same machine, one after the other.
-    timeout -k 10 150 bash -c "$(declare -f pytest correctness); python=$python out=$out; correctness" >/dev/null
+    timeout -k 10 150 bash -c "$(declare -f pytest correctness); python=$python out=$out env_dir=$env_dir; correctness" >/dev/null
     tests=$?
     if [ "$tests" = 124 ] && [ -n "${OUT:-}" ]; then  # (on the lent machine only, which runs nothing else:)
       # servers of a test cut off by the limit run on in their own sessions, holding GPU memory
@@ -96,14 +97,19 @@ case "$what" in
     fi
     echo "== tests: exit $tests; $(grep -E "passed|failed" "$out/correctness.log" | tail -1)"
     grep -E "^(FAILED|ERROR) " "$out/correctness.log"
+    # The one-row product kernel's candidates against cuBLAS (its table into bench.log; without --quick,
+    # bench/gpu_gemv.py runs the whole grid the candidates were chosen from)
+    timeout -k 5 100 "$python" bench/gpu_gemv.py --quick --out "$env_dir/gemv.json" >> "$out/bench.log" 2>&1
     bench llama-fused 120 --models llama-3.1-8b --batches 1,64 --compile-batches "" --max-seconds 90 >/dev/null
+    bench llama-library 80 --models llama-3.1-8b --batches 1 --compile-batches "" --max-seconds 50 --no-gemv \
+      >/dev/null
     bench llama-norms 80 --models llama-3.1-8b --batches 1,64 --compile-batches "" --max-seconds 50 \
       --no-fused-layers >/dev/null
     bench smollm2 40 --models smollm2-135m --batches 1 --compile-batches "" --max-seconds 25 >/dev/null
     bench prefill-4k 45 --models llama-3.1-8b --batches 1 --context-len 4096 --steps 8 --compile-batches "" \
       --max-seconds 25 >/dev/null
-    # (into bench.log: the device tool brings back 8 files at most, and the versions, test log, JUnit XML,
-    # bench log and four JSON files make 8)
+    # (into bench.log: the device tool brings back 8 files at most, and the versions, test log, bench log and
+    # five JSON files make 8)
     timeout -k 5 50 "$python" bench/gpu_step_profile.py --model llama-3.1-8b --batch 1 --steps 20 \
       >> "$out/bench.log" 2>&1
     # Mixed LoRA adapters at batch 16 against the base (issue 24's bench, the embedded model's shapes)
@@ -111,8 +117,8 @@ case "$what" in
       timeout -k 5 60 "$python" bench/lora.py --random-weights --requests 16 --tokens 64 --rounds 3 \
       >> "$out/bench.log" 2>&1
     grep -E '"(mixed|swapped)_over_base"' "$out/bench.log"
-    "$python" bench/gpu_decode.py --summarize "$out"/llama-fused.json "$out"/llama-norms.json "$out"/smollm2.json \
-      "$out"/prefill-4k.json
+    "$python" bench/gpu_decode.py --summarize "$out"/llama-fused.json "$out"/llama-library.json \
+      "$out"/llama-norms.json "$out"/smollm2.json "$out"/prefill-4k.json
     ;;
   bench)
     shift

@@ -52,7 +52,7 @@ from llm_api.engine.speculative.drafter import Drafter, SpeculativeConfig
 from llm_api.engine.speculative.verify import split_drafted_rows, verify
 from llm_api.engine.step_budget import CUDA_TOKEN_BUDGET, BudgetCache, CpuStepBudget
 from llm_api.engine.support import check_supported
-from llm_api.engine.sampler import Sampler, SamplerBatch, SamplingState
+from llm_api.engine.sampler import Sampler, SamplerBatch, SamplingState, greedy_pick
 from llm_api.engine.sampling_params import SamplingParams
 from llm_api.model.settings import Settings
 from llm_api.structured.bitmask import TokenMask
@@ -328,6 +328,10 @@ class LLMEngine:
         sampled_token_ids: dict = {}
         sampled_logprobs: dict | None = None
         drafts = {s.request.seq_id: s.draft_token_ids for s in scheduler_output.scheduled if s.draft_token_ids}
+        picked = self._greedy_pick(scheduler_output, logits, sampled_requests) if not drafts else None
+        if picked is not None:  # (the common greedy step: one pass over the logits, one copy to the host)
+            outputs += self.scheduler.update(scheduler_output, picked, None)
+            return outputs
         logits, sampled_requests = self._end_non_finite(logits, sampled_requests, drafts, outputs)
         if drafts:  # (a drafted sequence just ended has no rows left to verify)
             kept_ids = {r.seq_id for r in sampled_requests}
@@ -358,6 +362,20 @@ class LLMEngine:
                                         if lp is not None)
         outputs += self.scheduler.update(scheduler_output, sampled_token_ids, sampled_logprobs)
         return outputs
+
+    @staticmethod
+    def _greedy_pick(scheduler_output, logits: torch.Tensor, requests: list[Request]) -> dict | None:
+        """{seq id: token} when every sampled row takes the bare argmax (no bias, penalty, logprobs, grammar or
+        fork) and every row's logits are finite, both learnt with one copy to the host (on CUDA from one pass
+        of ``kernels.greedy``: ``sampler.greedy_pick``); None otherwise: the full path, which ends non-finite
+        rows, runs."""
+        if not requests or any(s.forks for s in scheduler_output.scheduled) or not all(
+                r.params.argmax_only and r.grammar_matcher is None for r in requests):
+            return None
+        token_list, finite_list = greedy_pick(logits).tolist()
+        if not all(finite_list):
+            return None
+        return dict(zip((r.seq_id for r in requests), token_list))
 
     def _end_non_finite(self, logits: torch.Tensor, requests: list[Request], drafts: dict,
                         outputs: list[RequestOutput]) -> tuple[torch.Tensor, list[Request]]:

@@ -14,13 +14,15 @@ decides) and whose two norms ``fused_ops`` swapped, for one that runs, per layer
     attention           the backend's decode kernels over the cache (``TritonBackend.attend``), then o_proj
     sum + norm          one kernel: ``residual + attention`` and the post-attention norm of it
     gate/up             one product over the two weights concatenated
-    SiLU x up           one kernel (``kernels.activation``)
-    down
+    SiLU x up           one kernel (``kernels.activation``); for one row, none: the down product computes it
+    down                as it reads its input
     sum + next norm     one kernel: ``residual + mlp`` and the next layer's input norm (the model's final
                         norm after the last layer) of it
 
-that is 10 launches and 4 products a layer at batch-1 decode where transformers' code (after ``fused_ops``)
-launches 17 and 7: 77.2% of the read roofline instead of 66.8% (docs/benchmarks.md, "Fused decoder layers").
+that is 10 launches and 4 products a layer where transformers' code (after ``fused_ops``) launches 17 and
+7. For one row (a batch-1 decode step) every product, the output head's too (``enable`` swaps its forward),
+is ``kernels.gemv``'s, without cuBLAS's split-K reduce: 9 launches a layer (docs/benchmarks.md, "Fused
+decoder layers").
 
 Merged products: at ``enable`` the q, k and v weights (and gate and up) are copied into one tensor and the
 modules' own parameters become views of it, so the model holds no more memory and every other path
@@ -120,7 +122,30 @@ class MergedProjection:
                 and all((m.bias is None) == (self.bias is None) for m in modules))  # type: ignore[union-attr]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if one_row(x):
+            from llm_api.kernels.gemv import row_product
+
+            return row_product(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def one_row(x: torch.Tensor) -> bool:
+    """``x`` holds one row (a batch-1 decode step): its products go to ``kernels.gemv``."""
+    return x.numel() == x.shape[-1]
+
+
+def _product(linear: nn.Module, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+    """``linear(x)`` (with ``silu_mul``, ``linear(silu_and_mul(x))``); one row through a plain ``nn.Linear`` by
+    ``kernels.gemv`` (a wrapped or quantized module runs its own forward)."""
+    if type(linear) is nn.Linear and one_row(x):
+        from llm_api.kernels.gemv import row_product
+
+        return row_product(x, linear.weight, linear.bias, silu_mul=silu_mul)
+    if silu_mul:
+        from llm_api.kernels.activation import silu_and_mul
+
+        x = silu_and_mul(x)
+    return linear(x)
 
 
 def merge(owner: nn.Module, names: tuple[str, ...]) -> MergedProjection | None:
@@ -196,7 +221,7 @@ def _attention(attn: nn.Module, hidden_states: torch.Tensor, position_embeddings
                                       metadata.slot_mapping_on(key_cache.device))
             # (Llama's attention passes no sliding window or softcap to the attention function)
             output = metadata.backend.attend(metadata, module.layer_idx, rotated, module.scaling, None, None)
-            return module.o_proj(output.reshape(*input_shape, -1))
+            return _product(module.o_proj, output.reshape(*input_shape, -1))
     query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     query, key = modeling.apply_rotary_pos_emb(query, key, cos, sin)  # (fused_ops' dispatcher, where installed)
     if past_key_values is not None:
@@ -206,7 +231,7 @@ def _attention(attn: nn.Module, hidden_states: torch.Tensor, position_embeddings
     output, _ = interface(attn, query, key, value, attention_mask,
                           dropout=0.0 if not attn.training else module.attention_dropout, scaling=module.scaling,
                           **kwargs)
-    return module.o_proj(output.reshape(*input_shape, -1).contiguous())
+    return _product(module.o_proj, output.reshape(*input_shape, -1).contiguous())
 
 
 def _paged_metadata(attn: nn.Module, kwargs: dict):
@@ -222,14 +247,23 @@ def _paged_metadata(attn: nn.Module, kwargs: dict):
 
 
 def _mlp(mlp: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """``LlamaMLP.forward`` with one gate/up product and one SiLU x up kernel (where it applies)."""
+    """``LlamaMLP.forward`` with one gate/up product and one SiLU x up kernel, or at one row none: the down
+    projection computes it as it reads its input (where it applies)."""
     merged = merged_projection(mlp)
     if merged is None:
         return mlp(hidden_states)
-    from llm_api.kernels.activation import silu_and_mul
-
     module: Any = mlp
-    return module.down_proj(silu_and_mul(merged(hidden_states)))
+    return _product(module.down_proj, merged(hidden_states), silu_mul=True)
+
+
+def _one_row_head(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The output head's forward: one row by ``kernels.gemv`` (a batch-1 step's largest product: 1 GB for
+    Llama-3.1-8B), other inputs by ``F.linear`` as ``nn.Linear.forward``."""
+    if one_row(hidden_states) and kernels_run_on(hidden_states):
+        from llm_api.kernels.gemv import row_product
+
+        return row_product(hidden_states, self.weight, self.bias)
+    return F.linear(hidden_states, self.weight, self.bias)
 
 
 def _fused_layer(self: Any, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
@@ -272,7 +306,9 @@ def _is_silu(module: nn.Module) -> bool:
 def enable(model: nn.Module, swapped_norms: list[nn.Module], rotary_modules: list[types.ModuleType]) -> dict[str, int]:
     """Swap the fused forward into ``model``'s Llama-code decoder layers (``swapped_norms``: the norms
     ``fused_ops`` gave the fused forward; ``rotary_modules``: the modeling modules whose rotary it swapped),
-    merging their projections. Returns {"layers", "merged"}."""
+    merging their projections. Returns {"layers", "merged", "head"}: the output head runs one row by
+    ``kernels.gemv`` too ("head": 1) where it is a plain ``nn.Linear`` with its own forward (no accelerate
+    hook), once any layer is fused."""
     llama = llama_modeling()
     swapped = {id(m) for m in swapped_norms}
     get_decoder = getattr(model, "get_decoder", None)  # (transformers' base model under a task head)
@@ -304,14 +340,20 @@ def enable(model: nn.Module, swapped_norms: list[nn.Module], rotary_modules: lis
         if following is not None and id(following) in swapped:
             object.__setattr__(layer, _NEXT_NORM, following)
         layer.forward = types.MethodType(_fused_layer, layer)
-    return {"layers": len(fused), "merged": merged}
+    get_head = getattr(model, "get_output_embeddings", None)
+    head: Any = get_head() if callable(get_head) else None
+    swap_head = (bool(fused) and type(head) is nn.Linear and not hasattr(head, "_hf_hook")
+                 and getattr(head.__dict__.get("forward"), "__func__", _one_row_head) is _one_row_head)
+    if swap_head:
+        head.forward = types.MethodType(_one_row_head, head)
+    return {"layers": len(fused), "merged": merged, "head": int(swap_head)}
 
 
 def disable(model: nn.Module) -> None:
     """Undo ``enable``'s forwards and handovers (merged weights stay merged: the modules read them as views)."""
     for module in model.modules():
         forward = module.__dict__.get("forward")
-        if getattr(forward, "__func__", None) is _fused_layer:
+        if getattr(forward, "__func__", None) in (_fused_layer, _one_row_head):
             del module.forward
         for name in (_NEXT_NORM, _HANDOFF, _FUSED_ROTARY):
             module.__dict__.pop(name, None)

@@ -126,14 +126,15 @@ def rotary_modeling_modules(model: nn.Module) -> list[types.ModuleType]:
     return found
 
 
-NOTHING_FUSED = {"rms_norm": 0, "rotary": 0, "layers": 0, "merged": 0}
+NOTHING_FUSED = {"rms_norm": 0, "rotary": 0, "layers": 0, "merged": 0, "head": 0}
 
 
 def enable(model: nn.Module, layers: bool = True) -> dict[str, int]:
     """Swap in the fused kernels where ``model``'s code allows (CUDA models only; call once, before any
     CUDA graph is captured); with ``layers``, also the fused decoder layers (``llm_api.engine.fused_layers``).
     Returns what was swapped: {"rms_norm": modules, "rotary": modeling modules, "layers": decoder layers,
-    "merged": attention and MLP modules whose projections run as one product}."""
+    "merged": attention and MLP modules whose projections run as one product, "head": 1 where the output
+    head's one-row product is ``kernels.gemv``'s}."""
     from llm_api.kernels import triton_usable
 
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
@@ -159,7 +160,7 @@ def install(model: nn.Module, layers: bool = True) -> dict[str, int]:
         model.forward = types.MethodType(_fused_model_forward, model)
     elif rotary and not _is_fused(model.__dict__["forward"]):  # (someone else's wrapper: leave it be)
         rotary = 0
-    fused = {"rms_norm": len(norms), "rotary": rotary, "layers": 0, "merged": 0}
+    fused = dict(NOTHING_FUSED, rms_norm=len(norms), rotary=rotary)
     if layers:
         fused.update(fused_layers.enable(model, norms, modeling_modules if rotary else []))
     else:

@@ -51,7 +51,8 @@ from llm_api.engine.request import TokenLogprob
 from llm_api.engine.sampling_params import SamplingParams
 from llm_api.structured.bitmask import TokenMask, apply_bitmask
 
-__all__ = ["Sampler", "SamplerBatch", "SamplerOutput", "SamplingState", "sequence_seed", "prompt_logprobs"]
+__all__ = ["Sampler", "SamplerBatch", "SamplerOutput", "SamplingState", "sequence_seed", "prompt_logprobs",
+           "greedy_pick"]
 
 
 def sequence_seed(seed: int, index: int) -> int:
@@ -155,6 +156,20 @@ class Sampler:
         _count_output_tokens(token_ids, batch)
         logprobs = _logprobs(logits, token_ids, params) if any(p.logprobs is not None for p in params) else None
         return SamplerOutput(token_ids, logprobs)
+
+
+def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
+    """[each row's argmax, whether all of the row is finite (1 or 0)] (int64 ``[2, B]``, to read back in one
+    copy) for logits ``[B, V]``: on CUDA one pass of ``llm_api.kernels.greedy`` (where torch launches six
+    kernels, one of them a one-block argmax), else torch."""
+    if logits.is_cuda:
+        from llm_api.kernels import triton_usable
+
+        if triton_usable(logits.device):
+            from llm_api.kernels.greedy import greedy_pick as pick
+
+            return pick(logits.contiguous())
+    return torch.stack((_argmax(logits), torch.isfinite(logits).all(dim=-1).long()))
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:

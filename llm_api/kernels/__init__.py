@@ -7,7 +7,10 @@
 
 Beside them, imported by module (``llm_api.engine.fused_ops`` swaps them into a model): ``rms_norm``
 (``kernels.rms_norm``) and ``apply_rotary`` (``kernels.rotary``), one launch each where transformers'
-code launches eight and ten; ``lora_bgmv`` (``kernels.lora``) for the LoRA deltas.
+code launches eight and ten; ``add_rms_norm``, ``silu_and_mul`` (``kernels.activation``) and
+``rotary_store_kv`` for the fused decoder layers (``llm_api.engine.fused_layers``); ``row_product``
+(``kernels.gemv``) for a batch-1 step's products; ``greedy_pick`` (``kernels.greedy``) for a greedy step's
+argmax and non-finite check; ``lora_bgmv`` (``kernels.lora``) for the LoRA deltas.
 
 ``triton_usable(device)`` says whether they can run for tensors on ``device``: Triton importable and
 either a CUDA device or Triton's CPU interpreter (``TRITON_INTERPRET=1``, set before the kernel modules

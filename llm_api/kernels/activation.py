@@ -24,6 +24,15 @@ BLOCK = 1024  # columns per program
 
 
 @triton.jit
+def silu_mul_rounded(gate, up):
+    """``silu(gate) * up`` with transformers' two roundings to the dtype (inlined here and by
+    ``kernels.gemv``, which computes the down projection's input as it reads it)."""
+    g = gate.to(tl.float32)
+    activated = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # (torch's SiLU writes its own tensor: rounded here)
+    return (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(gate_up_ptr, out_ptr, in_row_stride, out_row_stride, INTERMEDIATE,
                          BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -31,10 +40,8 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, in_row_stride, out_row_stride, IN
     mask = offs < INTERMEDIATE
     gate = tl.load(gate_up_ptr + row * in_row_stride + offs, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + row * in_row_stride + INTERMEDIATE + offs, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    activated = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # (torch's SiLU writes its own tensor: rounded here)
-    out = activated.to(tl.float32) * up.to(tl.float32)
-    tl.store(out_ptr + row * out_row_stride + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * out_row_stride + offs, silu_mul_rounded(gate, up).to(out_ptr.dtype.element_ty),
+             mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,10 @@ def test_fused_layers_generate_what_generate_does(fused_on_cpu, arch, layers, me
     model = _model(arch)
     reference = copy.deepcopy(model)
     engine = _generate_both(model, reference)
-    assert (engine.runner.fused["layers"], engine.runner.fused["merged"]) == (layers, merged)
+    # (the output head too: while one sequence runs, every product of a step, the head's included, is the
+    # one-row kernel's, kernels.gemv)
+    assert (engine.runner.fused["layers"], engine.runner.fused["merged"], engine.runner.fused["head"]) == (
+        layers, merged, 1)
 
 
 def test_layers_are_chosen_by_their_code_below_transformers_wrapper():

@@ -47,6 +47,7 @@ def test_engine_with_graphs_matches_generate(arch):
     # (a sliding window) and Qwen3's (q/k norms) are their own code, so only their MLPs merge.
     layers = {"llama": (2, 4), "qwen2": (2, 2), "mistral": (2, 2), "gemma2": (0, 0), "qwen3": (2, 2)}[arch]
     assert (engine.runner.fused["layers"], engine.runner.fused["merged"]) == layers
+    assert engine.runner.fused["head"] == int(layers[0] > 0)  # (the output head's one-row product: kernels.gemv)
     generator = torch.Generator().manual_seed(11)
     arrivals = {step: [(f"r{step}-{i}", random_prompt(generator, 3 + 7 * i + step), greedy(12 + i))
                        for i in range(3)] for step in (0, 2, 5)}
@@ -71,18 +72,20 @@ def test_fused_layers_give_the_models_own_logits_on_the_gpu(arch):
         torch.testing.assert_close(model(input_ids).logits, reference(input_ids).logits, atol=1e-4, rtol=1e-4)
 
 
-def test_replay_equals_eager_bit_for_bit():
+@pytest.mark.parametrize("lengths,padded", [([4, 17, 9], 4), ([11], 1)], ids=["batch-3", "batch-1"])
+def test_replay_equals_eager_bit_for_bit(lengths, padded):
+    """(batch 1: every product is the one-row kernel's, kernels.gemv, in bf16 where it measures faster)"""
     model = _cuda_model("llama", torch.bfloat16)
     engine = make_engine(model, num_blocks=256, max_num_seqs=8, cuda_graph_max_batch_size=8)
     graphs = engine.runner.decode_graphs
     generator = torch.Generator().manual_seed(5)
-    for i, length in enumerate([4, 17, 9]):
+    for i, length in enumerate(lengths):
         engine.add_request(f"s{i}", random_prompt(generator, length), greedy(4))
     engine.step()  # the prompts, eagerly
     scheduler_output = engine.scheduler.schedule()
     engine.runner.block_tables.update(scheduler_output)  # (what runner.execute does first)
     rows = engine.runner._graph_decode_rows(scheduler_output.scheduled)
-    assert rows is not None and graphs.padded_size(len(rows)) == 4
+    assert rows is not None and graphs.padded_size(len(rows)) == padded
     replayed = graphs.run(rows).clone()
     graphs.capture_enabled = False  # the same padded step, eagerly (rewrites the same K/V into the same slots)
     try:
@@ -90,8 +93,25 @@ def test_replay_equals_eager_bit_for_bit():
     finally:
         graphs.capture_enabled = True
     assert torch.equal(replayed, eager)
-    for i in range(3):
+    for i in range(len(lengths)):
         engine.abort_request(f"s{i}")
+
+
+def test_one_row_products_give_the_models_own_logits_in_bf16(monkeypatch):
+    """The batch-1 path in bf16, with the one-row kernel forced for every product (the head's included):
+    the fused forward of one token agrees with the model's own to bf16 rounding."""
+    from llm_api.engine import fused_ops
+    from llm_api.kernels import gemv
+
+    monkeypatch.setattr(gemv, "mode", "triton")
+    model = _cuda_model("llama", torch.bfloat16)
+    reference = copy.deepcopy(model)
+    assert fused_ops.enable(model)["head"] == 1
+    input_ids = torch.tensor([[17]], device="cuda")
+    with torch.inference_mode():
+        fused, expected = model(input_ids).logits.float(), reference(input_ids).logits.float()
+    assert (fused - expected).abs().max() <= 0.02 * expected.abs().max()
+    assert not torch.equal(fused, torch.zeros_like(fused))
 
 
 def test_profiled_pool_respects_the_utilization():

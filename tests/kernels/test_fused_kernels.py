@@ -1,4 +1,4 @@
-"""rms_norm, add_rms_norm, silu_and_mul, apply_rotary and rotary_store_kv (Triton; the CPU interpreter without a GPU) against
+"""rms_norm, add_rms_norm, silu_and_mul, apply_rotary, rotary_store_kv and the one-row product (Triton; the CPU interpreter without a GPU) against
 transformers' code; tests/engine/test_fused_ops_selection.py says which modules ``llm_api.engine.fused_ops``
 swaps them into, tests/engine/test_fused_layers.py runs the fused decoder layers in the engine."""
 
@@ -13,6 +13,8 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 
 from kernel_cases import DEVICE, TOLERANCES  # noqa: E402
 
+from llm_api.kernels import gemv  # noqa: E402
+from llm_api.kernels.greedy import greedy_pick, greedy_pick_reference  # noqa: E402
 from llm_api.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
 from llm_api.kernels.rms_norm import (add_rms_norm, add_rms_norm_reference, rms_norm,  # noqa: E402
                                       rms_norm_reference)
@@ -100,6 +102,90 @@ def test_silu_and_mul_matches_llama_mlp(case):
 def test_silu_and_mul_refuses_an_odd_width():
     with pytest.raises(ValueError, match="even"):
         silu_and_mul(torch.zeros(2, 7, device=DEVICE))
+
+
+# (id, outputs, inputs, dtype, with a bias, SiLU x up first)
+GEMV_CASES = [
+    ("fp32-even", 256, 1024, torch.float32, False, False),
+    ("bf16-ragged-bias", 100, 70, torch.bfloat16, True, False),
+    ("fp16-silu-mul", 64, 48, torch.float16, False, True),
+    ("bf16-silu-mul-even", 128, 1024, torch.bfloat16, False, True),
+]
+
+
+@pytest.mark.parametrize("config", gemv.CANDIDATES, ids=str)
+@pytest.mark.parametrize("case", GEMV_CASES, ids=[c[0] for c in GEMV_CASES])
+def test_row_product_matches_linear(case, config):
+    """Every configuration the engine may choose, on shapes that fill its blocks and shapes that do not:
+    F.linear (after silu_and_mul where fused) computed in float32 on the same inputs, then rounded."""
+    name, n, k, dtype, with_bias, silu_mul = case
+    generator = _generator(name)
+    x = torch.randn(1, k * (2 if silu_mul else 1), generator=generator).to(dtype).to(DEVICE)
+    weight = (torch.randn(n, k, generator=generator) / k ** 0.5).to(dtype).to(DEVICE)
+    bias = torch.randn(n, generator=generator).to(dtype).to(DEVICE) if with_bias else None
+    assert gemv.takes(x, weight, bias, silu_mul)
+    out = gemv.launch(config, x, weight, bias, silu_mul)
+    product_input = silu_and_mul(x) if silu_mul else x
+    expected = torch.nn.functional.linear(product_input.float(), weight.float(), None if bias is None else bias.float())
+    assert out.shape == (1, n) and out.dtype == dtype
+    torch.testing.assert_close(out, expected.to(dtype), **TOLERANCES[dtype])
+
+
+def test_row_product_leaves_to_the_library_what_it_does_not_take():
+    weight = torch.randn(8, 16, device=DEVICE)
+    assert not gemv.takes(torch.randn(2, 16, device=DEVICE), weight)  # two rows
+    assert not gemv.takes(torch.randn(1, 32, device=DEVICE)[:, ::2], weight)  # strided
+    assert not gemv.takes(torch.randn(1, 16, device=DEVICE, dtype=torch.float64), weight)
+    assert not gemv.takes(torch.randn(1, 16, device=DEVICE), weight, silu_mul=True)  # needs 2 x 16
+    x = torch.randn(3, 16, device=DEVICE)
+    torch.testing.assert_close(gemv.row_product(x, weight), torch.nn.functional.linear(x, weight))
+
+
+def test_row_product_rule_takes_the_measured_configurations_on_hopper_only():
+    """The shapes of the H200 sweep (bench/gpu_gemv.py) get the configuration that was best there; a small
+    model's narrow weights get two rows a program (enough programs); another GPU gets the library's way."""
+    llama_8b = {(6144, 4096): gemv.DEFAULT, (4096, 4096): gemv.WIDE_ROWS, (28672, 4096): gemv.DEFAULT,
+                (4096, 14336): gemv.WIDE_ROWS, (128256, 4096): gemv.HEAD}
+    for (outputs, inputs), config in llama_8b.items():
+        assert gemv.rule(outputs, inputs, (9, 0)) == config
+        assert gemv.rule(outputs, inputs, (8, 0)) is None and gemv.rule(outputs, inputs, (10, 0)) is None
+    assert gemv.rule(576, 1536, (9, 0)) == gemv.rule(576, 576, (9, 0)) == gemv.DEFAULT
+    assert all(config in gemv.CANDIDATES for config in llama_8b.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the rule applies on CUDA")
+def test_row_product_follows_the_rule_on_the_gpu(monkeypatch):
+    monkeypatch.setattr(gemv, "mode", "auto")
+    weight = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+    out = gemv.row_product(x, weight)
+    expected = gemv.rule(512, 256, torch.cuda.get_device_capability())
+    assert gemv.chosen()[(x.device, x.dtype, (512, 256), False, False)] == expected
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight), **TOLERANCES[torch.bfloat16])
+    # float32 keeps the library's order of sums
+    gemv.row_product(x.float(), weight.float())
+    assert gemv.chosen()[(x.device, torch.float32, (512, 256), False, False)] is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_pick_matches_argmax_and_isfinite(dtype):
+    """Rows over several chunks (a vocabulary not a multiple of them), a maximum tied within a chunk and
+    across chunks (the lowest index wins, as torch.argmax's), rows with a NaN, +inf, -inf: the tokens of the
+    finite rows and every row's finiteness equal torch's."""
+    from llm_api.kernels.greedy import BLOCK
+
+    vocab = 2 * BLOCK + 77
+    logits = torch.randn(6, vocab, generator=_generator(f"greedy-{dtype}")).to(dtype)
+    logits[1, [5, 9, BLOCK + 3]] = 50.0  # ties within the first chunk and across chunks
+    logits[2, [2 * BLOCK + 70, BLOCK + 1]] = 40.0  # the later chunk's index is lower
+    logits[3, 17] = float("nan")
+    logits[4, vocab - 1] = float("inf")
+    logits[5, 0] = float("-inf")
+    logits = logits.to(DEVICE)
+    (token_ids, finite), (expected_ids, expected_finite) = greedy_pick(logits).tolist(), greedy_pick_reference(logits)
+    assert finite == expected_finite.tolist() == [1, 1, 1, 0, 0, 0]
+    assert token_ids[:3] == expected_ids[:3].tolist() and token_ids[1] == 5 and token_ids[2] == BLOCK + 1
+    assert greedy_pick(logits[:0]).shape == (2, 0)
 
 
 # (id, batch, query heads, key heads, tokens, head dim, dtype)
