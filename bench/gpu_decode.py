@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from harness.gpu_timing import graph_replay_seconds
 from harness.host import cpu_model
 
 # Make `llm_api` importable when run as `python bench/gpu_decode.py` from anywhere.
@@ -497,21 +498,8 @@ def run_products(model, device: torch.device, batch_size: int, merged: bool, rep
         for weight in weights:
             product(inputs[weight.shape[1]], weight)
 
-    products()  # (cuBLAS picks and initializes its kernels outside the capture)
-    synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        products()
-    for _ in range(3):
-        graph.replay()
-    synchronize(device)
-    begin = time.perf_counter()
-    for _ in range(replays):
-        graph.replay()
-    synchronize(device)
-    seconds = (time.perf_counter() - begin) / replays
+    seconds = graph_replay_seconds(products, replays, warmup=3, device=device)
     read = sum(w.numel() * w.element_size() for w in weights)
-    del graph
     return {"status": "ok", "batch_size": batch_size, "merged": merged, "one_row_kernel": one_row_kernel,
             "products": len(weights),
             "seconds_per_step": seconds, "weight_bytes": read, "read_bytes_per_s": read / seconds,

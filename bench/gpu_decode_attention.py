@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
+from harness.gpu_timing import graph_replay_seconds
 
 from llm_api.kernels.decode_attention import choose_num_partitions, paged_decode_attention
 
@@ -45,18 +45,7 @@ def time_call(batch: int, context: int, partitions: int, layers: int, replays: i
             paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, HEAD_DIM**-0.5,
                                    out=out, num_partitions=partitions)
 
-    step()  # (compiles outside the capture)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    graph.replay()
-    torch.cuda.synchronize()
-    begin = time.perf_counter()
-    for _ in range(replays):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - begin) / replays / layers
+    return graph_replay_seconds(step, replays) / layers
 
 
 def main() -> int:

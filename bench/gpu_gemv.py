@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from harness.gpu_timing import graph_replay_seconds
 
 from llm_api.kernels import gemv
 
@@ -33,22 +34,12 @@ GRID = [gemv.GemvConfig(n, k, w) for n, k, w in itertools.product((2, 4, 8, 16),
 
 def time_per_call(calls, replays: int = 20) -> float:
     """Seconds per call of ``calls`` (a list of thunks) replayed from one CUDA graph."""
-    for call in calls:  # (compiles and picks kernels outside the capture)
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def work():
         for call in calls:
             call()
-    graph.replay()
-    torch.cuda.synchronize()
-    begin = time.perf_counter()
-    for _ in range(replays):
-        graph.replay()
-    torch.cuda.synchronize()
-    seconds = (time.perf_counter() - begin) / replays / len(calls)
-    del graph
-    return seconds
+
+    return graph_replay_seconds(work, replays) / len(calls)
 
 
 def measure_shape(name: str, n: int, k: int, silu_mul: bool, copies: int, configs) -> dict:
