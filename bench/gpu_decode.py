@@ -741,8 +741,10 @@ def run_model(name: str, settings: BenchSettings, device: torch.device, dtype: t
         for key, merged in (("merged", True), ("separate", False)):
             measure(results, clock, products, key, f"{name}: products alone B=1 ({key})", run_products, model,
                     device, 1, merged)
-        measure(results, clock, products, "merged, one-row kernel", f"{name}: products alone B=1 (merged, gemv)",
-                run_products, model, device, 1, True, one_row_kernel=True)
+        if settings.one_row_kernel:  # (with --no-gemv it would run cuBLAS again under this name)
+            measure(results, clock, products, "merged, one-row kernel",
+                    f"{name}: products alone B=1 (merged, gemv)", run_products, model, device, 1, True,
+                    one_row_kernel=True)
         from llm_api.kernels import gemv
 
         # which way each one-row shape ran: (block_n, block_k, warps), or the library's

@@ -140,6 +140,10 @@ def main(argv=None) -> int:
           f"with phase syncs {synced * 1e3:.3f} ms")
     for name, seconds in phases.items():
         print(f"  {name:9s} {seconds * 1e3:8.3f} ms")
+    from llm_api.kernels import gemv
+
+    # (which one-row product configuration each shape of the step ran: None is cuBLAS)
+    print("  one-row products:", {tuple(key[2]): config for key, config in gemv.chosen().items()})
     print("  per step: " + ", ".join(f"{k} {v:.1f}" for k, v in launches.items()))
     print(text.getvalue()[:5000])
     print(ops[:9000])

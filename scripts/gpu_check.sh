@@ -5,8 +5,9 @@
 #                                           # (below); bench/gpu_gemv.py --quick (the one-row product); then
 #                                           # bench/gpu_decode.py for Llama-3.1-8B shapes at batch 1 and 64
 #                                           # with the fused decoder layers on and off, batch 1 with cuBLAS
-#                                           # for every product (and the products alone), SmolLM2-135M with graphs on and off, a
-#                                           # 4k-token prefill; bench/gpu_step_profile.py (Llama-3.1-8B,
+#                                           # for every product (and the products alone), SmolLM2-135M
+#                                           # with graphs on and off, a 4k-token prefill;
+#                                           # bench/gpu_step_profile.py (Llama-3.1-8B,
 #                                           # batch 1); bench/lora.py at batch 16; a summary last
 #   BENCH_NAME=smollm2 bash scripts/gpu_check.sh bench --models smollm2-135m --batches 1,64 --compile-batches ""
 #                                           # SmolLM2-135M with graphs on and off (~40 s)
