@@ -122,11 +122,7 @@ class MergedProjection:
                 and all((m.bias is None) == (self.bias is None) for m in modules))  # type: ignore[union-attr]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if one_row(x):
-            from llm_api.kernels.gemv import row_product
-
-            return row_product(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 def one_row(x: torch.Tensor) -> bool:
@@ -134,18 +130,27 @@ def one_row(x: torch.Tensor) -> bool:
     return x.numel() == x.shape[-1]
 
 
-def _product(linear: nn.Module, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-    """``linear(x)`` (with ``silu_mul``, ``linear(silu_and_mul(x))``); one row through a plain ``nn.Linear`` by
-    ``kernels.gemv`` (a wrapped or quantized module runs its own forward)."""
-    if type(linear) is nn.Linear and one_row(x):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``; one row, where the kernels run, by ``kernels.gemv`` (a batch-1 step's products)."""
+    if one_row(x) and kernels_run_on(x):
         from llm_api.kernels.gemv import row_product
 
-        return row_product(x, linear.weight, linear.bias, silu_mul=silu_mul)
+        return row_product(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _product(projection: nn.Module, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+    """``projection(x)`` (with ``silu_mul``, ``projection(silu_and_mul(x))``); one row through a plain
+    ``nn.Linear`` by ``kernels.gemv`` (a wrapped or quantized module runs its own forward)."""
+    if type(projection) is nn.Linear and one_row(x):
+        from llm_api.kernels.gemv import row_product
+
+        return row_product(x, projection.weight, projection.bias, silu_mul=silu_mul)
     if silu_mul:
         from llm_api.kernels.activation import silu_and_mul
 
         x = silu_and_mul(x)
-    return linear(x)
+    return projection(x)
 
 
 def merge(owner: nn.Module, names: tuple[str, ...]) -> MergedProjection | None:
@@ -259,11 +264,7 @@ def _mlp(mlp: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
 def _one_row_head(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     """The output head's forward: one row by ``kernels.gemv`` (a batch-1 step's largest product: 1 GB for
     Llama-3.1-8B), other inputs by ``F.linear`` as ``nn.Linear.forward``."""
-    if one_row(hidden_states) and kernels_run_on(hidden_states):
-        from llm_api.kernels.gemv import row_product
-
-        return row_product(hidden_states, self.weight, self.bias)
-    return F.linear(hidden_states, self.weight, self.bias)
+    return linear(hidden_states, self.weight, self.bias)
 
 
 def _fused_layer(self: Any, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
