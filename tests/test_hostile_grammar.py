@@ -18,7 +18,6 @@ What this proves, with a witness stream beside every request (``hostile.Witness`
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -135,11 +134,13 @@ def test_hostile_grammar_corpus(async_frontend):
     assert sum(n for outcome, n in answers.items() if outcome.startswith("400")) >= len(cases) // 2, answers
 
 
-def _slow_schema(index: int) -> dict:
-    # Distinct specs (the description), each a few tenths of a second of compile (two string length
-    # bounds of ~20 ms per unit): a burst queues far more than the pool takes.
+def _slow_schema(index: int, length: int = 12) -> dict:
+    # Distinct specs (the description), each a few tenths of a second of compile at the default length (two
+    # string length bounds, the cost growing with ``length``: ~0.35 s at 12, ~1.1 s at 30 on a 2-core Xeon):
+    # a burst queues far more than the pool takes.
     return {"type": "object", "description": f"burst {index}",
-            "properties": {"a": {"type": "string", "maxLength": 12}, "b": {"type": "string", "maxLength": 13}},
+            "properties": {"a": {"type": "string", "maxLength": length},
+                           "b": {"type": "string", "maxLength": length + 1}},
             "required": ["a", "b"]}
 
 
@@ -180,11 +181,21 @@ def test_a_burst_of_slow_compiles_gets_200_or_503_with_retry_after(async_fronten
     assert isinstance(value, dict) and isinstance(value.get("ok"), bool), value
 
 
+def _flood_schema(index: int) -> dict:
+    return _slow_schema(index, length=30)
+
+
 def test_one_keys_flood_of_schemas_cannot_hold_up_another_key(start_standalone):
     """The red team's flood: 24 requests of one key at once, each with its own small schema. That key gets its
     share of the compile queue (MAX_PENDING_COMPILES / 4) and a quick 503 with Retry-After for the rest; a
-    request of another key whose schema is cached answers within 2 s meanwhile, and one with a new schema is
-    compiled in turn (not behind all of the first key's); the witness streams on (llm_api.service.grammars)."""
+    request of another key whose schema is cached answers meanwhile (before the first key's compiles are
+    done), and one with a new schema is compiled in turn (not behind all of the first key's); the witness
+    streams on (llm_api.service.grammars).
+
+    The flood's schemas each take about a second to compile, so the whole flood has arrived before the first
+    of its admitted compiles is done: with ~0.3 s compiles, places freed while the 24 requests were still
+    arriving let a sixth or seventh in, and the share check failed on a loaded host for a reason that is
+    not a fairness bug."""
     from llm_api.service.grammars import MAX_PENDING_COMPILES
 
     first, second = "first-key-123", "second-key-456"
@@ -199,7 +210,7 @@ def test_one_keys_flood_of_schemas_cannot_hold_up_another_key(start_standalone):
 
         def flood(index: int) -> tuple[hostile.Answer, float]:
             start = time.monotonic()
-            answer = hostile.post_json(server, path, {"text": "Answer:", "json_schema": _slow_schema(salt + index),
+            answer = hostile.post_json(server, path, {"text": "Answer:", "json_schema": _flood_schema(salt + index),
                                                       "max_new_tokens": 2, "stream": False}, key=first)
             return answer, time.monotonic() - start
 
@@ -220,19 +231,21 @@ def test_one_keys_flood_of_schemas_cannot_hold_up_another_key(start_standalone):
         share = MAX_PENDING_COMPILES // 4
         hostile.report("grammar: one key's flood of schemas", server, inputs=24, answers=dict(answers), witness=witness,
                        other_key_cached_s=round(cached_seconds, 2), other_key_new_s=round(new_seconds, 2))
-        # 2 s on a quiet host (a serial run of this module); beside other xdist workers the engine's steps
-        # stretch, so the bound is the witness's there. Either way it came back before the first key's last
-        # compile did, so it waited behind none of them.
-        within = 2.0 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) <= 1 else hostile.STALL_LIMIT_S
-        assert cached_answer.status == 200 and cached_seconds < within, (cached_answer.status, cached_seconds)
         assert answers["200"] <= share and answers["503 overloaded"] >= 24 - share, answers
+        # It came back before the first key's last compile did (the flood started 0.5 s before it), so it
+        # waited behind none of them; and within the witness's bound (the engine's steps stretch beside
+        # other xdist workers).
+        last_compiled = max(seconds for answer, seconds in flooded_results if answer.status == 200)
+        assert cached_answer.status == 200, cached_answer.body[:300]
+        assert 0.5 + cached_seconds < last_compiled and cached_seconds < hostile.STALL_LIMIT_S, (
+            cached_seconds, last_compiled)
         slowest_refusal = max(seconds for answer, seconds in flooded_results if answer.status == 503)
         assert slowest_refusal < 5, f"a refusal took {slowest_refusal:.1f} s"
         for answer, _ in flooded_results:
             if answer.status == 503:
                 assert answer.headers.get("retry-after", "").isdigit(), answer.headers
         assert new_answer.status == 200, new_answer.body[:300]
-        compile_s = max(seconds for answer, seconds in flooded_results if answer.status == 200) / share
+        compile_s = last_compiled / share
         # In turn: behind the compile running when it came and at most one more of the first key's.
         assert new_seconds < 3 * compile_s + 5, (new_seconds, compile_s)
         assert witness.max_gap < hostile.STALL_LIMIT_S
