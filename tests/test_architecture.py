@@ -1,10 +1,11 @@
 """The package's layers, read from the import statements: no module imports from a layer above it.
 
-Layers, top to bottom (docs/architecture.md): the edges (``torchserve``, ``server``, ``client``) ->
+Layers, top to bottom (docs/architecture.md): the edges (``torchserve``, ``server``, ``scale_out``, ``client``) ->
 ``protocols`` (one folder per API and the route table) -> ``service`` -> ``api`` -> ``engine`` -> ``structured`` ->
 ``lora`` -> ``model`` -> ``kernels`` (and the generated ``proto`` stubs). A module may import its own layer and
 the layers below. Besides: no import circle anywhere in the package (every import statement counts: module
-level, ``TYPE_CHECKING`` blocks and inside functions); only ``llm_api.torchserve`` imports TorchServe (``ts``);
+level, ``TYPE_CHECKING`` blocks and inside functions); only ``llm_api.torchserve`` imports TorchServe (``ts``),
+only ``llm_api.scale_out`` imports Ray (an optional extra);
 the scheduler, block pool, request state and the parameters they read import no torch; the kernels import
 nothing from the engine; the sampler takes only token masks from structured output (it never advances a
 grammar matcher).
@@ -19,7 +20,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "llm_api"
 # structured: below the request formats (they build grammar specs) and the engine (it runs the matchers);
 # it needs nothing from lora, model or kernels.
-RANK = {"torchserve": 0, "server": 0, "client": 0, "protocols": 0.5, "service": 1, "api": 2, "engine": 3,
+RANK = {"torchserve": 0, "server": 0, "scale_out": 0, "client": 0, "protocols": 0.5, "service": 1, "api": 2, "engine": 3,
         "structured": 3.2, "lora": 3.5, "model": 4, "kernels": 5, "proto": 5}
 TORCH_FREE = {"llm_api.engine.scheduler", "llm_api.engine.block_pool", "llm_api.engine.request",
               "llm_api.engine.sampling_params", "llm_api.engine.speculative.drafter",
@@ -171,6 +172,12 @@ def test_only_the_torchserve_edge_imports_ts():
     assert not offenders, offenders
 
 
+def test_only_the_scale_out_edge_imports_ray():
+    offenders = [m for m, path in _modules().items()
+                 if _layer(m) != "scale_out" and any(i == "ray" or i.startswith("ray.") for i in _imports(path))]
+    assert not offenders, offenders
+
+
 def test_scheduler_state_is_torch_free_and_kernels_stand_alone():
     modules = _modules()
     for module in TORCH_FREE:
@@ -284,6 +291,10 @@ ENVIRONMENT_EXCEPTIONS = {
     ("llm_api.kernels", "TRITON_INTERPRET"),
     # TorchServe's worker reads TS_DECODE_INPUT_REQUEST for every message; the handler sets it (a write).
     ("llm_api.torchserve.llm_handler", "TS_DECODE_INPUT_REQUEST"),
+    # The processes Ray starts read their start-up deadlines (RAY_*) from the environment they inherit;
+    # `llm_api serve --ray` sets defaults there before starting them (writes, each a RAY_ name), and reads
+    # RAY_TMPDIR to know where Ray would put a local cluster's sockets.
+    ("llm_api.scale_out.run", "*"), ("llm_api.scale_out.run", "RAY_TMPDIR"),
 }
 ENVIRONMENT_READER = "llm_api.model.settings"
 _OS_ENVIRONMENT = ("environ", "environb", "getenv", "getenvb", "putenv", "unsetenv")

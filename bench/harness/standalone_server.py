@@ -10,6 +10,8 @@ returns the server's exit status.
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import sys
 import urllib.error
 import urllib.request
@@ -46,6 +48,18 @@ class StandaloneServer(ServerProcess):
         if "LLM_API_KEY" not in self.env:
             env.pop("LLM_API_KEY", None)  # the server generates its key (key() reads it)
         return env
+
+    def stop(self, grace: float | None = None) -> int | None:
+        """As ``ServerProcess.stop``; under ``--ray`` the server alone gets the SIGTERM first (it deletes the
+        app and shuts its Ray cluster down, whose workers run in sessions of their own, out of reach of
+        the group's signals) and the group the rest."""
+        if "--ray" in self.args and self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(self.stop_grace if grace is None else grace)
+            except subprocess.TimeoutExpired:
+                pass
+        return super().stop(grace)
 
     def key(self, kind: str = "inference") -> str:
         return (self.workdir / "llm_api.key").read_text().strip()

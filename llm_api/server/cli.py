@@ -4,6 +4,8 @@
 serves the model the environment's settings describe (the same variables as under TorchServe, see
 README), without TorchServe. A bad setting or flag stops it before anything loads, with a message naming
 it (exit 2); a model that fails to load exits 1; a stop by SIGTERM/SIGINT after the drain exits 0.
+``--ray [--replicas N] [--max-replicas M] [--cpus-per-replica C] [--routing prefix|random] [--ray-address A]``
+serves the same routes as a Ray Serve application instead (``llm_api.scale_out``; docs/scale-out.md).
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ def _port(allow_zero: bool):
     return parse
 
 
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count (1 or more)")
+    return int(text)
+
+
 def _host(text: str) -> str:
     if text == "localhost":
         return text
@@ -57,6 +65,21 @@ def parser() -> argparse.ArgumentParser:
                        help="where a generated bearer key is written when LLM_API_KEY is unset (default ./llm_api.key)")
     serve.add_argument("--no-auth", action="store_true",
                        help="serve without a bearer key (only behind a gateway that authenticates)")
+    ray = serve.add_argument_group("Ray Serve (pip install 'llm_api[ray]'; docs/scale-out.md)")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve as a Ray Serve application: model replicas behind Ray's HTTP proxy and a "
+                          "prefix-affinity router (no gRPC listener)")
+    ray.add_argument("--replicas", type=_count, default=1, help="model replicas (default 1; with --max-replicas: "
+                                                                "the fewest)")
+    ray.add_argument("--max-replicas", type=_count, default=None,
+                     help="autoscale up to this many replicas on requests in flight (default: no autoscaling)")
+    ray.add_argument("--cpus-per-replica", type=float, default=1.0,
+                     help="CPUs each replica reserves (its torch threads; default 1)")
+    ray.add_argument("--routing", choices=("prefix", "random"), default="prefix",
+                     help="prefix: to the replica holding the prompt's prefix while load is balanced (default); "
+                          "random: the less loaded of two at random")
+    ray.add_argument("--ray-address", default=None,
+                     help="a running Ray cluster to join (default RAY_ADDRESS, else a local one is started)")
     return main
 
 
@@ -72,6 +95,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.ray:
+        if args.max_replicas is not None and args.max_replicas < args.replicas:
+            print(f"llm_api: --max-replicas {args.max_replicas} is below --replicas {args.replicas}", file=sys.stderr)
+            return 2
+        try:
+            from llm_api.scale_out.run import serve_on_ray
+        except ImportError as err:
+            print(f"llm_api: --ray needs Ray Serve (pip install 'llm_api[ray]'): {err}", file=sys.stderr)
+            return 2
+        from llm_api.scale_out.deployments import Scaling
+
+        scaling = Scaling(args.replicas, args.max_replicas, args.cpus_per_replica, args.routing)
+        return serve_on_ray(settings, args.host, args.port, args.key_file, not args.no_auth, scaling,
+                            args.ray_address)
     from llm_api.server.server import ServeOptions, serve  # (imports torch: after the cheap checks)
 
     options = ServeOptions(host=args.host, port=args.port, grpc_port=args.grpc_port, key_file=args.key_file,

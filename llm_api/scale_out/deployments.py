@@ -1,0 +1,305 @@
+"""llm_api as a Ray Serve application: an ingress that speaks HTTP and model replicas that answer.
+
+``application(settings, key, scaling)`` builds it (``llm_api serve --ray`` runs it: ``llm_api.scale_out.run``):
+
+* ``Ingress`` (one replica, no CPU reserved): behind Ray Serve's HTTP proxy (which issues the
+  ``x-request-id``). Per request it checks the bearer key (the same ``BearerAuth`` and one-``Authorization`` rule as
+  ``llm_api serve``), finds the route in ``llm_api.protocols.table`` (404/405 as there), reads the body
+  (413 past ``MAX_REQUEST_BYTES``), and forwards a ``Forwarded`` (the route's name, its parameters, the
+  transport-neutral ``Call`` and the text it is routed by) to the model replicas through a streaming
+  handle, then writes what comes back: one response, or a chunked stream chunk by chunk as the replica
+  yields them (token by token, as ``llm_api serve`` writes them).
+* ``ModelReplica`` (``scaling.replicas`` of them, or autoscaled): the package's own ``ModelService`` with
+  the APIs' state (``open_api_states``) and its own metrics, answering a ``Forwarded`` with the route
+  table's ``answer``. It yields ``Opening`` first (a whole answer, or the start of a stream with the
+  format's error tail prepared), then the stream's payloads.
+* The router between them is ``llm_api.scale_out.router.PrefixAffinityRouter``. Adapters: every
+  replica loads ``LORA_ADAPTERS`` at start, so any replica can answer any of them; routing by where an
+  adapter loaded at run time is resident is not done (docs/scale-out.md).
+
+Failures: a replica that dies mid-stream ends that stream with its format's error (the tail the
+replica prepared when the stream opened: a native error line with the marker, an SSE error event and
+``[DONE]``), and the next request goes to a live replica. A replica being scaled down gets no new
+requests and keeps serving its streams for up to ``DRAIN_GRACE_S`` (Ray's graceful shutdown).
+
+What is not here: gRPC (Ray's gRPC proxy needs the service compiled into it: use ``llm_api serve`` or
+TorchServe for gRPC), multipart forms (JSON or urlencoded bodies), and the standalone server's
+transport guards (slow heads, connection caps: Ray's proxy owns the sockets).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import re
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+from urllib.parse import parse_qsl
+
+from llm_api.api.errors import ApiError, internal_error
+from llm_api.model.settings import Settings
+from llm_api.protocols.route import Call, RouteContext, Whole, error_body
+from llm_api.protocols.table import BY_NAME, answer, error_shape, find, is_public, open_api_states
+from llm_api.scale_out.affinity import affinity_text
+from llm_api.server.auth import BearerAuth
+from llm_api.server.http_api import JSON_CONTENT_TYPE, new_request_id
+from llm_api.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from llm_api.server.metrics import ServerMetrics
+from llm_api.service.answer import Chunk, Refusal
+from llm_api.service.owners import single_authorization
+
+logger = logging.getLogger(__name__)
+
+URLENCODED = "application/x-www-form-urlencoded"
+REPLICA_HEADER = "x-llm-api-replica"
+SAFE_REQUEST_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+@dataclass
+class Forwarded:
+    """One request, from the ingress to a model replica (pickled across processes)."""
+
+    route: str  # the route's name in llm_api.protocols.table
+    params: dict[str, str]
+    call: Call
+    affinity: str = ""  # the text it is routed by (llm_api.scale_out.affinity)
+
+
+@dataclass
+class Opening:
+    """A replica's first answer to a ``Forwarded``: a whole answer (``streamed`` False), or the start of
+    a stream (its content type, and the payload that ends it if the replica dies: ``error_tail``)."""
+
+    status: int
+    content_type: str
+    body: str | bytes = b""
+    headers: dict[str, str] = field(default_factory=dict)
+    streamed: bool = False
+    error_tail: str = ""
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """How many model replicas, the CPUs each reserves (its torch threads), and how requests are routed."""
+
+    replicas: int = 1
+    max_replicas: int | None = None  # set: autoscale between ``replicas`` and this
+    cpus_per_replica: float = 1.0
+    routing: str = "prefix"  # "prefix": PrefixAffinityRouter's policy; "random": its fallback alone
+
+
+class ModelReplica:
+    def __init__(self, settings: Settings):
+        from llm_api.service.service import ModelService  # (imports torch: in the replica only)
+
+        from ray import serve
+
+        self.settings = settings
+        # Every answer names the replica that gave it (``x-llm-api-replica``: Ray's id for it, the name of
+        # its log file under Ray's logs/serve/); its log says its pid, for whoever must stop it.
+        self.replica_name = serve.get_replica_context().replica_id.unique_id
+        logger.warning("llm_api replica %s: pid %d, loading the model", self.replica_name, os.getpid())
+        self.apis = open_api_states(settings)
+        self.metrics = ServerMetrics(settings.model_name)
+        self.service = service = ModelService.load(settings, self.metrics.sink)
+        self.metrics.watch_engine(lambda: service.loop.stats, lambda: service.num_live_requests,
+                                  lambda: service.metrics.publish_gauges(force=True),
+                                  lambda: (service.lora_info(), dict(service.lora_requests)))
+
+    def _context(self) -> RouteContext:
+        return RouteContext(self.settings.end_of_stream_token, self.service,
+                            metrics_text=lambda: (self.metrics.render(), METRICS_CONTENT_TYPE), apis=self.apis)
+
+    async def answer(self, forwarded: Forwarded) -> AsyncIterator[Opening | str]:
+        """``Opening``, then (a stream) each payload as the engine produces it."""
+        async for item in self._answer(forwarded):
+            if isinstance(item, Opening):
+                item.headers[REPLICA_HEADER] = self.replica_name
+            yield item
+
+    async def _answer(self, forwarded: Forwarded) -> AsyncIterator[Opening | str]:
+        route = BY_NAME[forwarded.route]
+        marker = self.settings.end_of_stream_token
+        try:
+            result = await answer(route, forwarded.params, self._context(), forwarded.call)
+        except ApiError as error:
+            yield Opening(error.status, JSON_CONTENT_TYPE, error_body(route.errors, error, marker), error.headers())
+            return
+        if isinstance(result, Whole):
+            yield Opening(result.status, result.content_type, result.body, result.headers)
+            return
+        opened = False
+        try:
+            async with aclosing(result.parts) as parts:
+                async for part in parts:
+                    if isinstance(part, Refusal):
+                        yield Opening(part.status, JSON_CONTENT_TYPE, part.body, part.headers)
+                        return
+                    if not opened and isinstance(part, Chunk):
+                        opened = True
+                        # (on a copy: fail() moves an encoder to its failed state, the Responses API's
+                        # with the output so far, which this stream has not reached)
+                        died = internal_error("the replica serving this request failed")
+                        tail = copy.deepcopy(result.encoder).fail(died)
+                        yield Opening(200, part.content_type, streamed=True, error_tail=tail)
+                    if opened:
+                        yield part.payload
+                    else:  # nothing streamed: the whole answer at once
+                        yield Opening(200, part.content_type, part.payload)
+                    if not isinstance(part, Chunk):
+                        return
+        except ApiError as error:
+            if not opened:
+                yield Opening(error.status, JSON_CONTENT_TYPE, error_body(route.errors, error, marker), error.headers())
+                return
+            yield result.encoder.fail(error)
+        except Exception:  # a bug costs this request only
+            logger.exception("request %s failed", forwarded.call.request_id)
+            failure = internal_error("the server failed to handle this request")
+            yield result.encoder.fail(failure) if opened else Opening(500, JSON_CONTENT_TYPE,
+                                                                       error_body(route.errors, failure, marker))
+
+    def __del__(self):  # (Ray Serve calls it once the replica's requests are done or DRAIN_GRACE_S passed)
+        service = getattr(self, "service", None)
+        if service is not None:
+            service.shutdown()
+        apis = getattr(self, "apis", None)
+        if apis is not None:
+            apis.close()
+
+
+class Ingress:
+    def __init__(self, replicas: Any, settings: Settings, key: str | None):
+        self.replicas = replicas  # the model replicas' DeploymentHandle
+        self.auth = BearerAuth(key)
+        self.marker = settings.end_of_stream_token
+        self.max_request_bytes = settings.max_request_bytes
+
+    async def __call__(self, request: Any) -> Any:
+        from starlette.responses import Response, StreamingResponse
+
+        request_id = _request_id()
+        path = request.url.path
+        shape = error_shape(path, "server")
+        try:
+            forwarded = await self._forwarded(request, request_id)
+            shape = BY_NAME[forwarded.route].errors
+            stream = self.replicas.options(stream=True).answer.remote(forwarded)
+            opening = await stream.__anext__()
+        except ApiError as error:
+            return Response(error_body(shape, error, self.marker), error.status, error.headers(),
+                            media_type=JSON_CONTENT_TYPE)
+        except Exception:  # the replica died before answering, or Ray could not reach one
+            logger.exception("request %s: no replica answered", request_id)
+            unavailable = ApiError(503, "unavailable", "no model replica could answer; retry", retry_after=1)
+            return Response(error_body(shape, unavailable, self.marker), unavailable.status, unavailable.headers(),
+                            media_type=JSON_CONTENT_TYPE)
+        headers = opening.headers
+        if not opening.streamed:
+            return Response(opening.body, opening.status, headers, media_type=opening.content_type)
+        return StreamingResponse(_payloads(stream, opening.error_tail, request_id), 200,
+                                 {**headers, "Cache-Control": "no-cache"}, media_type=opening.content_type)
+
+    async def _forwarded(self, request: Any, request_id: str) -> Forwarded:
+        """The request as a ``Forwarded`` (401, 404/405, 413, 415 as ``ApiError``s)."""
+        path = request.url.path
+        owner = ""
+        if not is_public(path):
+            known = self.auth.owner(single_authorization(request.headers.getlist("authorization")))
+            if known is None:
+                raise ApiError(401, "unauthorized", "missing or wrong bearer key (header 'Authorization: Bearer <key>')")
+            owner = known
+        route, params = find(request.method, path, "server")
+        body = await _bounded_body(request, self.max_request_bytes)
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        parsed: Any = None
+        if content_type == URLENCODED:
+            pairs = parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True)
+            if len({name for name, _ in pairs}) != len(pairs):
+                raise ApiError(400, "invalid_request", "a form field is given more than once")
+            row: dict[str, Any] = {name: value.encode("utf-8") for name, value in pairs}
+            parsed = {name: value for name, value in pairs}
+        elif content_type.startswith("multipart/"):
+            raise ApiError(415, "unsupported_media_type", "send a JSON or urlencoded body (multipart is not served "
+                           "through Ray Serve)")
+        else:
+            row = {"body": body} if body or request.method not in ("GET", "HEAD", "DELETE") else {}
+            try:
+                parsed = json.loads(body) if body else None
+            except ValueError:
+                parsed = None  # (the route refuses it, in its own words)
+        headers = {name.lower(): value for name, value in request.headers.items()}
+        call = Call(request_id, request.method, row, headers, owner=owner)
+        return Forwarded(route.name, params, call, affinity_text(route.name, parsed))
+
+
+def _request_id() -> str:
+    """Ray's id for this request (its proxy sends it back as ``x-request-id``; a client may choose it, so
+    one that is not a plain token is replaced by ours, which then appears in the logs only)."""
+    from ray.serve.context import _get_serve_request_context  # (Ray's own; no public accessor in 2.60)
+
+    candidate = getattr(_get_serve_request_context(), "request_id", "")
+    return candidate if isinstance(candidate, str) and SAFE_REQUEST_ID.fullmatch(candidate) else new_request_id()
+
+
+async def _bounded_body(request: Any, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, "request_too_large", f"the body is larger than MAX_REQUEST_BYTES={limit}")
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise ApiError(413, "request_too_large", f"the body is larger than MAX_REQUEST_BYTES={limit}")
+    return bytes(body)
+
+
+async def _payloads(stream: Any, error_tail: str, request_id: str) -> AsyncIterator[bytes]:
+    """A stream's payloads from the replica; its format's error ending if the replica dies mid-way. A
+    client that goes away closes this generator: the replica's call is cancelled, which closes its
+    answer there and aborts the request in its engine (its KV blocks freed at the next step)."""
+    done = False
+    try:
+        async for payload in stream:
+            yield payload.encode("utf-8")
+        done = True
+    except Exception:
+        done = True
+        logger.warning("request %s: its replica failed mid-stream; ended with an error", request_id, exc_info=True)
+        yield error_tail.encode("utf-8")
+    finally:
+        if not done:
+            stream.cancel()
+
+
+def application(settings: Settings, key: str | None, scaling: Scaling) -> Any:
+    """The bound Ray Serve application (``serve.run`` it)."""
+    from ray import serve
+    from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+
+    # A replica at its batch size is busy, not overloaded: Ray counts a replica's ongoing requests, and the
+    # engine batches up to MAX_NUM_SEQS of them; twice that may wait there before Ray queues at the router.
+    target = max(1, settings.max_num_seqs)
+    autoscaling = None
+    if scaling.max_replicas is not None:
+        autoscaling = AutoscalingConfig(min_replicas=scaling.replicas, max_replicas=scaling.max_replicas,
+                                        target_ongoing_requests=target, upscale_delay_s=10, downscale_delay_s=120)
+    model = serve.deployment(
+        ModelReplica, name="ModelReplica",
+        num_replicas=None if autoscaling else scaling.replicas, autoscaling_config=autoscaling,
+        max_ongoing_requests=2 * target,
+        ray_actor_options={"num_cpus": scaling.cpus_per_replica},
+        graceful_shutdown_timeout_s=settings.drain_grace_s, graceful_shutdown_wait_loop_s=1.0,
+        health_check_period_s=5, health_check_timeout_s=30,
+        request_router_config=RequestRouterConfig(
+            request_router_class="llm_api.scale_out.router:PrefixAffinityRouter",
+            request_router_kwargs={"affinity": scaling.routing == "prefix"},
+            request_routing_stats_period_s=2, request_routing_stats_timeout_s=5),
+    ).bind(settings)
+    ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1, max_ongoing_requests=10_000,
+                               ray_actor_options={"num_cpus": 0},
+                               graceful_shutdown_timeout_s=settings.drain_grace_s)
+    return ingress.bind(model, settings, key)

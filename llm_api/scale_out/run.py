@@ -1,0 +1,108 @@
+"""``llm_api serve --ray``: the Ray Serve application on a Ray cluster, until SIGTERM or SIGINT.
+
+It joins the cluster at ``--ray-address`` (or ``RAY_ADDRESS``), else starts a local one (a head on this
+machine, no dashboard; it ends with this process), starts Ray Serve's HTTP proxy on ``--host``/``--port``,
+runs ``llm_api.scale_out.deployments.application`` as the app ``llm_api`` at ``/``, logs one line when every
+replica is ready, and on a signal deletes the app (replicas drain their streams for up to
+``DRAIN_GRACE_S``; the stop waits that and 5 s more, then shuts Serve and the local cluster down whatever
+is left). Exit 0 after a stop, 1 when the app fails to deploy.
+
+Stored responses (``previous_response_id``) must be visible to every replica: with more than one replica
+and ``RESPONSES_STORE_PATH`` unset, the replicas share an SQLite file in a directory made for this run
+(deleted at the stop), which holds on one machine; across machines, set ``RESPONSES_STORE_PATH`` to a path
+every node sees, or keep a chat's turns on one replica (the router does while load is balanced).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import threading
+from pathlib import Path
+
+from llm_api.model.settings import Settings
+from llm_api.scale_out.deployments import Scaling, application
+from llm_api.server.auth import resolve_key
+
+logger = logging.getLogger(__name__)
+
+APP_NAME = "llm_api"
+# A local cluster's sockets live under its root, at "<root>/session_<date>_<time>_<pid>/sockets/plasma_store":
+# 62 characters past a root, and a socket's path may not pass 107 bytes. A longer root (a test's TMPDIR)
+# is replaced by a short directory of our own under /tmp, removed at the stop.
+MAX_RAY_ROOT_CHARS = 40
+
+# Ray's start-up deadlines assume idle cores: on a 2-core host busy with other work the node's agent took
+# over 30 s to start and the HTTP proxy missed its 5 s readiness check three times (the start failed). A
+# start that is slow is better than one that fails: longer deadlines, unless the environment sets its own.
+# (Read by the processes Ray starts, which inherit this environment.)
+RAY_START_DEADLINES = {
+    "RAY_agent_register_timeout_ms": "180000",
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30",
+    "RAY_USAGE_STATS_ENABLED": "0",  # (no usage report from a server)
+}
+
+
+def _default_ray_root() -> str:
+    """Where Ray puts a local cluster's files unless told: $RAY_TMPDIR, else <temporary directory>/ray."""
+    return os.environ.get("RAY_TMPDIR") or os.path.join(tempfile.gettempdir(), "ray")
+
+
+def serve_on_ray(settings: Settings, host: str, port: int, key_file: Path, auth: bool, scaling: Scaling,
+                 address: str | None) -> int:
+    import ray
+    from ray import serve
+
+    key, key_path = resolve_key(settings.api_key, key_file) if auth else (None, None)
+    shared_store = None
+    if not settings.responses_store_path and (scaling.replicas > 1 or scaling.max_replicas):
+        shared_store = Path(tempfile.mkdtemp(prefix="llm_api-ray-"))
+        settings = dataclasses.replace(settings, responses_store_path=str(shared_store / "responses.sqlite3"))
+        logger.info("llm_api serve --ray: the replicas share stored responses in %s (RESPONSES_STORE_PATH unset)",
+                    settings.responses_store_path)
+    for name, value in RAY_START_DEADLINES.items():
+        os.environ.setdefault(name, value)
+    ray_root = None
+    if not address and len(_default_ray_root()) > MAX_RAY_ROOT_CHARS:
+        ray_root = Path(tempfile.mkdtemp(prefix="llm_api-ray-", dir="/tmp" if Path("/tmp").is_dir() else None))
+        logger.info("llm_api serve --ray: Ray's files in %s (the temporary directory's path is too long for its "
+                    "sockets)", ray_root)
+    try:
+        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
+                 _temp_dir=None if ray_root is None else str(ray_root))
+        serve.start(http_options={"host": host, "port": port}, detached=False)
+        stop = threading.Event()  # (after ray.init, which installs a SIGTERM handler of its own)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        try:
+            serve.run(application(settings, key, scaling), name=APP_NAME, route_prefix="/", blocking=False)
+        except Exception:
+            logger.exception("llm_api serve --ray: the application failed to deploy")
+            return 1
+        logger.info("llm_api serve --ray: ready; model %s, %s replica(s)%s, HTTP http://%s:%d, auth %s",
+                    settings.model_name, scaling.replicas,
+                    f" (autoscaling to {scaling.max_replicas})" if scaling.max_replicas else "", host, port,
+                    "off" if key is None else f"bearer key in {key_path}" if key_path else "bearer key from LLM_API_KEY")
+        stop.wait()
+        logger.info("llm_api serve --ray: stopping (replicas drain for up to DRAIN_GRACE_S=%g s)",
+                    settings.drain_grace_s)
+        # Bounded: a replica still loading holds the delete (and the controller) for as long as it loads;
+        # past the bound the cluster is shut down under it.
+        deleting = threading.Thread(target=lambda: (serve.delete(APP_NAME), serve.shutdown()), daemon=True)
+        deleting.start()
+        deleting.join(settings.drain_grace_s + 5)
+        if deleting.is_alive():
+            logger.warning("llm_api serve --ray: the app was not deleted within DRAIN_GRACE_S + 5 s; stopping Ray")
+        logger.info("llm_api serve --ray: stopped")
+        return 0
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        for made in (shared_store, ray_root):
+            if made is not None:
+                shutil.rmtree(made, ignore_errors=True)

@@ -1,0 +1,193 @@
+"""llm_api as a Ray Serve application (llm_api.scale_out; docs/scale-out.md).
+
+The index and the routing text alone first (no Ray), then one real local Ray cluster (a head on this
+machine, started by ``llm_api serve --ray --replicas 2``) with two replicas of the embedded model behind
+Ray's HTTP proxy: both replicas serve; a stream comes through token by token; 20 chats sharing a
+1,000-token system prompt, interleaved with unrelated ones, all land on one replica; a replica killed
+mid-stream ends only that stream, with the format's error, and the next request is answered. Which replica
+answered: the ``x-llm-api-replica`` header; its pid: the line each replica logs at start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from llm_api.scale_out.affinity import BLOCK_CHARS, PrefixIndex, affinity_text, block_hashes
+
+KEY = "scale-out-key-123"
+REPLICA_HEADER = "x-llm-api-replica"
+
+
+# ---------------------------------------------------------------------------------------------------
+# the routing text and the index
+
+
+def test_a_continued_chat_starts_with_the_earlier_requests_routing_text():
+    system = {"role": "system", "content": "You are terse."}
+    first = affinity_text("chat", {"messages": [system, {"role": "user", "content": "Hi"}]})
+    second = affinity_text("chat", {"messages": [system, {"role": "user", "content": "Hi"},
+                                                 {"role": "assistant", "content": "Hello"},
+                                                 {"role": "user", "content": "More"}]})
+    assert second.startswith(first[:-1])  # (all but the list's closing: the messages are joined in order)
+    assert affinity_text("completions", {"prompt": "abc"}) == "abc"
+    assert affinity_text("generate", {"text": "abc"}) == "abc"
+    assert "Be brief" in affinity_text("responses", {"instructions": "Be brief", "input": "x"})
+    for route, body in (("chat", {"messages": "not a list"}), ("health", {}), ("chat", None), ("chat", [1]),
+                        ("completions", {"prompt": float("nan")})):
+        assert isinstance(affinity_text(route, body), str)
+
+
+def test_the_index_matches_whole_shared_blocks_and_forgets():
+    index = PrefixIndex(max_blocks=1000)
+    shared = "x" * (10 * BLOCK_CHARS)
+    index.insert(shared + "first question", "a")
+    index.insert("something else entirely " * 20, "b")
+    matched = index.match(shared + "second question", ["a", "b", "c"])
+    assert matched == {"a": 10 * BLOCK_CHARS, "b": 0, "c": 0}
+    assert index.match("y" + shared, ["a"]) == {"a": 0}  # (a prefix, not a substring)
+    index.forget("a")
+    assert index.match(shared, ["a"]) == {"a": 0}
+
+
+def test_the_index_is_bounded_per_replica_and_a_match_stops_at_the_first_evicted_block():
+    index = PrefixIndex(max_blocks=8)
+    old = "".join(chr(65 + i) * BLOCK_CHARS for i in range(6))
+    index.insert(old, "a")
+    index.insert("".join(chr(97 + i) * BLOCK_CHARS for i in range(6)), "a")  # evicts the old text's first 4
+    assert len(block_hashes(old)) == 6
+    assert index.match(old, ["a"]) == {"a": 0}  # (its later blocks are held, but not its first)
+
+
+# ---------------------------------------------------------------------------------------------------
+# a real Ray cluster, two replicas
+
+
+@pytest.fixture(scope="module")
+def ray_app(tmp_path_factory, embedded_model_path):
+    from bench.harness.standalone_server import StandaloneServer
+
+    # 96 MiB of KV per replica: ~2,000 float32 tokens of the embedded model, room for the shared prefix.
+    server = StandaloneServer(tmp_path_factory.mktemp("ray-app"), args=["--ray", "--replicas", "2"], env={
+        "MODEL_PATH": str(embedded_model_path), "LLM_API_KEY": KEY, "DTYPE": "float32", "KV_CACHE_MEMORY_MIB": "96",
+        "MAX_NUM_SEQS": "8", "DRAIN_GRACE_S": "5"})
+    try:
+        server.start(timeout=420)  # (Ray's own start is a minute or more on a busy 2-core host)
+        yield server
+    finally:
+        server.stop()
+
+
+def _headers() -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+
+
+def _chat(server, messages, max_tokens=2) -> httpx.Response:
+    return httpx.post(f"{server.http}/v1/chat/completions", headers=_headers(), timeout=120,
+                      json={"model": server.model_name, "messages": messages, "max_tokens": max_tokens})
+
+
+def _replica_pid(server, replica: str) -> int:
+    found = re.findall(rf"llm_api replica {re.escape(replica)}: pid (\d+)", server.tail(200_000))
+    assert found, f"no start line for replica {replica}"
+    return int(found[-1])
+
+
+def test_both_replicas_serve_behind_the_proxy_and_the_key_is_checked(ray_app):
+    replicas = set()
+    for index in range(12):
+        answer = _chat(ray_app, [{"role": "user", "content": f"Say the number {index * 7919} twice."}])
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["message"]["content"] is not None
+        replicas.add(answer.headers[REPLICA_HEADER])
+    assert len(replicas) == 2, replicas  # (unrelated prompts: the less loaded of two at random)
+    refused = httpx.post(f"{ray_app.http}/v1/chat/completions", json={"model": "x", "messages": []}, timeout=30)
+    assert refused.status_code == 401 and set(refused.json()["error"]) >= {"message", "type", "code"}
+    twice = httpx.post(f"{ray_app.http}/v1/models", timeout=30,
+                       headers=[("Authorization", f"Bearer {KEY}"), ("Authorization", "Bearer other-key-456")])
+    assert twice.status_code == 400, twice.text
+    assert httpx.get(f"{ray_app.http}/nowhere", headers=_headers(), timeout=30).status_code == 404
+
+
+def test_a_stream_comes_through_the_proxy_token_by_token(ray_app):
+    arrivals = []
+    body = {"text": "Count from one to fifty:", "max_new_tokens": 40, "ignore_eos": True}
+    with httpx.stream("POST", ray_app.native_url, headers=_headers(), json=body, timeout=120) as answer:
+        assert answer.status_code == 200
+        for piece in answer.iter_raw():
+            arrivals.append((time.monotonic(), piece))
+    text = b"".join(piece for _, piece in arrivals).decode()
+    assert text.endswith("<|endoftext|>"), text[-200:]
+    assert len(arrivals) >= 20, f"{len(arrivals)} pieces: the proxy buffered the stream"
+    assert arrivals[-1][0] - arrivals[0][0] > 0.2  # (spread over the generation, not all at the end)
+
+
+def test_a_shared_prefix_stays_on_one_replica_among_unrelated_requests(ray_app):
+    # ~1,000 tokens of system prompt (numbered, so the tokenizer cannot fold it into a few tokens)
+    system = " ".join(f"Rule {i}: answer item {i} plainly." for i in range(140))
+    held_by, unrelated = [], set()
+    for index in range(20):
+        answer = _chat(ray_app, [{"role": "system", "content": system},
+                                 {"role": "user", "content": f"Question {index}: what is {index} + {index}?"}])
+        assert answer.status_code == 200, answer.text
+        held_by.append(answer.headers[REPLICA_HEADER])
+        other = _chat(ray_app, [{"role": "user", "content": f"Unrelated {index}: name a colour {index * 31}."}])
+        assert other.status_code == 200, other.text
+        unrelated.add(other.headers[REPLICA_HEADER])
+    usage = json.loads(answer.text)["usage"]
+    assert usage["prompt_tokens"] >= 1000, usage
+    assert len(set(held_by)) == 1, held_by
+
+
+def test_a_replica_killed_mid_stream_ends_only_that_stream_with_an_error(ray_app):
+    body = {"text": "Write a long story about a lighthouse.", "max_new_tokens": 600, "ignore_eos": True}
+    pieces = []
+    with httpx.stream("POST", ray_app.native_url, headers=_headers(), json=body, timeout=180) as answer:
+        assert answer.status_code == 200
+        replica = answer.headers[REPLICA_HEADER]
+        pid = _replica_pid(ray_app, replica)
+        for piece in answer.iter_raw():
+            pieces.append(piece)
+            if len(pieces) == 5:
+                os.kill(pid, signal.SIGKILL)
+    text = b"".join(pieces).decode()
+    error = json.loads(text.rstrip().splitlines()[-1])  # (a native stream ends with the marker or an error line)
+    assert error["code"] == 500 and error["type"] == "internal_error", error
+    after = _chat(ray_app, [{"role": "user", "content": "Are you there?"}])
+    assert after.status_code == 200, after.text
+    assert after.headers[REPLICA_HEADER] != replica
+
+
+def _running_on(server, replica: str) -> float | None:
+    """``vllm:num_requests_running`` of ``replica``, if /metrics was answered by it this time."""
+    answer = httpx.get(f"{server.http}/metrics", timeout=30)
+    if answer.headers.get(REPLICA_HEADER) != replica:
+        return None
+    found = re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", answer.text, re.M)
+    return float(found.group(1)) if found else None
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_replica(ray_app):
+    body = {"text": "Tell an endless tale.", "max_new_tokens": 2000, "ignore_eos": True}
+    with httpx.stream("POST", ray_app.native_url, headers=_headers(), json=body, timeout=120) as answer:
+        replica = answer.headers[REPLICA_HEADER]
+        pieces = answer.iter_raw()
+        for _ in range(3):
+            next(pieces)
+        seen = None
+        while seen is None:
+            seen = _running_on(ray_app, replica)
+        assert seen == 1, seen
+    left = time.monotonic()  # (the connection is closed: 2,000 tokens would take a minute more)
+    while time.monotonic() - left < 15:
+        if _running_on(ray_app, replica) == 0:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("the replica still runs the request 15 s after its client left")
