@@ -22,6 +22,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from llm_api.model.settings import Settings
@@ -35,6 +36,7 @@ APP_NAME = "llm_api"
 # 62 characters past a root, and a socket's path may not pass 107 bytes. A longer root (a test's TMPDIR)
 # is replaced by a short directory of our own under /tmp, removed at the stop.
 MAX_RAY_ROOT_CHARS = 40
+NODE_START_S = 240  # how long a local node may take to register (_patient_node_start)
 
 # Ray's start-up deadlines assume idle cores: on a 2-core host busy with other work the node's agent took
 # over 30 s to start and the HTTP proxy missed its 5 s readiness check three times (the start failed). A
@@ -46,6 +48,50 @@ RAY_START_DEADLINES = {
     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30",
     "RAY_USAGE_STATS_ENABLED": "0",  # (no usage report from a server)
 }
+
+
+def _patient_node_start() -> None:
+    """Let a local node take up to ``NODE_START_S`` to register instead of Ray's fixed 30 s.
+
+    Ray 2.60's ``Node`` waits 30 s (a constant in its code) for the raylet to register with the GCS, and the
+    raylet registers only once its node agent, a Python process with a long import, has started: beside
+    a running test suite on 2 cores that took longer, and the start failed ("The current node timed out
+    during startup"). The wait is a loop around ``ray._private.services.get_node``, which raises until
+    the node is registered; this makes that call wait (up to NODE_START_S) instead. Ray is pinned to the
+    version this was read from (``ray[serve]==2.60.0``); if the function is gone, nothing is changed."""
+    from ray._private import services
+
+    original = getattr(services, "get_node", None)
+    if original is None or getattr(original, "llm_api_patient", False):
+        return
+
+    def get_node(*args, **kwargs):
+        deadline = time.monotonic() + NODE_START_S
+        while True:
+            try:
+                found = original(*args, **kwargs)
+                if found is not None or time.monotonic() > deadline:
+                    return found
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.5)
+
+    get_node.llm_api_patient = True  # type: ignore[attr-defined]
+    services.get_node = get_node
+
+
+def _log_start_failure(root: Path) -> None:
+    """The last lines of the local node's own logs, which say why it did not start (they are otherwise
+    deleted with the directory made for them)."""
+    sessions = sorted(root.glob("session_2*"), key=lambda p: p.stat().st_mtime)
+    if not sessions:
+        return
+    for name in ("raylet.out", "raylet.err", "gcs_server.err", "dashboard_agent.log", "runtime_env_agent.err"):
+        path = sessions[-1] / "logs" / name
+        if path.is_file():
+            lines = path.read_text(errors="replace").splitlines()[-15:]
+            logger.error("llm_api serve --ray: the local Ray node did not start; %s ends:\n%s", name, "\n".join(lines))
 
 
 def _default_ray_root() -> str:
@@ -67,14 +113,20 @@ def serve_on_ray(settings: Settings, host: str, port: int, key_file: Path, auth:
                     settings.responses_store_path)
     for name, value in RAY_START_DEADLINES.items():
         os.environ.setdefault(name, value)
+    if not address:
+        _patient_node_start()
     ray_root = None
     if not address and len(_default_ray_root()) > MAX_RAY_ROOT_CHARS:
         ray_root = Path(tempfile.mkdtemp(prefix="llm_api-ray-", dir="/tmp" if Path("/tmp").is_dir() else None))
         logger.info("llm_api serve --ray: Ray's files in %s (the temporary directory's path is too long for its "
                     "sockets)", ray_root)
     try:
-        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
-                 _temp_dir=None if ray_root is None else str(ray_root))
+        try:
+            ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
+                     _temp_dir=None if ray_root is None else str(ray_root))
+        except Exception:
+            _log_start_failure(Path(ray_root) if ray_root else Path(_default_ray_root()))
+            raise
         serve.start(http_options={"host": host, "port": port}, detached=False)
         stop = threading.Event()  # (after ray.init, which installs a SIGTERM handler of its own)
         for sig in (signal.SIGTERM, signal.SIGINT):
