@@ -2,10 +2,12 @@
 
 The index and the routing text alone first (no Ray), then one real local Ray cluster (a head on this
 machine, started by ``llm_api serve --ray --replicas 2``) with two replicas of the embedded model behind
-Ray's HTTP proxy: both replicas serve; a stream comes through token by token; 20 chats sharing a
-1,000-token system prompt, interleaved with unrelated ones, all land on one replica; a replica killed
-mid-stream ends only that stream, with the format's error, and the next request is answered. Which replica
-answered: the ``x-llm-api-replica`` header; its pid: the line each replica logs at start.
+Ray's HTTP proxy: both replicas serve, with the key checked; a stream comes through token by token; 20
+chats sharing a 1,000-token system prompt, interleaved with unrelated ones, all land on one replica; a
+client that leaves mid-stream frees its replica; a conversation continues with previous_response_id
+whichever replica answers; an adapter's requests go to the replica holding it; and last, a replica killed
+mid-stream ends only that stream, with the format's error, and the next request is answered. Which
+replica answered: the ``x-llm-api-replica`` header; its pid: the line each replica logs at start.
 """
 
 from __future__ import annotations
@@ -69,14 +71,32 @@ def test_the_index_is_bounded_per_replica_and_a_match_stops_at_the_first_evicted
 # a real Ray cluster, two replicas
 
 
+def _adapters(folder, embedded_model_path) -> str:
+    """LORA_ADAPTERS with two small random adapters of the embedded model (the model released after)."""
+    import gc
+
+    import torch
+    from lora_helpers import make_adapter
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(embedded_model_path, dtype=torch.float32)
+    pairs = [f"{name}={make_adapter(model, folder / name, seed=seed, r=2, targets=['q_proj'])}"
+             for name, seed in (("alpha", 31), ("beta", 32))]
+    del model
+    gc.collect()
+    return ",".join(pairs)
+
+
 @pytest.fixture(scope="module")
 def ray_app(tmp_path_factory, embedded_model_path):
     from bench.harness.standalone_server import StandaloneServer
 
-    # 96 MiB of KV per replica: ~2,000 float32 tokens of the embedded model, room for the shared prefix.
+    adapters = _adapters(tmp_path_factory.mktemp("ray-adapters"), embedded_model_path)
+    # 96 MiB of KV per replica: ~2,000 float32 tokens of the embedded model, room for the shared prefix;
+    # one adapter slot per replica (MAX_LORAS=1), so where an adapter's requests go matters.
     server = StandaloneServer(tmp_path_factory.mktemp("ray-app"), args=["--ray", "--replicas", "2"], env={
         "MODEL_PATH": str(embedded_model_path), "LLM_API_KEY": KEY, "DTYPE": "float32", "KV_CACHE_MEMORY_MIB": "96",
-        "MAX_NUM_SEQS": "8", "DRAIN_GRACE_S": "5"})
+        "MAX_NUM_SEQS": "8", "DRAIN_GRACE_S": "5", "LORA_ADAPTERS": adapters, "MAX_LORAS": "1"})
     try:
         server.start(timeout=420)  # (Ray's own start is a minute or more on a busy 2-core host)
         yield server
@@ -88,9 +108,9 @@ def _headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 
 
-def _chat(server, messages, max_tokens=2) -> httpx.Response:
+def _chat(server, messages, max_tokens=2, model=None) -> httpx.Response:
     return httpx.post(f"{server.http}/v1/chat/completions", headers=_headers(), timeout=120,
-                      json={"model": server.model_name, "messages": messages, "max_tokens": max_tokens})
+                      json={"model": model or server.model_name, "messages": messages, "max_tokens": max_tokens})
 
 
 def _replica_pid(server, replica: str) -> int:
@@ -145,25 +165,6 @@ def test_a_shared_prefix_stays_on_one_replica_among_unrelated_requests(ray_app):
     assert len(set(held_by)) == 1, held_by
 
 
-def test_a_replica_killed_mid_stream_ends_only_that_stream_with_an_error(ray_app):
-    body = {"text": "Write a long story about a lighthouse.", "max_new_tokens": 600, "ignore_eos": True}
-    pieces = []
-    with httpx.stream("POST", ray_app.native_url, headers=_headers(), json=body, timeout=180) as answer:
-        assert answer.status_code == 200
-        replica = answer.headers[REPLICA_HEADER]
-        pid = _replica_pid(ray_app, replica)
-        for piece in answer.iter_raw():
-            pieces.append(piece)
-            if len(pieces) == 5:
-                os.kill(pid, signal.SIGKILL)
-    text = b"".join(pieces).decode()
-    error = json.loads(text.rstrip().splitlines()[-1])  # (a native stream ends with the marker or an error line)
-    assert error["code"] == 500 and error["type"] == "internal_error", error
-    after = _chat(ray_app, [{"role": "user", "content": "Are you there?"}])
-    assert after.status_code == 200, after.text
-    assert after.headers[REPLICA_HEADER] != replica
-
-
 def _running_on(server, replica: str) -> float | None:
     """``vllm:num_requests_running`` of ``replica``, if /metrics was answered by it this time."""
     answer = httpx.get(f"{server.http}/metrics", timeout=30)
@@ -191,3 +192,63 @@ def test_a_client_that_leaves_mid_stream_frees_its_replica(ray_app):
         time.sleep(0.2)
     else:
         pytest.fail("the replica still runs the request 15 s after its client left")
+
+
+def test_a_conversation_continues_with_previous_response_id_on_either_replica(ray_app):
+    """The replicas share the stored responses (one SQLite file for the run): a turn whose previous
+    response was stored by the other replica continues it all the same."""
+    answered_by = []
+    previous = None
+    for turn in range(6):
+        body = {"model": ray_app.model_name, "input": f"Turn {turn}: say one word.", "max_output_tokens": 3,
+                **({"previous_response_id": previous} if previous else {})}
+        answer = httpx.post(f"{ray_app.http}/v1/responses", headers=_headers(), json=body, timeout=120)
+        assert answer.status_code == 200, answer.text
+        response = answer.json()
+        assert response["status"] in ("completed", "incomplete"), response
+        if previous:
+            assert response["previous_response_id"] == previous
+        previous = response["id"]
+        answered_by.append(answer.headers[REPLICA_HEADER])
+    # (which replica answers each turn is the router's choice; the last turn's prompt holds all six turns)
+    assert answer.json()["usage"]["input_tokens"] > 40, answer.json()["usage"]
+
+
+def test_an_adapters_requests_go_to_the_replica_holding_it(ray_app):
+    """MAX_LORAS=1: each replica holds one adapter in its slot. The first request for an adapter goes to a
+    replica holding the fewest (Ray's multiplexing rule), which then holds it; once that is known to the
+    router (the replica reports it within a fraction of a second), every request for it goes there."""
+    holder = {}
+    for name in ("alpha", "beta"):
+        first = _chat(ray_app, [{"role": "user", "content": f"Hello from {name}"}], model=name)
+        assert first.status_code == 200, first.text
+        assert first.json()["model"] == name
+        holder[name] = first.headers[REPLICA_HEADER]
+        time.sleep(1.5)  # (the replica's report reaches the router)
+    assert holder["alpha"] != holder["beta"], holder  # (the second went to the replica holding none)
+    for turn in range(4):
+        for name in ("alpha", "beta", ray_app.model_name):
+            answer = _chat(ray_app, [{"role": "user", "content": f"Turn {turn} for {name}"}], model=name)
+            assert answer.status_code == 200, answer.text
+            if name in holder:
+                assert answer.headers[REPLICA_HEADER] == holder[name], (name, turn, holder)
+
+
+# (last: the killed replica is replaced, and its successor loads for a while)
+def test_a_replica_killed_mid_stream_ends_only_that_stream_with_an_error(ray_app):
+    body = {"text": "Write a long story about a lighthouse.", "max_new_tokens": 600, "ignore_eos": True}
+    pieces = []
+    with httpx.stream("POST", ray_app.native_url, headers=_headers(), json=body, timeout=180) as answer:
+        assert answer.status_code == 200
+        replica = answer.headers[REPLICA_HEADER]
+        pid = _replica_pid(ray_app, replica)
+        for piece in answer.iter_raw():
+            pieces.append(piece)
+            if len(pieces) == 5:
+                os.kill(pid, signal.SIGKILL)
+    text = b"".join(pieces).decode()
+    error = json.loads(text.rstrip().splitlines()[-1])  # (a native stream ends with the marker or an error line)
+    assert error["code"] == 500 and error["type"] == "internal_error", error
+    after = _chat(ray_app, [{"role": "user", "content": "Are you there?"}])
+    assert after.status_code == 200, after.text
+    assert after.headers[REPLICA_HEADER] != replica

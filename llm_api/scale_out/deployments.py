@@ -13,9 +13,16 @@
   the APIs' state (``open_api_states``) and its own metrics, answering a ``Forwarded`` with the route
   table's ``answer``. It yields ``Opening`` first (a whole answer, or the start of a stream with the
   format's error tail prepared), then the stream's payloads.
-* The router between them is ``llm_api.scale_out.router.PrefixAffinityRouter``. Adapters: every
-  replica loads ``LORA_ADAPTERS`` at start, so any replica can answer any of them; routing by where an
-  adapter loaded at run time is resident is not done (docs/scale-out.md).
+* The router between them is ``llm_api.scale_out.router.PrefixAffinityRouter``.
+* Adapters: every replica loads ``LORA_ADAPTERS`` at start (they are registered in host memory), and
+  holds ``MAX_LORAS`` of them in its slots at a time, swapping the least recently used out (the LoRA
+  registry). A request whose ``model`` (native: ``adapter``) names one of ``LORA_ADAPTERS`` carries it as
+  Ray's multiplexed model id; the replica records it with ``serve.multiplexed`` (its ``MAX_LORAS`` most
+  recently served adapters: the ones its slots hold), and Ray's multiplexing rule, the router's first
+  step, sends a request to a replica that holds its adapter, else to one holding the fewest. So one
+  adapter's requests gather on the replicas already holding it (no swap, fewer adapters mixed per batch).
+  An adapter loaded at run time (``/v1/load_lora_adapter``) exists only on the replica that answered that
+  call and is not routed so (docs/scale-out.md).
 
 Failures: a replica that dies mid-stream ends that stream with its format's error (the tail the
 replica prepared when the stream opened: a native error line with the marker, an SSE error event and
@@ -102,6 +109,11 @@ class ModelReplica:
         # its log file under Ray's logs/serve/); its log says its pid, for whoever must stop it.
         self.replica_name = serve.get_replica_context().replica_id.unique_id
         logger.warning("llm_api replica %s: pid %d, loading the model", self.replica_name, os.getpid())
+        # (an async function of one argument: Ray keeps the wrapper on it, one per replica)
+        async def hold(adapter: str) -> str:
+            return adapter  # (registered since start: what Ray tracks is which adapters this replica served last)
+
+        self._hold = serve.multiplexed(max_num_models_per_replica=settings.max_loras)(hold)
         self.apis = open_api_states(settings)
         self.metrics = ServerMetrics(settings.model_name)
         self.service = service = ModelService.load(settings, self.metrics.sink)
@@ -115,6 +127,11 @@ class ModelReplica:
 
     async def answer(self, forwarded: Forwarded) -> AsyncIterator[Opening | str]:
         """``Opening``, then (a stream) each payload as the engine produces it."""
+        from ray import serve
+
+        adapter = serve.get_multiplexed_model_id()
+        if adapter:
+            await self._hold(adapter)
         async for item in self._answer(forwarded):
             if isinstance(item, Opening):
                 item.headers[REPLICA_HEADER] = self.replica_name
@@ -177,6 +194,7 @@ class Ingress:
         self.auth = BearerAuth(key)
         self.marker = settings.end_of_stream_token
         self.max_request_bytes = settings.max_request_bytes
+        self.adapters = frozenset(name for name, _ in settings.lora_adapters)
 
     async def __call__(self, request: Any) -> Any:
         from starlette.responses import Response, StreamingResponse
@@ -185,9 +203,9 @@ class Ingress:
         path = request.url.path
         shape = error_shape(path, "server")
         try:
-            forwarded = await self._forwarded(request, request_id)
+            forwarded, adapter = await self._forwarded(request, request_id)
             shape = BY_NAME[forwarded.route].errors
-            stream = self.replicas.options(stream=True).answer.remote(forwarded)
+            stream = self.replicas.options(stream=True, multiplexed_model_id=adapter).answer.remote(forwarded)
             opening = await stream.__anext__()
         except ApiError as error:
             return Response(error_body(shape, error, self.marker), error.status, error.headers(),
@@ -203,8 +221,9 @@ class Ingress:
         return StreamingResponse(_payloads(stream, opening.error_tail, request_id), 200,
                                  {**headers, "Cache-Control": "no-cache"}, media_type=opening.content_type)
 
-    async def _forwarded(self, request: Any, request_id: str) -> Forwarded:
-        """The request as a ``Forwarded`` (401, 404/405, 413, 415 as ``ApiError``s)."""
+    async def _forwarded(self, request: Any, request_id: str) -> tuple[Forwarded, str]:
+        """The request as a ``Forwarded`` (401, 404/405, 413, 415 as ``ApiError``s), and the adapter of
+        ``LORA_ADAPTERS`` it names ('' for none: the base model, or a name the replica will judge)."""
         path = request.url.path
         owner = ""
         if not is_public(path):
@@ -233,7 +252,10 @@ class Ingress:
                 parsed = None  # (the route refuses it, in its own words)
         headers = {name.lower(): value for name, value in request.headers.items()}
         call = Call(request_id, request.method, row, headers, owner=owner)
-        return Forwarded(route.name, params, call, affinity_text(route.name, parsed))
+        named = (parsed.get("adapter") if route.name == "generate" else parsed.get("model")) \
+            if isinstance(parsed, dict) else None
+        adapter = named if isinstance(named, str) and named in self.adapters else ""
+        return Forwarded(route.name, params, call, affinity_text(route.name, parsed)), adapter
 
 
 def _request_id() -> str:

@@ -3,9 +3,9 @@ load is balanced, else to the less loaded of two (``RequestRouter``, Ray Serve's
 
 The policy, for each request (``Forwarded.affinity``: ``llm_api.scale_out.affinity.affinity_text``):
 
-1. Candidates: every running replica (narrowed first by Ray's multiplexing rule, ``MultiplexMixin``, for
-   a caller that sets a multiplexed model id; the ingress sets none: every replica loads the same
-   adapters).
+1. Candidates: every running replica, narrowed first by Ray's multiplexing rule when the request names an
+   adapter (``MultiplexMixin``: the replicas holding it, else those holding the fewest adapters;
+   ``llm_api.scale_out.deployments``).
 2. The holder: the candidate whose remembered prompts share the longest prefix with this one
    (``PrefixIndex``). It is chosen when the shared prefix is at least ``min_match_chars`` characters
    (default 256, ~64 tokens: less is not worth a queue) **and** it has at most ``imbalance`` more requests
