@@ -25,4 +25,16 @@ if [ "$workers" = "0" ]; then
 fi
 # --durations=25: the slowest tests in every run's log (CI's too), which is what the suite's time budget is
 # managed by (LONG_GROUPS_FIRST in tests/conftest.py).
-exec python -m pytest -n "$workers" --dist loadgroup --no-loadscope-reorder --max-worker-restart 0 --durations=25 "$@"
+xdist=(-n "$workers" --dist loadgroup --no-loadscope-reorder --max-worker-restart 0 --durations=25)
+if [ "$#" -gt 0 ]; then
+  exec python -m pytest "${xdist[@]}" "$@"
+fi
+# The whole suite: the Ray Serve tests (tests/test_scale_out.py) run after the rest, alone. They start a local
+# Ray cluster, whose raylet gives up when its node agent (a Python process) has not started within its own
+# deadline, and beside three busy workers on 2 cores it had not: the node failed to start in two CI runs
+# (2026-11-27, Intel Xeon 2-core), while the same tests pass beside a lighter load. On a quiet host they take
+# 2-3 minutes.
+status=0
+python -m pytest "${xdist[@]}" --ignore=tests/test_scale_out.py || status=$?
+python -m pytest -p no:cacheprovider --durations=5 tests/test_scale_out.py || status=$((status ? status : $?))
+exit "$status"

@@ -349,7 +349,6 @@ LONG_GROUPS_FIRST = ("async_server",  # 575
                      "tests/test_reliability.py",  # 220 (its load test runs 20 s per front end)
                      "hermes_server",  # 205 (tests/test_server_structured.py, tests/test_hostile_tools.py)
                      "tests/test_packaging.py",  # 160
-                     "tests/test_scale_out.py",  # 155 (a local Ray cluster, two replicas; ~3 GB while it runs)
                      "classic_server",  # 140
                      "tests/engine/test_bf16.py",  # 95
                      "tests/engine/test_lora.py",  # 90
