@@ -116,10 +116,8 @@ class ModelReplica:
         self._hold = serve.multiplexed(max_num_models_per_replica=settings.max_loras)(hold)
         self.apis = open_api_states(settings)
         self.metrics = ServerMetrics(settings.model_name)
-        self.service = service = ModelService.load(settings, self.metrics.sink)
-        self.metrics.watch_engine(lambda: service.loop.stats, lambda: service.num_live_requests,
-                                  lambda: service.metrics.publish_gauges(force=True),
-                                  lambda: (service.lora_info(), dict(service.lora_requests)))
+        self.service = ModelService.load(settings, self.metrics.sink)
+        self.metrics.watch_service(self.service)
 
     def _context(self) -> RouteContext:
         return RouteContext(self.settings.end_of_stream_token, self.service,

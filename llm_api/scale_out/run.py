@@ -125,7 +125,7 @@ def serve_on_ray(settings: Settings, host: str, port: int, key_file: Path, auth:
             ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
                      _temp_dir=None if ray_root is None else str(ray_root))
         except Exception:
-            _log_start_failure(Path(ray_root) if ray_root else Path(_default_ray_root()))
+            _log_start_failure(ray_root or Path(_default_ray_root()))
             raise
         serve.start(http_options={"host": host, "port": port}, detached=False)
         stop = threading.Event()  # (after ray.init, which installs a SIGTERM handler of its own)

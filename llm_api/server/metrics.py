@@ -21,13 +21,16 @@ Two sources, one registry (``ServerMetrics.registry``; ``render()`` writes the t
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 
 from llm_api.service.metrics import METRICS
+
+if TYPE_CHECKING:
+    from llm_api.service.service import ModelService
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Seconds. Each covers what one request can take on a CPU as well as on a GPU.
@@ -76,6 +79,14 @@ class ServerMetrics:
         () -> ((running adapters, waiting adapters, MAX_LORAS) or None, {adapter: requests since start})."""
         self.registry.register(EngineCollector(self.model_name, stats_fn, num_live, lora_fn))
         self._before_scrape = refresh
+
+    def watch_service(self, service: "ModelService") -> None:
+        """``watch_engine`` for a loaded service, and its series announced (they exist before the first
+        request): what every process serving a ModelService with this registry does once it is loaded."""
+        self.watch_engine(lambda: service.loop.stats, lambda: service.num_live_requests,
+                          lambda: service.metrics.publish_gauges(force=True),
+                          lambda: (service.lora_info(), dict(service.lora_requests)))
+        service.metrics.announce()
 
     def render(self) -> bytes:
         try:

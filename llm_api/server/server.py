@@ -93,10 +93,7 @@ async def serve(settings: Settings, options: ServeOptions) -> int:
             logger.exception("llm_api serve: the model failed to load")
             return 1
         state.service = service
-        state.metrics.watch_engine(lambda: service.loop.stats, lambda: service.num_live_requests,
-                                   lambda: service.metrics.publish_gauges(force=True),
-                                   lambda: (service.lora_info(), dict(service.lora_requests)))
-        service.metrics.announce()
+        state.metrics.watch_service(service)
         if options.grpc_port:
             grpc_server = build_grpc_server(state, f"{options.host}:{options.grpc_port}")
             await grpc_server.start()
