@@ -10,6 +10,7 @@ returns the server's exit status.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -52,12 +53,16 @@ class StandaloneServer(ServerProcess):
     def stop(self, grace: float | None = None) -> int | None:
         """As ``ServerProcess.stop``; under ``--ray`` the server alone gets the SIGTERM first (it deletes the
         app and shuts its Ray cluster down, whose workers run in sessions of their own, out of reach of
-        the group's signals) and the group the rest."""
-        if "--ray" in self.args and self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        the group's signals) and the group the rest. (The server, not ``self.proc``: that is the process
+        guard, which leaves the group's signals to its child, so a SIGTERM to it alone did nothing and the
+        stop waited its whole grace for a server that had never been asked to stop.)"""
+        pid = self.server_pid() if "--ray" in self.args else None
+        if pid is not None:
+            assert self.proc is not None
             try:
-                self.proc.wait(self.stop_grace if grace is None else grace)
-            except subprocess.TimeoutExpired:
+                os.kill(pid, signal.SIGTERM)
+                self.proc.wait(self.stop_grace if grace is None else grace)  # (the guard ends with its child)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
                 pass
         return super().stop(grace)
 
