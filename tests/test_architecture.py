@@ -6,8 +6,9 @@ Layers, top to bottom (docs/architecture.md): the edges (``torchserve``, ``serve
 the layers below. Besides: no import circle anywhere in the package (every import statement counts: module
 level, ``TYPE_CHECKING`` blocks and inside functions); only ``llm_api.torchserve`` imports TorchServe (``ts``),
 only ``llm_api.scale_out`` imports Ray (an optional extra);
-the scheduler, block pool, request state and the parameters they read import no torch; the kernels import
-nothing from the engine; the sampler takes only token masks from structured output (it never advances a
+the scheduler, block pool, request state and the parameters they read import no torch; the route table and
+the Ray deployments load without torch (the ingress only routes: torch there was ~0.5 GB and seconds of start
+per process, in the driver too); the kernels import nothing from the engine; the sampler takes only token masks from structured output (it never advances a
 grammar matcher).
 """
 
@@ -185,6 +186,21 @@ def test_scheduler_state_is_torch_free_and_kernels_stand_alone():
     for module, path in modules.items():
         if _layer(module) == "kernels":
             assert not any(i.startswith("llm_api.engine") for i in _imports(path)), module
+
+
+def test_the_route_table_and_the_ray_ingress_load_without_torch():
+    """Imported for real in a fresh interpreter: annotations-only imports of the service sit under
+    ``TYPE_CHECKING``, and the model replica imports the service inside its constructor."""
+    import subprocess
+    import sys
+
+    heavy = ("torch", "transformers", "numpy")
+    for module in ("llm_api.protocols.table", "llm_api.scale_out.deployments", "llm_api.scale_out.run"):
+        code = f"import sys, {module}; print(','.join(m for m in {heavy!r} if m in sys.modules))"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              cwd=PACKAGE.parent)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip() == "", f"importing {module} loaded {done.stdout.strip()}"
 
 
 def test_the_rule_catches_an_upward_import(tmp_path):

@@ -23,13 +23,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
 
 from llm_api.api.encoding import AnswerEncoder
 from llm_api.api.errors import ApiError
 from llm_api.protocols.responses.state import Responses
 from llm_api.service.answer import EncodedParts
-from llm_api.service.service import ModelService
+
+if TYPE_CHECKING:  # (annotations only: the table of routes loads without the engine and torch)
+    from llm_api.service.service import ModelService
 
 JSON_CONTENT_TYPE = "application/json"
 LOADING_RETRY_AFTER_S = 5  # the embedded model loads in seconds; a client polling faster only adds load

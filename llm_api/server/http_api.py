@@ -29,7 +29,7 @@ import logging
 import secrets
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 from aiohttp import web
 
@@ -52,7 +52,9 @@ from llm_api.service.answer import Chunk, Refusal
 from llm_api.service.owners import single_authorization
 from llm_api.protocols.route import ApiStates, Call, RouteContext, Whole, error_body
 from llm_api.protocols.table import answer, error_shape, find, is_public
-from llm_api.service.service import ModelService
+
+if TYPE_CHECKING:  # (annotations only: the route table loads without the engine and torch)
+    from llm_api.service.service import ModelService
 
 logger = logging.getLogger(__name__)
 

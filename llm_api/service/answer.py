@@ -31,12 +31,15 @@ import asyncio
 import dataclasses
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, Callable, Sequence, TypeVar, cast
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable, Sequence, TypeVar, cast
 
 from llm_api.api.encoding import AnswerEncoder
 from llm_api.api.request import GenerateRequest
 from llm_api.service.events import ChoiceFinished, Event, Finished, TextDelta
-from llm_api.service.service import Generation, ModelService
+
+if TYPE_CHECKING:  # (annotations only: the route table imports this module, and an edge that only routes,
+    # the Ray ingress, must not load torch with the engine)
+    from llm_api.service.service import Generation, ModelService
 
 LARGE_BODY_BYTES = 64 * 1024  # bodies above this are parsed off the event loop
 BATCH_QUEUE_EVENTS = 64  # events of a several-prompt call waiting for the client (its prompts then wait)

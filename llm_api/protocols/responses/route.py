@@ -27,7 +27,7 @@ import asyncio
 import json
 import logging
 from contextlib import aclosing
-from typing import AsyncGenerator, Callable
+from typing import TYPE_CHECKING, AsyncGenerator, Callable
 
 from llm_api.api.errors import ApiError, echo, internal_error
 from llm_api.protocols.responses.encoder import ResponsesCall
@@ -36,7 +36,9 @@ from llm_api.api.request import GenerateRequest
 from llm_api.service.answer import Final, Part, Refusal, admit, encoded_parts, parse_large
 from llm_api.protocols.responses.state import InFlightResponse, Responses
 from llm_api.protocols.route import Answer, Call, RouteContext, Streamed, Whole
-from llm_api.service.service import ModelService
+
+if TYPE_CHECKING:  # (annotations only: the route table loads without the engine and torch)
+    from llm_api.service.service import ModelService
 
 logger = logging.getLogger(__name__)
 CANCEL_WAIT_S = 5.0  # how long cancel waits for the response to end before answering it as it stands
