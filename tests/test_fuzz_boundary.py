@@ -1,7 +1,9 @@
 """Fuzzing the worker boundary: hostile bytes, unicode, control characters and huge values in every
 field, field name and path, over HTTP (native and OpenAI routes) and gRPC, beside a running stream.
 
-Against a server with the shipped settings (async mode, gRPC streaming off), every one of them must get
+Against a server with the shipped settings (async mode, gRPC streaming off) but for a smaller
+``max_response_size`` (200 kB, as a user may set it: TorchServe kills the worker for any larger message, so
+every answer, error or not, must fit or go out in pieces; the last test sends one of megabytes), every one of them must get
 an answer of its own: no 5xx, an error object of the route's shape without the end-of-stream marker in
 it, no header made from request data; and afterwards the worker is the same process, the stream that
 ran beside them ended with its marker, and the server still answers. The cases are drawn from a seeded
@@ -44,13 +46,15 @@ NASTY_STRINGS = ["smöllm2", "热", "x\r\nX-Evil: 1", "\r\n\r\nHTTP/1.1 200 OK\r
 
 @pytest.fixture(scope="module")
 def shipped_server(start_server):
-    """Shipped settings: model-config.yaml (async), gRPC streaming off; a small KV pool. bfloat16 on purpose on
-    every host (what DTYPE unset gives on a CPU with bfloat16 instructions): nothing here depends on precision,
-    and so the shipped bfloat16 serving path meets hostile input on every host kind."""
+    """Shipped settings: model-config.yaml (async), gRPC streaming off; a small KV pool and a 200 kB
+    max_response_size. bfloat16 on purpose on every host (what DTYPE unset gives on a CPU with bfloat16
+    instructions): nothing here depends on precision, and so the shipped bfloat16 serving path meets hostile
+    input, and sends an answer larger than a TorchServe message, on every host kind."""
     from bench.harness.torchserve_server import REPO
 
     server = start_server("fuzz", (REPO / "model-config.yaml").read_text(),
-                          env={"KV_CACHE_MEMORY_MIB": "64", "DTYPE": "bfloat16"})
+                          env={"KV_CACHE_MEMORY_MIB": "64", "DTYPE": "bfloat16"},
+                          extra_properties="\nmax_response_size=200000\n")
     yield server
     server.stop()
 
@@ -256,3 +260,20 @@ def test_hostile_requests_never_harm_the_worker_or_another_stream(shipped_server
     assert background.get("text"), "the stream running beside the hostile requests did not complete"
     assert server.worker_pid() == pid, "the worker restarted"
     assert http.generate({"text": "The capital of France is", "max_new_tokens": 8})
+
+
+def test_an_answer_larger_than_max_response_size_arrives_whole(shipped_server):
+    """A non-streamed answer with n choices and 20 logprobs per token is megabytes; TorchServe kills the
+    worker for any message over max_response_size, so it must go out in pieces (here the limit is 200 kB)."""
+    import openai
+
+    server = shipped_server
+    client = openai.OpenAI(base_url=f"{server.http}/predictions/smollm2/1.0/v1", api_key=server.key(), max_retries=0)
+    pid = server.worker_pid()
+    answer = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Name three colours."}],
+                                            max_tokens=60, temperature=1.0, seed=1, n=4, logprobs=True, top_logprobs=20,
+                                            logit_bias={"0": -100, "2": -100})
+    assert len(answer.model_dump_json()) > 300_000
+    assert [len(c.logprobs.content) for c in answer.choices] == [60] * 4
+    assert server.worker_status() == "READY" and server.worker_pid() == pid
+    assert client.completions.create(model="smollm2", prompt="Hello", max_tokens=3).choices[0].text

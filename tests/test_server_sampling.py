@@ -213,30 +213,6 @@ def test_generate_reference_core_serves_n_and_logprobs(batch4_server):
     check_native_choices(choices, usage)
 
 
-def test_an_answer_larger_than_max_response_size_arrives_whole(start_server):
-    """A non-streamed answer with n choices and 20 logprobs per token is megabytes; TorchServe kills the
-    worker for any message over max_response_size, so it must go out in pieces (here the limit is 200 kB)."""
-    import openai
-
-    from bench.harness.torchserve_server import REPO
-
-    # bfloat16 on purpose on every host: the size of an answer does not depend on precision, and so the
-    # chunked non-streamed answer is also checked in the precision a bfloat16 host serves by default.
-    server = start_server("small_messages", (REPO / "model-config.yaml").read_text(),
-                          env={"KV_CACHE_MEMORY_MIB": "64", "DTYPE": "bfloat16"},
-                          extra_properties="\nmax_response_size=200000\n")
-    try:
-        client = openai.OpenAI(base_url=f"{server.http}/predictions/smollm2/1.0/v1", api_key=server.key(), max_retries=0)
-        answer = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=60, temperature=1.0, seed=1,
-                                                n=4, logprobs=True, top_logprobs=20, logit_bias={"0": -100, "2": -100})
-        assert len(answer.model_dump_json()) > 300_000
-        assert [len(c.logprobs.content) for c in answer.choices] == [60] * 4
-        assert server.worker_status() == "READY"
-        assert client.completions.create(model="smollm2", prompt="Hello", max_tokens=3).choices[0].text
-    finally:
-        server.stop()
-
-
 def test_a_deadline_ends_every_choice(async_server):
     from llm_api.client import StreamError
 
