@@ -13,7 +13,9 @@ pages divided among the processes that map them, what the processes take from th
 it walks each process's page tables, so not every time). It prints the peak of each, the processes alive at
 the PSS peak (largest first), the lowest ``MemAvailable`` the kernel reported during the run, how busy the
 host's cores were over the run (``/proc/stat``: the whole host, so quiet neighbours are assumed; it says
-whether the command was bound by the cores or waited), and the command's exit status, which is also this
+whether the command was bound by the cores or waited), where the CPU time went (each process's own user +
+system time as last sampled, summed by kind: servers, TorchServe's workers and frontends, the test workers, Ray;
+processes that lived under one interval are missed), and the command's exit status, which is also this
 script's. Linux only; standard library only (it runs before any set-up).
 """
 
@@ -116,6 +118,37 @@ def command_line(pid: int) -> str:
     return _COMMANDS[pid]
 
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds_of(pid: int) -> float | None:
+    """The process's own user + system time so far (``stat``; its waited-for children are not included)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+# (needle in the command line as read, its first 160 characters; the kind it is reported as): the first that matches
+KINDS = (("process_guard.py", "process guards"),
+         ("llm_api.server serve", "llm_api serve (test servers)"),
+         ("model_service_worker.py", "TorchServe model workers"),
+         ("java ", "TorchServe frontends (Java)"),
+         ("exec(eval(sys.stdin.readline()))", "pytest-xdist workers (tests run in them)"),
+         ("-m pytest", "pytest (controller, nested runs)"),
+         ("schemathesis", "schemathesis"),
+         ("ray", "Ray (raylet, GCS, workers)"))
+
+
+def kind_of(command: str) -> str:
+    for needle, kind in KINDS:
+        if needle in command:
+            return kind
+    return "other: " + " ".join(Path(word).name for word in command.split()[:2])
+
+
 def mem_available() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
@@ -130,9 +163,15 @@ def cpu_times() -> tuple[int, int]:
     return total - fields[3] - fields[4], total
 
 
+CPU_SECONDS: dict[int, float] = {}  # pid -> its CPU time when last sampled
+
+
 def sample(started: float, keep: int, with_pss: bool) -> Sample:
     now = Sample(time.monotonic() - started, 0, 0)
     for pid in descendants(os.getpid(), keep):
+        seconds = cpu_seconds_of(pid)
+        if seconds is not None:
+            CPU_SECONDS[pid] = seconds
         rss = rss_of(pid)
         if rss is None:
             continue
@@ -201,6 +240,13 @@ def main() -> int:
              "processes at the PSS peak (PSS MiB, RSS MiB, pid, command):"]
     for pid, rss, pss, cmd in sorted(peak_pss.processes, key=lambda p: -p[2])[:25]:
         lines.append(f"  {pss / MIB:8,.0f} {rss / MIB:8,.0f} {pid:>8} {cmd}")
+    by_kind: dict[str, float] = {}
+    for pid, seconds in CPU_SECONDS.items():
+        by_kind[kind_of(command_line(pid))] = by_kind.get(kind_of(command_line(pid)), 0.0) + seconds
+    total_cpu = sum(by_kind.values())
+    lines.append(f"CPU time of the processes sampled: {total_cpu:,.0f} s, by kind:")
+    for kind, seconds in sorted(by_kind.items(), key=lambda item: -item[1])[:12]:
+        lines.append(f"  {seconds:8,.0f} s {seconds / max(total_cpu, 1e-9):5.0%}  {kind}")
     if survivors:
         lines.append(f"{len(survivors)} processes outlived the command:")
         lines += [f"  {pid} {cmd}" for pid, cmd in survivors]
