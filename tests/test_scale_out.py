@@ -5,9 +5,10 @@ machine, started by ``llm_api serve --ray --replicas 2``) with two replicas of t
 Ray's HTTP proxy: both replicas serve, with the key checked; a stream comes through token by token; 20
 chats sharing a 1,000-token system prompt, interleaved with unrelated ones, all land on one replica; a
 conversation continues with previous_response_id whichever replica answers; an adapter's requests go to
-the replica holding it; hostile bodies get their errors; and last, a replica killed mid-stream ends only
-that stream, with the format's error, and the next request is answered. Which replica answered: the
-``x-llm-api-replica`` header; its pid: the line each replica logs at start.
+the replica holding it; hostile bodies get their errors; a replica killed mid-stream ends only that
+stream, with the format's error, and the next request is answered; and last, a SIGKILL of the server
+leaves no Ray process behind. Which replica answered: the ``x-llm-api-replica`` header; its pid: the line
+each replica logs at start. (The SIGTERM stop is what bench/scale_out.py ends with.)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -65,6 +67,17 @@ def test_the_index_is_bounded_per_replica_and_a_match_stops_at_the_first_evicted
     index.insert("".join(chr(97 + i) * BLOCK_CHARS for i in range(6)), "a")  # evicts the old text's first 4
     assert len(block_hashes(old)) == 6
     assert index.match(old, ["a"]) == {"a": 0}  # (its later blocks are held, but not its first)
+
+
+def test_ray_processes_are_told_apart_by_their_command_lines():
+    from llm_api.scale_out.reaper import is_ray_process
+
+    for ray in (b"ray::DashboardAgent\0", b"ray::IDLE", b"/v/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet\0--x",
+                b"/usr/bin/python3\0-u\0/usr/lib/python3/dist-packages/ray/dashboard/agent.py\0"):
+        assert is_ray_process(ray), ray
+    for other in (b"/v/bin/python\0-m\0llm_api.server\0serve\0--ray\0", b"java\0-cp\0ray/x", b"raylet-lookalike",
+                  b"/home/ray/bin/python\0script.py", b""):
+        assert not is_ray_process(other), other
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -231,7 +244,7 @@ def test_hostile_requests_through_the_ingress_get_their_errors_and_harm_no_other
     after = _chat(ray_app, [{"role": "user", "content": "Still there?"}])
     assert after.status_code == 200, after.text
 
-# (last: the killed replica is replaced, and its successor loads for a while)
+# (near the end: the killed replica is replaced, and its successor loads for a while)
 def test_a_replica_killed_mid_stream_ends_only_that_stream_with_an_error(ray_app):
     body = {"text": "Write a long story about a lighthouse.", "max_new_tokens": 600, "ignore_eos": True}
     pieces = []
@@ -249,3 +262,27 @@ def test_a_replica_killed_mid_stream_ends_only_that_stream_with_an_error(ray_app
     after = _chat(ray_app, [{"role": "user", "content": "Are you there?"}])
     assert after.status_code == 200, after.text
     assert after.headers[REPLICA_HEADER] != replica
+
+
+# (last: it ends the app)
+def test_a_sigkilled_server_leaves_no_ray_process_behind(ray_app):
+    """SIGKILL, which no handler sees. Left to Ray, its two node agents stayed (they ignore SIGTERM too), and
+    its workers (controller, proxy, replicas) too where orphans go to a subreaper, as they do in this test
+    session (tests/run_control.py); the server's reaper (llm_api/scale_out/reaper.py) ends them."""
+    from llm_api.scale_out.reaper import ray_processes_below
+
+    started = ray_processes_below(ray_app.server_pid())
+    assert len(started) >= 8, started  # GCS, raylet, 2 agents, Serve's controller and proxy, ingress, 2 replicas
+    os.kill(ray_app.server_pid(), signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while (left := [pid for pid, _ in started if _running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, [Path(f"/proc/{pid}/cmdline").read_bytes()[:60] for pid in left if _running(pid)]
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie is dead: its parent has not waited for it yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

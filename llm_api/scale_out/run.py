@@ -5,7 +5,9 @@ machine, no dashboard; it ends with this process), starts Ray Serve's HTTP proxy
 runs ``llm_api.scale_out.deployments.application`` as the app ``llm_api`` at ``/``, logs one line when every
 replica is ready, and on a signal deletes the app (replicas drain their streams for up to
 ``DRAIN_GRACE_S``; the stop waits that and 5 s more, then shuts Serve and the local cluster down whatever
-is left). Exit 0 after a stop, 1 when the app fails to deploy.
+is left). Exit 0 after a stop, 1 when the app fails to deploy. A local cluster also ends when this process
+is killed outright: Ray ends its GCS, raylet and workers itself, and ``reaper.py``, started before the
+cluster, ends the node agents that Ray leaves.
 
 Stored responses (``previous_response_id``) must be visible to every replica: with more than one replica
 and ``RESPONSES_STORE_PATH`` unset, the replicas share an SQLite file in a directory made for this run
@@ -20,6 +22,8 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -113,8 +117,12 @@ def serve_on_ray(settings: Settings, host: str, port: int, key_file: Path, auth:
                     settings.responses_store_path)
     for name, value in RAY_START_DEADLINES.items():
         os.environ.setdefault(name, value)
+    reaper = None
     if not address:
         _patient_node_start()
+        # (before the cluster starts: its node agents outlive a SIGKILL of this process otherwise; reaper.py)
+        reaper = subprocess.Popen([sys.executable, "-m", "llm_api.scale_out.reaper", "--parent", str(os.getpid())],
+                                  stdin=subprocess.DEVNULL)
     ray_root = None
     if not address and len(_default_ray_root()) > MAX_RAY_ROOT_CHARS:
         ray_root = Path(tempfile.mkdtemp(prefix="llm_api-ray-", dir="/tmp" if Path("/tmp").is_dir() else None))
@@ -158,3 +166,6 @@ def serve_on_ray(settings: Settings, host: str, port: int, key_file: Path, auth:
         for made in (shared_store, ray_root):
             if made is not None:
                 shutil.rmtree(made, ignore_errors=True)
+        if reaper is not None:  # (nothing of the cluster is left after ray.shutdown: the reaper has no work)
+            reaper.kill()
+            reaper.wait()

@@ -1,0 +1,121 @@
+"""Ends the local Ray cluster's processes when ``llm_api serve --ray`` dies without its stop (SIGKILL, the OOM
+killer).
+
+    python -m llm_api.scale_out.reaper --parent PID
+
+Why: after a SIGKILL of the server, Ray's two node agents (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``,
+which also ignore SIGTERM) were left running, and where orphans go to a *subreaper* rather than pid 1 (a
+test session, ``systemd --user``, some container inits) so were its workers: the Serve controller, the
+proxy and every replica, holding their models, for as long as that subreaper lived (Ray 2.60.0, measured
+both ways). ``serve_on_ray`` starts this module as a small child before it starts a local cluster. Every
+``SCAN_S`` it notes the Ray processes below its parent (pid and start time: a pid the kernel reuses later is
+not mistaken for one), and when its parent has gone it SIGKILLs those still running, and the Ray processes
+left in its own process group (the agents, which a scan may not yet have seen). After a normal stop
+(``ray.shutdown``) none is left, and the server kills the reaper itself. A cluster joined with
+``--ray-address`` is not ours: no reaper then. Standard library only (it starts in milliseconds and holds a
+few MB); it reads ``/proc``, so it does nothing where there is none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+POLL_S = 0.5  # how often the parent is checked
+SCAN_S = 2.0  # how often the processes below it are noted (reads every /proc/<pid>/stat: some ms)
+RAY_PACKAGE = re.compile(rb"[/\\](site|dist)-packages[/\\]ray[/\\]")
+
+
+def is_ray_process(command: bytes) -> bool:
+    """A Ray process, from its ``/proc/<pid>/cmdline``: a Ray process title (``ray::DashboardAgent``,
+    ``ray::IDLE``) or a program of the ``ray`` package (its binaries, or Python running one of its scripts)."""
+    words = command.split(b"\0")
+    return words[0].startswith(b"ray::") or any(RAY_PACKAGE.search(word) for word in words[:3])
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first), or None once it has gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def _identity(pid: int) -> tuple[int, str] | None:
+    """(pid, start time): the same process while it runs, a different one if the pid is reused."""
+    fields = _stat(pid)
+    return None if fields is None or fields[0] == "Z" else (pid, fields[19])
+
+
+def _is_ray(pid: int) -> bool:
+    try:
+        return is_ray_process(Path(f"/proc/{pid}/cmdline").read_bytes())
+    except OSError:
+        return False
+
+
+def _all_pids() -> list[int]:
+    proc = Path("/proc")
+    return [int(entry.name) for entry in proc.iterdir() if entry.name.isdigit()] if proc.is_dir() else []
+
+
+def ray_processes_below(root: int) -> set[tuple[int, str]]:
+    """The Ray processes below ``root`` (every generation), by identity."""
+    children: dict[int, list[int]] = {}
+    for pid in _all_pids():
+        fields = _stat(pid)
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(pid)
+    found, stack = set(), list(children.get(root, []))
+    while stack:
+        pid = stack.pop()
+        stack.extend(children.get(pid, []))
+        identity = _identity(pid)
+        if identity is not None and _is_ray(pid):
+            found.add(identity)
+    return found
+
+
+def ray_processes_in_group(group: int) -> set[tuple[int, str]]:
+    """The Ray processes whose process group is ``group``, but this one, by identity."""
+    found = set()
+    for pid in _all_pids():
+        fields = _stat(pid)
+        if pid != os.getpid() and fields is not None and int(fields[2]) == group and _is_ray(pid):
+            identity = _identity(pid)
+            if identity is not None:
+                found.add(identity)
+    return found
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--parent", type=int, required=True)
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (Ctrl-C reaches the whole group: the server handles it)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (and a group's SIGTERM: stay until the server has gone)
+    noted: set[tuple[int, str]] = set()
+    scanned = 0.0
+    while os.getppid() == args.parent:
+        if time.monotonic() - scanned >= SCAN_S:
+            noted = {identity for identity in noted if _identity(identity[0]) == identity}
+            noted |= ray_processes_below(args.parent)
+            scanned = time.monotonic()
+        time.sleep(POLL_S)
+    for pid, started in noted | ray_processes_in_group(os.getpgrp()):
+        if _identity(pid) == (pid, started):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
