@@ -5,7 +5,8 @@ machine, started by ``llm_api serve --ray --replicas 2``) with two replicas of t
 Ray's HTTP proxy: both replicas serve, with the key checked; a stream comes through token by token; 20
 chats sharing a 1,000-token system prompt, interleaved with unrelated ones, all land on one replica; a
 conversation continues with previous_response_id whichever replica answers; an adapter's requests go to
-the replica holding it; hostile bodies get their errors; a replica killed mid-stream ends only that
+the replica holding it; hostile bodies get their errors; a client leaving a stream aborts its request on
+the replica (the replica's log line says so); a replica killed mid-stream ends only that
 stream, with the format's error, and the next request is answered; and last, a SIGKILL of the server
 leaves no Ray process behind. Which replica answered: the ``x-llm-api-replica`` header; its pid: the line
 each replica logs at start. (The SIGTERM stop is what bench/scale_out.py ends with.)
@@ -243,6 +244,23 @@ def test_hostile_requests_through_the_ingress_get_their_errors_and_harm_no_other
     assert httpx.request("PATCH", url, headers=_headers(), timeout=60).status_code == 405
     after = _chat(ray_app, [{"role": "user", "content": "Still there?"}])
     assert after.status_code == 200, after.text
+
+def test_a_client_leaving_mid_stream_aborts_its_request_on_the_replica(ray_app):
+    body = {"text": "Write a long story about a lighthouse.", "max_new_tokens": 2000, "ignore_eos": True}
+    with httpx.stream("POST", ray_app.native_url, headers=_headers(), json=body, timeout=120) as answer:
+        assert answer.status_code == 200
+        request_id = answer.headers["x-request-id"]
+        for count, _ in enumerate(answer.iter_raw(), 1):
+            if count == 3:
+                break  # (leaving: the connection is closed with the response)
+    aborted = f"request {request_id}: the client went away; aborted"
+    deadline = time.monotonic() + 30
+    while aborted not in ray_app.model_log() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert aborted in ray_app.model_log()
+    after = _chat(ray_app, [{"role": "user", "content": "Still serving?"}])
+    assert after.status_code == 200, after.text
+
 
 # (near the end: the killed replica is replaced, and its successor loads for a while)
 def test_a_replica_killed_mid_stream_ends_only_that_stream_with_an_error(ray_app):

@@ -36,6 +36,7 @@ transport guards (slow heads, connection caps: Ray's proxy owns the sockets).
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import logging
@@ -53,6 +54,7 @@ from llm_api.protocols.table import BY_NAME, answer, error_shape, find, is_publi
 from llm_api.scale_out.affinity import affinity_text
 from llm_api.server.auth import BearerAuth
 from llm_api.server.http_api import JSON_CONTENT_TYPE, new_request_id
+from llm_api.server.log_format import LOG_FORMAT
 from llm_api.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from llm_api.server.metrics import ServerMetrics
 from llm_api.service.answer import Chunk, Refusal
@@ -108,7 +110,8 @@ class ModelReplica:
         # Every answer names the replica that gave it (``x-llm-api-replica``: Ray's id for it, the name of
         # its log file under Ray's logs/serve/); its log says its pid, for whoever must stop it.
         self.replica_name = serve.get_replica_context().replica_id.unique_id
-        logger.warning("llm_api replica %s: pid %d, loading the model", self.replica_name, os.getpid())
+        _log_to_stderr()
+        logger.info("llm_api replica %s: pid %d, loading the model", self.replica_name, os.getpid())
         # (an async function of one argument: Ray keeps the wrapper on it, one per replica)
         async def hold(adapter: str) -> str:
             return adapter  # (registered since start: what Ray tracks is which adapters this replica served last)
@@ -166,6 +169,9 @@ class ModelReplica:
                         yield Opening(200, part.content_type, part.payload)
                     if not isinstance(part, Chunk):
                         return
+        except (asyncio.CancelledError, GeneratorExit):  # (the ingress cancelled the call: its client left)
+            logger.info("request %s: the client went away; aborted", forwarded.call.request_id)
+            raise
         except ApiError as error:
             if not opened:
                 yield Opening(error.status, JSON_CONTENT_TYPE, error_body(route.errors, error, marker), error.headers())
@@ -188,6 +194,7 @@ class ModelReplica:
 
 class Ingress:
     def __init__(self, replicas: Any, settings: Settings, key: str | None):
+        _log_to_stderr()
         self.replicas = replicas  # the model replicas' DeploymentHandle
         self.auth = BearerAuth(key)
         self.marker = settings.end_of_stream_token
@@ -254,6 +261,19 @@ class Ingress:
             if isinstance(parsed, dict) else None
         adapter = named if isinstance(named, str) and named in self.adapters else ""
         return Forwarded(route.name, params, call, affinity_text(route.name, parsed)), adapter
+
+
+def _log_to_stderr() -> None:
+    """The package's log lines (INFO and up, the standalone server's format) on the replica's stderr, which
+    Ray passes to the driver's output. Without a handler of its own Python printed WARNING and up only, bare:
+    a replica's per-request lines were lost."""
+    package = logging.getLogger("llm_api")
+    if not package.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        package.addHandler(handler)
+        package.setLevel(logging.INFO)
+        package.propagate = False  # (Ray's own handlers on the root logger would print each line twice)
 
 
 def _request_id() -> str:

@@ -45,12 +45,16 @@ NODE_START_S = 240  # how long a local node may take to register (_patient_node_
 # Ray's start-up deadlines assume idle cores: on a 2-core host busy with other work the node's agent took
 # over 30 s to start and the HTTP proxy missed its 5 s readiness check three times (the start failed). A
 # start that is slow is better than one that fails: longer deadlines, unless the environment sets its own.
-# (Read by the processes Ray starts, which inherit this environment.)
-RAY_START_DEADLINES = {
+# (Read by the processes Ray starts, which inherit this environment, and by Ray's modules as they are imported:
+# set before ``import ray``.)
+RAY_DEFAULTS = {
     "RAY_agent_register_timeout_ms": "180000",
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30",
     "RAY_USAGE_STATS_ENABLED": "0",  # (no usage report from a server)
+    # Ray folds lines that look alike from different processes into "[repeated Nx across cluster]": each
+    # request's own line (its id, how it ended) is what a server's log is for.
+    "RAY_DEDUP_LOGS": "0",
 }
 
 
@@ -105,6 +109,8 @@ def _default_ray_root() -> str:
 
 def serve_on_ray(settings: Settings, host: str, port: int, key_file: Path, auth: bool, scaling: Scaling,
                  address: str | None) -> int:
+    for name, value in RAY_DEFAULTS.items():
+        os.environ.setdefault(name, value)
     import ray
     from ray import serve
 
@@ -115,8 +121,6 @@ def serve_on_ray(settings: Settings, host: str, port: int, key_file: Path, auth:
         settings = dataclasses.replace(settings, responses_store_path=str(shared_store / "responses.sqlite3"))
         logger.info("llm_api serve --ray: the replicas share stored responses in %s (RESPONSES_STORE_PATH unset)",
                     settings.responses_store_path)
-    for name, value in RAY_START_DEADLINES.items():
-        os.environ.setdefault(name, value)
     reaper = None
     if not address:
         _patient_node_start()

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from llm_api.model.settings import ConfigError, Settings
+from llm_api.server.log_format import LOG_FORMAT
 
 
 def _port(allow_zero: bool):
@@ -93,8 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.grpc_port and args.grpc_port == args.port:
         print(f"llm_api: --port and --grpc-port are both {args.port}; give them different ports", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=LOG_FORMAT)
     if args.ray:
         if args.max_replicas is not None and args.max_replicas < args.replicas:
             print(f"llm_api: --max-replicas {args.max_replicas} is below --replicas {args.replicas}", file=sys.stderr)
