@@ -6,8 +6,9 @@ runs ``llm_api.scale_out.deployments.application`` as the app ``llm_api`` at ``/
 replica is ready, and on a signal deletes the app (replicas drain their streams for up to
 ``DRAIN_GRACE_S``; the stop waits that and 5 s more, then shuts Serve and the local cluster down whatever
 is left). Exit 0 after a stop, 1 when the app fails to deploy. A local cluster also ends when this process
-is killed outright: Ray ends its GCS, raylet and workers itself, and ``reaper.py``, started before the
-cluster, ends the node agents that Ray leaves.
+is killed outright: Ray ends its GCS and raylet itself, and ``reaper.py``, started before the cluster, ends
+what Ray leaves (its node agents always; its workers, the replicas among them, where orphans go to a
+subreaper).
 
 Stored responses (``previous_response_id``) must be visible to every replica: with more than one replica
 and ``RESPONSES_STORE_PATH`` unset, the replicas share an SQLite file in a directory made for this run
@@ -124,7 +125,7 @@ def serve_on_ray(settings: Settings, host: str, port: int, key_file: Path, auth:
     reaper = None
     if not address:
         _patient_node_start()
-        # (before the cluster starts: its node agents outlive a SIGKILL of this process otherwise; reaper.py)
+        # (before the cluster starts: what Ray leaves after a SIGKILL of this process, it ends; reaper.py)
         reaper = subprocess.Popen([sys.executable, "-m", "llm_api.scale_out.reaper", "--parent", str(os.getpid())],
                                   stdin=subprocess.DEVNULL)
     ray_root = None
