@@ -242,7 +242,8 @@ def main() -> int:
         lines.append(f"  {pss / MIB:8,.0f} {rss / MIB:8,.0f} {pid:>8} {cmd}")
     by_kind: dict[str, float] = {}
     for pid, seconds in CPU_SECONDS.items():
-        by_kind[kind_of(command_line(pid))] = by_kind.get(kind_of(command_line(pid)), 0.0) + seconds
+        kind = kind_of(command_line(pid))
+        by_kind[kind] = by_kind.get(kind, 0.0) + seconds
     total_cpu = sum(by_kind.values())
     lines.append(f"CPU time of the processes sampled: {total_cpu:,.0f} s, by kind:")
     for kind, seconds in sorted(by_kind.items(), key=lambda item: -item[1])[:12]:

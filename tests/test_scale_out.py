@@ -19,7 +19,6 @@ import os
 import re
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -219,7 +218,6 @@ def test_an_adapters_requests_go_to_the_replica_holding_it(ray_app):
                 assert answer.headers[REPLICA_HEADER] == holder[name], (name, turn, holder)
 
 
-
 def test_hostile_requests_through_the_ingress_get_their_errors_and_harm_no_other(ray_app):
     """What the ingress itself reads: the body's size (413, declared or streamed), its form, a request id
     the client chose (echoed by Ray's proxy only when it is a plain token), an unknown method; the
@@ -244,6 +242,7 @@ def test_hostile_requests_through_the_ingress_get_their_errors_and_harm_no_other
     assert httpx.request("PATCH", url, headers=_headers(), timeout=60).status_code == 405
     after = _chat(ray_app, [{"role": "user", "content": "Still there?"}])
     assert after.status_code == 200, after.text
+
 
 def test_a_client_leaving_mid_stream_aborts_its_request_on_the_replica(ray_app):
     body = {"text": "Write a long story about a lighthouse.", "max_new_tokens": 2000, "ignore_eos": True}
@@ -287,20 +286,12 @@ def test_a_sigkilled_server_leaves_no_ray_process_behind(ray_app):
     """SIGKILL, which no handler sees. Left to Ray, its two node agents stayed (they ignore SIGTERM too), and
     its workers (controller, proxy, replicas) too where orphans go to a subreaper, as they do in this test
     session (tests/run_control.py); the server's reaper (llm_api/scale_out/reaper.py) ends them."""
-    from llm_api.scale_out.reaper import ray_processes_below
+    from llm_api.scale_out.reaper import identity_of, ray_processes_below
 
     started = ray_processes_below(ray_app.server_pid())
     assert len(started) >= 8, started  # GCS, raylet, 2 agents, Serve's controller and proxy, ingress, 2 replicas
     os.kill(ray_app.server_pid(), signal.SIGKILL)
     deadline = time.monotonic() + 30
-    while (left := [pid for pid, _ in started if _running(pid)]) and time.monotonic() < deadline:
+    while (left := [pid for pid, at in started if identity_of(pid) == (pid, at)]) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not left, [Path(f"/proc/{pid}/cmdline").read_bytes()[:60] for pid in left if _running(pid)]
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (a zombie is dead: its parent has not waited for it yet)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert not left, f"Ray processes still running 30 s after the server's SIGKILL: {left}"

@@ -47,10 +47,13 @@ def _stat(pid: int) -> list[str] | None:
     return stat[stat.rindex(")") + 2:].split()
 
 
-def _identity(pid: int) -> tuple[int, str] | None:
-    """(pid, start time): the same process while it runs, a different one if the pid is reused."""
-    fields = _stat(pid)
+def _identity_from(pid: int, fields: list[str] | None) -> tuple[int, str] | None:
     return None if fields is None or fields[0] == "Z" else (pid, fields[19])
+
+
+def identity_of(pid: int) -> tuple[int, str] | None:
+    """(pid, start time) while the process runs (a zombie has ended): a reused pid gives another identity."""
+    return _identity_from(pid, _stat(pid))
 
 
 def _is_ray(pid: int) -> bool:
@@ -60,38 +63,34 @@ def _is_ray(pid: int) -> bool:
         return False
 
 
-def _all_pids() -> list[int]:
+def _processes() -> list[tuple[int, list[str]]]:
+    """Every process with the fields of its ``stat`` (read once), from ``/proc`` (none without it)."""
     proc = Path("/proc")
-    return [int(entry.name) for entry in proc.iterdir() if entry.name.isdigit()] if proc.is_dir() else []
+    pids = [int(entry.name) for entry in proc.iterdir() if entry.name.isdigit()] if proc.is_dir() else []
+    return [(pid, fields) for pid in pids if (fields := _stat(pid)) is not None]
 
 
 def ray_processes_below(root: int) -> set[tuple[int, str]]:
-    """The Ray processes below ``root`` (every generation), by identity."""
-    children: dict[int, list[int]] = {}
-    for pid in _all_pids():
-        fields = _stat(pid)
-        if fields is not None:
-            children.setdefault(int(fields[1]), []).append(pid)
+    """The running Ray processes below ``root`` (every generation), by identity."""
+    processes = _processes()
+    children: dict[int, list[tuple[int, list[str]]]] = {}
+    for pid, fields in processes:
+        children.setdefault(int(fields[1]), []).append((pid, fields))
     found, stack = set(), list(children.get(root, []))
     while stack:
-        pid = stack.pop()
+        pid, fields = stack.pop()
         stack.extend(children.get(pid, []))
-        identity = _identity(pid)
+        identity = _identity_from(pid, fields)
         if identity is not None and _is_ray(pid):
             found.add(identity)
     return found
 
 
 def ray_processes_in_group(group: int) -> set[tuple[int, str]]:
-    """The Ray processes whose process group is ``group``, but this one, by identity."""
-    found = set()
-    for pid in _all_pids():
-        fields = _stat(pid)
-        if pid != os.getpid() and fields is not None and int(fields[2]) == group and _is_ray(pid):
-            identity = _identity(pid)
-            if identity is not None:
-                found.add(identity)
-    return found
+    """The running Ray processes whose process group is ``group``, but this one, by identity."""
+    return {identity for pid, fields in _processes()
+            if pid != os.getpid() and int(fields[2]) == group and (identity := _identity_from(pid, fields))
+            and _is_ray(pid)}
 
 
 def main(argv: list[str]) -> int:
@@ -104,12 +103,12 @@ def main(argv: list[str]) -> int:
     scanned = 0.0
     while os.getppid() == args.parent:
         if time.monotonic() - scanned >= SCAN_S:
-            noted = {identity for identity in noted if _identity(identity[0]) == identity}
+            noted = {identity for identity in noted if identity_of(identity[0]) == identity}
             noted |= ray_processes_below(args.parent)
             scanned = time.monotonic()
         time.sleep(POLL_S)
     for pid, started in noted | ray_processes_in_group(os.getpgrp()):
-        if _identity(pid) == (pid, started):
+        if identity_of(pid) == (pid, started):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
