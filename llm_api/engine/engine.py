@@ -81,7 +81,7 @@ class EngineConfig:
     attention_backend: str = Settings.attention_backend  # auto | torch | triton (llm_api.kernels; auto: triton on CUDA)
     cuda_graphs: bool = Settings.cuda_graphs  # capture the decode step on CUDA (ignored elsewhere)
     cuda_graph_max_batch_size: int = Settings.cuda_graph_max_batch_size  # largest captured decode batch (<= max_num_seqs)
-    fused_kernels: bool = Settings.fused_kernels  # one Triton kernel per RMSNorm and per rotary embedding (CUDA only)
+    fused_kernels: bool = Settings.fused_kernels  # one kernel per RMSNorm and per rotary embedding (CUDA; CPU below)
     # ... and, with fused_kernels, Llama-code decoder layers in 10 kernels (merged products, sums fused into the
     # norms: engine.fused_layers). Not a setting: bench/gpu_decode.py --no-fused-layers turns it off to compare.
     fused_layers: bool = True
@@ -90,6 +90,9 @@ class EngineConfig:
     ngram_max: int = Settings.ngram_max
     speculative_max_batch: int = Settings.speculative_max_batch  # no drafts on steps with more decoding sequences
     step_budget_cache: str = ""  # where measured CPU step budgets are kept (step_budget.BudgetCache); "": nowhere
+    # The cache folder where llm_api.kernels.cpu builds its library: with fused_kernels, a model on the CPU runs
+    # the fused decoder layers with those C kernels. "": none (transformers' code), as an engine built directly.
+    cpu_kernels_cache: str = ""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "EngineConfig":
@@ -109,6 +112,7 @@ class EngineConfig:
             ngram_max=settings.ngram_max,
             speculative_max_batch=settings.speculative_max_batch,
             step_budget_cache=str(Path(settings.cache_dir) / "step-budget"),
+            cpu_kernels_cache=settings.cache_dir,
         )
 
 
@@ -175,7 +179,7 @@ class LLMEngine:
         self.max_model_len = min(wanted_max_len, self.kv_cache.max_num_tokens)
         self.lora = lora
         self.runner = ModelRunner(model, self.kv_cache, self.attention, lora, fused_kernels=config.fused_kernels,
-                                  fused_layers=config.fused_layers)
+                                  fused_layers=config.fused_layers, cpu_kernels_cache=config.cpu_kernels_cache or None)
         self.step_budget: CpuStepBudget | None = None
         if config.max_num_batched_tokens is None:  # a CPU: size the step to it (chunked prefill)
             self.step_budget = CpuStepBudget(self.runner, model, BudgetCache(Path(config.step_budget_cache)

@@ -62,6 +62,8 @@ _NEXT_NORM = "_llm_api_next_norm"  # decoder layer -> the norm that reads its ou
 _MERGED = "_llm_api_merged"  # attention / MLP -> MergedProjection
 _HANDOFF = "_llm_api_handoff"  # norm -> (the tensor it is to normalize, its output)
 _FUSED_ROTARY = "_llm_api_fused_rotary"  # attention -> True: its modeling module's rotary is Llama's (fused_ops)
+_KERNELS = "_llm_api_kernels"  # a swapped module (and the model) -> the kernel set its forward calls
+_PLAN = "_llm_api_layer_plan"  # decoder layer -> (its modules, the kernel set's LayerWeights or None, pointers)
 
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
@@ -89,11 +91,70 @@ def llama_modeling():
     return modeling_llama
 
 
-def kernels_run_on(tensor: torch.Tensor) -> bool:
-    """The fused kernels take this tensor: on CUDA, or on CPU under Triton's interpreter (the tests)."""
-    from llm_api.kernels import interpreter_enabled
+class TritonKernels:
+    """The Triton kernel set (CUDA; on CPU under Triton's interpreter, the tests), each kernel imported on
+    first use. ``llm_api.kernels.cpu`` is the other set, with the same functions: the fused forwards call
+    the set ``enable`` gave their module (``kernels_of``)."""
 
-    return tensor.is_cuda or interpreter_enabled()
+    name = "Triton"
+
+    @staticmethod
+    def takes(tensor: torch.Tensor) -> bool:
+        from llm_api.kernels import interpreter_enabled
+
+        return tensor.is_cuda or interpreter_enabled()
+
+    @staticmethod
+    def takes_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+        return one_row(x)  # (a batch-1 step's products: more rows are cuBLAS's)
+
+    @staticmethod
+    def row_product(x, weight, bias=None, silu_mul=False):
+        from llm_api.kernels.gemv import row_product
+
+        return row_product(x, weight, bias, silu_mul=silu_mul)
+
+    @staticmethod
+    def silu_and_mul(gate_up):
+        from llm_api.kernels.activation import silu_and_mul
+
+        return silu_and_mul(gate_up)
+
+    @staticmethod
+    def rms_norm(x, weight, eps):
+        from llm_api.kernels.rms_norm import rms_norm
+
+        return rms_norm(x, weight, eps)
+
+    @staticmethod
+    def add_rms_norm(x, residual, weight, eps):
+        from llm_api.kernels.rms_norm import add_rms_norm
+
+        return add_rms_norm(x, residual, weight, eps)
+
+    @staticmethod
+    def rotary_supported(q, k, cos, sin) -> bool:
+        from llm_api.kernels.rotary import rotary_supported
+
+        return rotary_supported(q, k, cos, sin)
+
+    @staticmethod
+    def apply_rotary(q, k, cos, sin):
+        from llm_api.kernels.rotary import apply_rotary
+
+        return apply_rotary(q, k, cos, sin)
+
+
+TRITON_KERNELS = TritonKernels()
+
+
+def set_kernels(module: nn.Module, kernels: Any) -> None:
+    object.__setattr__(module, _KERNELS, kernels)
+
+
+def kernels_of(module: nn.Module) -> Any:
+    """The kernel set ``enable`` gave ``module`` (Triton's where none was given)."""
+    return module.__dict__.get(_KERNELS, TRITON_KERNELS)
 
 
 class MergedProjection:
@@ -121,8 +182,8 @@ class MergedProjection:
                 and [m.weight.data_ptr() for m in modules] == self.pointers  # type: ignore[union-attr]
                 and all((m.bias is None) == (self.bias is None) for m in modules))  # type: ignore[union-attr]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def __call__(self, x: torch.Tensor, kernels: Any) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, kernels)
 
 
 def one_row(x: torch.Tensor) -> bool:
@@ -130,26 +191,21 @@ def one_row(x: torch.Tensor) -> bool:
     return x.numel() == x.shape[-1]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear``; one row, where the kernels run, by ``kernels.gemv`` (a batch-1 step's products)."""
-    if one_row(x) and kernels_run_on(x):
-        from llm_api.kernels.gemv import row_product
-
-        return row_product(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: Any) -> torch.Tensor:
+    """``F.linear``; the few rows the kernel set's product takes (Triton: one, a batch-1 step's products)
+    by it, where the set runs."""
+    if kernels.takes(x) and kernels.takes_product(x, weight, bias):
+        return kernels.row_product(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def _product(projection: nn.Module, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-    """``projection(x)`` (with ``silu_mul``, ``projection(silu_and_mul(x))``); one row through a plain
-    ``nn.Linear`` by ``kernels.gemv`` (a wrapped or quantized module runs its own forward)."""
-    if type(projection) is nn.Linear and one_row(x):
-        from llm_api.kernels.gemv import row_product
-
-        return row_product(x, projection.weight, projection.bias, silu_mul=silu_mul)
+def _product(projection: nn.Module, x: torch.Tensor, kernels: Any, silu_mul: bool = False) -> torch.Tensor:
+    """``projection(x)`` (with ``silu_mul``, ``projection(silu_and_mul(x))``); the rows the kernel set's
+    product takes, through a plain ``nn.Linear``, by it (a wrapped or quantized module runs its own forward)."""
+    if type(projection) is nn.Linear and kernels.takes_product(x, projection.weight, projection.bias):
+        return kernels.row_product(x, projection.weight, projection.bias, silu_mul=silu_mul)
     if silu_mul:
-        from llm_api.kernels.activation import silu_and_mul
-
-        x = silu_and_mul(x)
+        x = kernels.silu_and_mul(x)
     return projection(x)
 
 
@@ -199,7 +255,7 @@ def take_handed(norm: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor | 
     return handed[1] if handed is not None and handed[0] is hidden_states else None
 
 
-def _attention(attn: nn.Module, hidden_states: torch.Tensor, position_embeddings, attention_mask,
+def _attention(attn: nn.Module, hidden_states: torch.Tensor, kernels: Any, position_embeddings, attention_mask,
                past_key_values, **kwargs) -> torch.Tensor:
     """``LlamaAttention.forward``'s output with one q/k/v product (the module itself where it is not
     Llama's code or its projections are no longer merged)."""
@@ -214,7 +270,7 @@ def _attention(attn: nn.Module, hidden_states: torch.Tensor, position_embeddings
 
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
-    query, key, value = (t.view(hidden_shape) for t in merged(hidden_states).split(merged.sizes, -1))
+    query, key, value = (t.view(hidden_shape) for t in merged(hidden_states, kernels).split(merged.sizes, -1))
     cos, sin = position_embeddings
     metadata = _paged_metadata(attn, kwargs) if attn.__dict__.get(_FUSED_ROTARY) and past_key_values is None else None
     if metadata is not None and query.shape[0] == 1:  # (the engine's packed step: one row of T tokens)
@@ -226,7 +282,7 @@ def _attention(attn: nn.Module, hidden_states: torch.Tensor, position_embeddings
                                       metadata.slot_mapping_on(key_cache.device))
             # (Llama's attention passes no sliding window or softcap to the attention function)
             output = metadata.backend.attend(metadata, module.layer_idx, rotated, module.scaling, None, None)
-            return _product(module.o_proj, output.reshape(*input_shape, -1))
+            return _product(module.o_proj, output.reshape(*input_shape, -1), kernels)
     query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     query, key = modeling.apply_rotary_pos_emb(query, key, cos, sin)  # (fused_ops' dispatcher, where installed)
     if past_key_values is not None:
@@ -236,7 +292,7 @@ def _attention(attn: nn.Module, hidden_states: torch.Tensor, position_embeddings
     output, _ = interface(attn, query, key, value, attention_mask,
                           dropout=0.0 if not attn.training else module.attention_dropout, scaling=module.scaling,
                           **kwargs)
-    return _product(module.o_proj, output.reshape(*input_shape, -1).contiguous())
+    return _product(module.o_proj, output.reshape(*input_shape, -1).contiguous(), kernels)
 
 
 def _paged_metadata(attn: nn.Module, kwargs: dict):
@@ -251,44 +307,162 @@ def _paged_metadata(attn: nn.Module, kwargs: dict):
     return metadata if callable(getattr(metadata.backend, "attend", None)) else None
 
 
-def _mlp(mlp: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+def _mlp(mlp: nn.Module, hidden_states: torch.Tensor, kernels: Any) -> torch.Tensor:
     """``LlamaMLP.forward`` with one gate/up product and one SiLU x up kernel, or at one row none: the down
     projection computes it as it reads its input (where it applies)."""
     merged = merged_projection(mlp)
     if merged is None:
         return mlp(hidden_states)
     module: Any = mlp
-    return _product(module.down_proj, merged(hidden_states), silu_mul=True)
+    return _product(module.down_proj, merged(hidden_states, kernels), kernels, silu_mul=True)
 
 
 def _one_row_head(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     """The output head's forward: one row by ``kernels.gemv`` (a batch-1 step's largest product: 1 GB for
     Llama-3.1-8B), other inputs by ``F.linear`` as ``nn.Linear.forward``."""
-    return linear(hidden_states, self.weight, self.bias)
+    return linear(hidden_states, self.weight, self.bias, kernels_of(self))
 
 
 def _fused_layer(self: Any, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
                  use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
-    if not kernels_run_on(hidden_states):
+    kernels = kernels_of(self)
+    if not kernels.takes(hidden_states):
         return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                   past_key_values=past_key_values, use_cache=use_cache,
                                   position_embeddings=position_embeddings, **kwargs)
-    from llm_api.kernels.rms_norm import add_rms_norm
-
+    if getattr(kernels, "layer_in", None) is not None:
+        weights = _whole_layer_weights(self, kernels, hidden_states, position_embeddings, past_key_values)
+        if weights is not None:
+            return _whole_layer(self, kernels, weights, hidden_states, position_embeddings, attention_mask,
+                                position_ids=position_ids, use_cache=use_cache, **kwargs)
     normed = take_handed(self.input_layernorm, hidden_states)
     if normed is None:
         normed = self.input_layernorm(hidden_states)
-    attention = _attention(self.self_attn, normed, position_embeddings, attention_mask, past_key_values,
+    attention = _attention(self.self_attn, normed, kernels, position_embeddings, attention_mask, past_key_values,
                            position_ids=position_ids, use_cache=use_cache, **kwargs)
     post = self.post_attention_layernorm
-    residual, normed = add_rms_norm(attention, hidden_states, post.weight, post.variance_epsilon)
-    mlp = _mlp(self.mlp, normed)
+    residual, normed = kernels.add_rms_norm(attention, hidden_states, post.weight, post.variance_epsilon)
+    mlp = _mlp(self.mlp, normed, kernels)
     next_norm = self.__dict__.get(_NEXT_NORM)
     if next_norm is None:
         return residual + mlp
-    output, next_normed = add_rms_norm(mlp, residual, next_norm.weight, next_norm.variance_epsilon)
+    output, next_normed = kernels.add_rms_norm(mlp, residual, next_norm.weight, next_norm.variance_epsilon)
     hand_over(next_norm, output, next_normed)
     return output
+
+
+def _plan_key(layer: Any) -> tuple:
+    """The modules a whole-layer plan was made from: a plan holds while the layer still has these."""
+    attention, mlp = layer.self_attn._modules, layer.mlp._modules
+    return (layer.self_attn, layer.mlp, *(attention.get(name) for name in (*QKV, "o_proj")),
+            *(mlp.get(name) for name in (*GATE_UP, "down_proj")), layer._modules.get("input_layernorm"),
+            layer._modules.get("post_attention_layernorm"), layer.__dict__.get(_NEXT_NORM))
+
+
+def _make_plan(layer: Any, kernels: Any) -> Any:
+    """The kernel set's ``LayerWeights`` for ``layer``, or None where it cannot run whole: its q/k/v and
+    gate/up merged (and still holding), plain o_proj and down, Llama's rotary, one dtype the set takes,
+    contiguous weights on its device."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, gate_up = merged_projection(attn), merged_projection(mlp)
+    if qkv is None or gate_up is None or not attn.__dict__.get(_FUSED_ROTARY) or len(qkv.sizes) != 3:
+        return None
+    o_proj, down, next_norm = attn.o_proj, mlp.down_proj, layer.__dict__.get(_NEXT_NORM)
+    norms = [layer.input_layernorm, layer.post_attention_layernorm, *([] if next_norm is None else [next_norm])]
+    if type(o_proj) is not nn.Linear or type(down) is not nn.Linear or qkv.sizes[1] != qkv.sizes[2]:
+        return None
+    dtype = qkv.weight.dtype
+    tensors = [qkv.weight, qkv.bias, o_proj.weight, o_proj.bias, gate_up.weight, gate_up.bias, down.weight,
+               down.bias, *(norm.weight for norm in norms)]
+    if kernels.max_rows(dtype) < 1 or not all(t is None or (t.dtype == dtype and t.is_contiguous()
+                                                            and kernels.takes(t)) for t in tensors):
+        return None
+    return kernels.LayerWeights(layer.input_layernorm, layer.post_attention_layernorm, next_norm, qkv, attn.head_dim,
+                                o_proj, gate_up, down)
+
+
+def _whole_layer_weights(layer: Any, kernels: Any, hidden_states: torch.Tensor, position_embeddings,
+                         past_key_values) -> Any:
+    """The layer's ``LayerWeights`` when the kernel set can run it whole in two calls (``layer_in`` and
+    ``layer_out``) for this input: the engine's paged step (no transformers cache) of no more rows than the
+    set's products take, in the plan's dtype. Else None (the layer runs op by op). The plan is made once a
+    layer and kept while the layer has the same modules (``_plan_key``) and its merged weights (their
+    first pointers) where they were: a plan costs ~70 attribute reads and checks, its check ~15."""
+    if (past_key_values is not None or position_embeddings is None or hidden_states.dim() != 3
+            or hidden_states.shape[0] != 1 or not hidden_states.is_contiguous()):
+        return None
+    key = _plan_key(layer)
+    cached = layer.__dict__.get(_PLAN)
+    if (cached is None or cached[0] != key
+            or (cached[1] is not None and [key[2].weight.data_ptr(), key[6].weight.data_ptr()] != cached[2])):
+        weights = _make_plan(layer, kernels)
+        pointers = None if weights is None else [key[2].weight.data_ptr(), key[6].weight.data_ptr()]
+        cached = (key, weights, pointers)
+        object.__setattr__(layer, _PLAN, cached)
+    weights = cached[1]
+    if weights is None or hidden_states.dtype != weights.dtype or hidden_states.shape[1] > kernels.max_rows(weights.dtype):
+        return None
+    cos, sin = position_embeddings
+    if (cos.dtype != weights.dtype or sin.dtype != weights.dtype or cos.dim() != 3 or cos.shape[0] != 1
+            or cos.stride() != sin.stride() or cos.stride(-1) != 1):
+        return None
+    return weights
+
+
+def _paged_decode(attn: Any, kernels: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  kwargs: dict) -> torch.Tensor | None:
+    """The attention of a pure decode step as the kernel set's one call (``paged_decode``: the K/V store and
+    every sequence's attention) where the engine's torch backend would run it (a gather and SDPA, ~13 tensor
+    ops a layer); None elsewhere (the attention interface runs). Llama's attention passes no sliding window
+    or softcap, so there is none to honour here."""
+    from llm_api.engine.attention.base import ATTENTION_NAME, METADATA_KWARG
+
+    metadata = kwargs.get(METADATA_KWARG)
+    if (metadata is None or getattr(kernels, "paged_decode", None) is None
+            or attn.config._attn_implementation != ATTENTION_NAME or metadata.backend.name != "torch"
+            or metadata.num_decode_seqs != query.shape[0] or len(metadata.context_lens_list) != query.shape[0]):
+        return None
+    key_cache, value_cache = metadata.key_caches[attn.layer_idx], metadata.value_caches[attn.layer_idx]
+    if (key_cache.dtype != query.dtype or value_cache.dtype != query.dtype or not key_cache.is_contiguous()
+            or not value_cache.is_contiguous() or key_cache.device.type != "cpu"):
+        return None
+    slots, tables, lengths = metadata.cached("cpu-kernels", lambda: tuple(
+        t.to("cpu", torch.int64).contiguous()
+        for t in (metadata.slot_mapping, metadata.block_tables, metadata.context_lens)))
+    return kernels.paged_decode(query, key, value, key_cache, value_cache, slots, tables, lengths, attn.scaling)
+
+
+def _whole_layer(layer: Any, kernels: Any, weights: Any, hidden_states: torch.Tensor, position_embeddings,
+                 attention_mask, **kwargs) -> torch.Tensor:
+    """A Llama decoder layer as two kernel-set calls around the engine's attention (``_whole_layer_weights``):
+    the same ops and rounding as the layer op by op."""
+    attn: Any = layer.self_attn
+    modeling = sys.modules[type(attn).__module__]
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    tokens, width = hidden_states.shape[1], hidden_states.shape[2]
+    rows = hidden_states.view(tokens, width)
+    handed = take_handed(layer.input_layernorm, hidden_states)
+    cos, sin = position_embeddings
+    query, key, value = kernels.layer_in(weights, rows, None if handed is None else handed.reshape(tokens, width),
+                                         cos[0], sin[0])
+    output = _paged_decode(attn, kernels, query, key, value, kwargs)
+    if output is None:
+        shape = (1, tokens, -1, attn.head_dim)
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
+                                                          modeling.eager_attention_forward)
+        output, _ = interface(attn, query.view(shape).transpose(1, 2), key.view(shape).transpose(1, 2),
+                              value.view(shape).transpose(1, 2), attention_mask,
+                              dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling,
+                              **kwargs)
+        output = output.reshape(tokens, -1)
+        if output.stride(-1) != 1:
+            output = output.contiguous()
+    hidden_out, normed_out = kernels.layer_out(weights, output, rows)
+    result = hidden_out.view(hidden_states.shape)
+    if normed_out is not None:
+        hand_over(layer.__dict__[_NEXT_NORM], result, normed_out.view(hidden_states.shape))
+    return result
 
 
 def _is_llama_layer(layer: nn.Module, swapped_norms: set[int]) -> bool:
@@ -304,7 +478,8 @@ def _is_silu(module: nn.Module) -> bool:
     return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
-def enable(model: nn.Module, swapped_norms: list[nn.Module], rotary_modules: list[types.ModuleType]) -> dict[str, int]:
+def enable(model: nn.Module, swapped_norms: list[nn.Module], rotary_modules: list[types.ModuleType],
+           kernels: Any = TRITON_KERNELS) -> dict[str, int]:
     """Swap the fused forward into ``model``'s Llama-code decoder layers (``swapped_norms``: the norms
     ``fused_ops`` gave the fused forward; ``rotary_modules``: the modeling modules whose rotary it swapped),
     merging their projections. Returns {"layers", "merged", "head"}: the output head runs one row by
@@ -340,12 +515,14 @@ def enable(model: nn.Module, swapped_norms: list[nn.Module], rotary_modules: lis
         # Hand over only to a norm whose fused forward looks for it (else the work would be done twice).
         if following is not None and id(following) in swapped:
             object.__setattr__(layer, _NEXT_NORM, following)
+        set_kernels(layer, kernels)
         layer.forward = types.MethodType(_fused_layer, layer)
     get_head = getattr(model, "get_output_embeddings", None)
     head: Any = get_head() if callable(get_head) else None
     swap_head = (bool(fused) and type(head) is nn.Linear and not hasattr(head, "_hf_hook")
                  and getattr(head.__dict__.get("forward"), "__func__", _one_row_head) is _one_row_head)
     if swap_head:
+        set_kernels(head, kernels)
         head.forward = types.MethodType(_one_row_head, head)
     return {"layers": len(fused), "merged": merged, "head": int(swap_head)}
 
@@ -356,5 +533,5 @@ def disable(model: nn.Module) -> None:
         forward = module.__dict__.get("forward")
         if getattr(forward, "__func__", None) in (_fused_layer, _one_row_head):
             del module.forward
-        for name in (_NEXT_NORM, _HANDOFF, _FUSED_ROTARY):
+        for name in (_NEXT_NORM, _HANDOFF, _FUSED_ROTARY, _KERNELS, _PLAN):
             module.__dict__.pop(name, None)

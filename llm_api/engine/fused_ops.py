@@ -42,21 +42,22 @@ from llm_api.engine import fused_layers
 
 logger = logging.getLogger(__name__)
 
-_IN_FUSED_FORWARD = contextvars.ContextVar("llm_api_fused_forward", default=False)
+# The kernel set of the fused model whose forward is running (None outside one): the rotary dispatcher,
+# a global of the modeling module, serves every model of the family in the process.
+_IN_FUSED_FORWARD: contextvars.ContextVar[Any] = contextvars.ContextVar("llm_api_fused_forward", default=None)
 
 
 _llama = fused_layers.llama_modeling
 
 
 def _fused_norm(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
-    from llm_api.kernels.rms_norm import rms_norm
-
     handed = fused_layers.take_handed(self, hidden_states)  # (computed by the layer before, in its last kernel)
     if handed is not None:
         return handed
-    if not fused_layers.kernels_run_on(hidden_states):
+    kernels = fused_layers.kernels_of(self)
+    if not kernels.takes(hidden_states):
         return type(self).forward(self, hidden_states)
-    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+    return kernels.rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
 def _fused_norm_forward(module: nn.Module) -> types.MethodType:
@@ -65,7 +66,7 @@ def _fused_norm_forward(module: nn.Module) -> types.MethodType:
 
 
 def _fused_model_forward(self: Any, *args, **kwargs):
-    token = _IN_FUSED_FORWARD.set(True)
+    token = _IN_FUSED_FORWARD.set(fused_layers.kernels_of(self))
     try:
         return type(self).forward(self, *args, **kwargs)
     finally:
@@ -77,13 +78,12 @@ _ROTARY_ORIGINALS: dict[Any, Any] = {}  # each installed dispatcher -> the funct
 
 
 def _rotary_dispatcher(original):
-    from llm_api.kernels.rotary import apply_rotary, rotary_supported
-
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if (_IN_FUSED_FORWARD.get() and unsqueeze_dim == 1 and fused_layers.kernels_run_on(q)
-                and rotary_supported(q, k, cos, sin)):
-            return apply_rotary(q, k, cos, sin)
+        kernels = _IN_FUSED_FORWARD.get()
+        if (kernels is not None and unsqueeze_dim == 1 and kernels.takes(q)
+                and kernels.rotary_supported(q, k, cos, sin)):
+            return kernels.apply_rotary(q, k, cos, sin)
         return original(q, k, cos, sin, unsqueeze_dim)
 
     _ROTARY_ORIGINALS[apply_rotary_pos_emb] = original
@@ -129,25 +129,33 @@ def rotary_modeling_modules(model: nn.Module) -> list[types.ModuleType]:
 NOTHING_FUSED = {"rms_norm": 0, "rotary": 0, "layers": 0, "merged": 0, "head": 0}
 
 
-def enable(model: nn.Module, layers: bool = True) -> dict[str, int]:
-    """Swap in the fused kernels where ``model``'s code allows (CUDA models only; call once, before any
-    CUDA graph is captured); with ``layers``, also the fused decoder layers (``llm_api.engine.fused_layers``).
-    Returns what was swapped: {"rms_norm": modules, "rotary": modeling modules, "layers": decoder layers,
-    "merged": attention and MLP modules whose projections run as one product, "head": 1 where the output
-    head's one-row product is ``kernels.gemv``'s}."""
+def enable(model: nn.Module, layers: bool = True, cpu_kernels_cache: str | None = None) -> dict[str, int]:
+    """Swap in the fused kernels where ``model``'s code allows (call once, before any CUDA graph is
+    captured): Triton's on CUDA; on the CPU, with ``cpu_kernels_cache`` (the cache folder under which
+    ``llm_api.kernels.cpu`` builds its library), the C kernels, where they build. With ``layers``, also the fused decoder layers
+    (``llm_api.engine.fused_layers``). Returns what was swapped: {"rms_norm": modules, "rotary": modeling
+    modules, "layers": decoder layers, "merged": attention and MLP modules whose projections run as one
+    product, "head": 1 where the output head's few-row product is the kernel set's}."""
     from llm_api.kernels import triton_usable
 
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
-    if device.type != "cuda" or not triton_usable(device):
-        return dict(NOTHING_FUSED)
-    return install(model, layers)
+    if device.type == "cuda" and triton_usable(device):
+        return install(model, layers)
+    if device.type == "cpu" and cpu_kernels_cache is not None and all(p.device.type == "cpu" for p in model.parameters()):
+        from llm_api.kernels import cpu as cpu_kernels
+
+        if cpu_kernels.load(cpu_kernels_cache):
+            return install(model, layers, cpu_kernels)
+    disable(model)  # (an earlier engine on this model may have installed them)
+    return dict(NOTHING_FUSED)
 
 
-def install(model: nn.Module, layers: bool = True) -> dict[str, int]:
-    """``enable`` without its device check: on CPU the kernels run only under Triton's interpreter (the
-    tests, tests/engine/test_fused_layers.py)."""
+def install(model: nn.Module, layers: bool = True, kernels: Any = fused_layers.TRITON_KERNELS) -> dict[str, int]:
+    """``enable`` without its device check, with the kernel set given (the Triton set runs on CPU only under
+    Triton's interpreter: the tests, tests/engine/test_fused_layers.py)."""
     norms = fusable_norms(model)
     for module in norms:
+        fused_layers.set_kernels(module, kernels)
         if "forward" not in module.__dict__:  # (already swapped by an earlier engine on this model)
             module.forward = _fused_norm_forward(module)
     modeling_modules = rotary_modeling_modules(model)
@@ -156,17 +164,20 @@ def install(model: nn.Module, layers: bool = True) -> dict[str, int]:
         if namespace["apply_rotary_pos_emb"] not in _ROTARY_ORIGINALS:
             namespace["apply_rotary_pos_emb"] = _rotary_dispatcher(namespace["apply_rotary_pos_emb"])
     rotary = len(modeling_modules)
+    fused_layers.set_kernels(model, kernels)
     if rotary and "forward" not in model.__dict__:
         model.forward = types.MethodType(_fused_model_forward, model)
     elif rotary and not _is_fused(model.__dict__["forward"]):  # (someone else's wrapper: leave it be)
         rotary = 0
     fused = dict(NOTHING_FUSED, rms_norm=len(norms), rotary=rotary)
     if layers:
-        fused.update(fused_layers.enable(model, norms, modeling_modules if rotary else []))
+        fused.update(fused_layers.enable(model, norms, modeling_modules if rotary else [], kernels))
     else:
         fused_layers.disable(model)
-    logger.info("fused GPU kernels: %d RMSNorm modules, rotary embedding in %d modeling modules, %d decoder layers "
-                "(%d attention and MLP modules with merged products)", len(norms), rotary, fused["layers"],
+        for module in [*norms, model]:
+            fused_layers.set_kernels(module, kernels)  # (disable dropped them; the norms still run fused)
+    logger.info("fused %s kernels: %d RMSNorm modules, rotary embedding in %d modeling modules, %d decoder layers "
+                "(%d attention and MLP modules with merged products)", kernels.name, len(norms), rotary, fused["layers"],
                 fused["merged"])
     return fused
 

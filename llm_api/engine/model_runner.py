@@ -25,9 +25,10 @@ With ``enable_decode_graphs`` (a backend that ``supports_cuda_graphs``), a step 
 feeds one token id and samples, and which fits the largest captured size, goes through
 ``DecodeGraphRunner``.
 
-With ``fused_kernels`` (CUDA), RMSNorm and the rotary embedding run as one Triton kernel each
-(``llm_api.engine.fused_ops``), and with ``fused_layers`` too, Llama-code decoder layers run merged
-products and fused residual sums (``llm_api.engine.fused_layers``).
+With ``fused_kernels``, RMSNorm and the rotary embedding run as one kernel each (``llm_api.engine.fused_ops``:
+Triton's on CUDA; on the CPU, given ``cpu_kernels_cache``, ``llm_api.kernels.cpu``'s C kernels), and with
+``fused_layers`` too, Llama-code decoder layers run merged products and fused residual sums
+(``llm_api.engine.fused_layers``).
 
 With a LoRA registry, each request's packed tokens are tagged with its adapter (``Request.lora_id``) and
 the forward runs inside ``llm_api.lora.context.lora_step``: the wrapped linears add each row's delta.
@@ -90,7 +91,7 @@ class BlockTables:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: PagedKVCache, backend: AttentionBackend, lora: Any = None,
-                 fused_kernels: bool = False, fused_layers: bool = True):
+                 fused_kernels: bool = False, fused_layers: bool = True, cpu_kernels_cache: str | None = None):
         self.model = model
         self.lora = lora  # llm_api.lora.registry.LoraRegistry, or None
         self.kv_cache = kv_cache
@@ -112,11 +113,11 @@ class ModelRunner:
         self.logits_device = (execution_device(model, output_embeddings) if output_embeddings is not None
                               else self.input_device)
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        # Last (enable wraps model.forward, whose signature was read above); CUDA only; before the engine
+        # Last (enable wraps model.forward, whose signature was read above); before the engine
         # captures its graphs, which record whichever kernels the forward launches.
         self.fused = dict(fused_ops.NOTHING_FUSED)
         if fused_kernels:
-            self.fused = fused_ops.enable(model, layers=fused_layers)
+            self.fused = fused_ops.enable(model, layers=fused_layers, cpu_kernels_cache=cpu_kernels_cache)
         else:  # (an earlier engine on this model may have enabled them)
             fused_ops.disable(model)
 

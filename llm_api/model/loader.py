@@ -127,6 +127,16 @@ def _triton_hidden(hide: bool) -> Iterator[None]:
             del sys.modules["triton"]
 
 
+def _cpu_kernels_ahead(settings: Settings, on_gpu: bool) -> bool:
+    """The paged engine will run this CPU model's decoder layers with ``llm_api.kernels.cpu`` (FUSED_KERNELS
+    on and the library builds: built here, once per host, so the layout can be chosen for it)."""
+    if on_gpu or not settings.fused_kernels or settings.engine != "paged" or settings.cpu_packed_weights != "auto":
+        return False
+    from llm_api.kernels import cpu as cpu_kernels
+
+    return cpu_kernels.load(settings.cache_dir)
+
+
 def load(settings: Settings) -> LoadedModel:
     path = Path(settings.model_path)
     if not (path / "config.json").is_file():
@@ -161,7 +171,8 @@ def _load(settings: Settings, path: Path, device_map, cuda: bool) -> LoadedModel
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model.eval()
-    layout = "plain" if quant is not None else weight_layout(settings.cpu_packed_weights, dtype, on_cpu=not on_gpu)
+    layout = "plain" if quant is not None else weight_layout(settings.cpu_packed_weights, dtype, on_cpu=not on_gpu,
+                                                             cpu_kernels=_cpu_kernels_ahead(settings, on_gpu))
     if layout == "packed":
         packed = pack_linear_weights(model)
         if packed:

@@ -315,6 +315,7 @@ class Settings:
         "one more copy of the embedding); `split`: products of up to 128 rows split across the cores along the "
         "output features, over the weights as loaded (+26% batch-1 decode over packed in float32 on an AMD EPYC "
         "with avx2, where one-row products otherwise run on one core); `false`: torch's `F.linear`. `auto`: "
+        "the weights as loaded where the CPU kernels run (`FUSED_KERNELS`: their products read them), else "
         "bfloat16 packed (a CPU without bfloat16 instructions cannot pack them and keeps `F.linear`, logged), "
         "float32 split on AMD CPUs and `F.linear` on others (MKL's float32 products use the cores on an Intel "
         "Xeon). Measured: docs/benchmarks.md, \"Where a CPU decode step goes\"",
@@ -368,10 +369,14 @@ class Settings:
                                 "capture the decode step in CUDA graphs (GPU only); `false` runs it eagerly")
     fused_kernels: bool = setting(
         "FUSED_KERNELS", True,
-        "on a GPU, one Triton kernel for each RMSNorm and each layer's rotary embedding instead of transformers' eight "
-        "and ten small ones, and decoder layers of Llama's code with q/k/v and gate/up merged into one product each "
-        "and the residual sums fused into the norms (only where the model's code is Llama's, checked by bytecode: "
-        "Llama, Mistral, Qwen2/3, ...; docs/benchmarks.md \"GPU\"); `false` keeps transformers' code")
+        "one kernel for each RMSNorm and each layer's rotary embedding instead of transformers' eight and ten small "
+        "ones, and decoder layers of Llama's code with q/k/v and gate/up merged into one product each and the "
+        "residual sums fused into the norms (only where the model's code is Llama's, checked by bytecode: Llama, "
+        "Mistral, Qwen2/3, ...): Triton kernels on a GPU (docs/benchmarks.md \"GPU\"); on a CPU, C kernels built "
+        "once per host with the system compiler (`cc`) under `LLM_API_CACHE` (`cpu-kernels/`), which also run "
+        "a step's products of up to 16 rows and a decode step's paged attention, each layer in two calls "
+        "(docs/benchmarks.md \"CPU kernels\"; no compiler: transformers' code, logged); `false` keeps "
+        "transformers' code")
     cuda_graph_max_batch_size: int = setting(
         "CUDA_GRAPH_MAX_BATCH_SIZE", 128,
         "largest captured decode batch (capped by `MAX_NUM_SEQS`); larger batches run eagerly", minimum=1)

@@ -28,8 +28,9 @@ def _model(arch: str):
 
 @pytest.fixture
 def fused_on_cpu(monkeypatch):
-    """The engine's ``fused_ops.enable`` without its device check."""
-    monkeypatch.setattr(fused_ops, "enable", fused_ops.install)
+    """The engine's ``fused_ops.enable`` without its device check (the Triton set, under the interpreter)."""
+    monkeypatch.setattr(fused_ops, "enable", lambda model, layers=True, cpu_kernels_cache=None:
+                        fused_ops.install(model, layers))
 
 
 def _generate_both(model, reference, **config):

@@ -6,6 +6,7 @@ out as the setting says."""
 from __future__ import annotations
 
 import logging
+import shutil
 
 import pytest
 import torch
@@ -96,17 +97,21 @@ def test_engine_on_packed_or_split_float32_weights_matches_generate(arch, layout
 
 
 def test_the_loader_lays_out_weights_as_the_setting_says(embedded_model_path):
-    """Through the loader (the servers' path): bfloat16 packed where this CPU can, float32 split on AMD CPUs,
-    each when asked. (The packed embedded model's answers: tests/engine/test_bf16.py, against generate().)"""
+    """Through the loader (the servers' path): the weights as loaded where the CPU kernels will run (their
+    products read them); else bfloat16 packed where this CPU can, float32 split on AMD CPUs; each when
+    asked. (The packed embedded model's answers: tests/engine/test_bf16.py, against generate().)"""
     amd = cpu.cpu_vendor() == "AuthenticAMD"
     splits = SplitLinear if torch.get_num_threads() > 1 else nn.Linear  # (one thread: nothing to split across)
-    for dtype, mode, expect in [("bfloat16", "auto", PackedLinear if _bf16_packs() else nn.Linear),
-                                ("bfloat16", "false", nn.Linear), ("float32", "auto", splits if amd else nn.Linear),
-                                ("float32", "true", PackedLinear), ("float32", "split", splits)]:
+    kernels = shutil.which("cc") is not None or shutil.which("gcc") is not None
+    for dtype, mode, fused, expect in [
+            ("bfloat16", "auto", "false", PackedLinear if _bf16_packs() else nn.Linear),
+            ("bfloat16", "auto", "true", nn.Linear if kernels else PackedLinear if _bf16_packs() else nn.Linear),
+            ("bfloat16", "false", "true", nn.Linear), ("float32", "auto", "false", splits if amd else nn.Linear),
+            ("float32", "true", "true", PackedLinear), ("float32", "split", "true", splits)]:
         settings = Settings.from_env({"MODEL_PATH": str(embedded_model_path), "DTYPE": dtype,
-                                      "CPU_PACKED_WEIGHTS": mode})
+                                      "CPU_PACKED_WEIGHTS": mode, "FUSED_KERNELS": fused})
         model = load(settings).model
-        assert type(model.lm_head) is expect, (dtype, mode)
+        assert type(model.lm_head) is expect, (dtype, mode, fused)
         assert expect is nn.Linear or not any(type(m) is nn.Linear for m in model.modules())
         if expect is SplitLinear:  # the tied lm_head still computes with the embedding's own tensor
             assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()

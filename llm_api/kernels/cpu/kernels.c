@@ -1,0 +1,449 @@
+/* CPU kernels for a decode step's products and its small per-layer ops (llm_api.kernels.cpu states the
+ * contract, the build and why they are hand-written). Plain C with a C ABI, called through ctypes with raw
+ * pointers: no torch headers, so a build takes about a second where a C compiler exists. Built with
+ * -march=native on the host that runs it (the vector paths below are picked by the compiler's own macros)
+ * and -ffp-contract=off (no multiply-add fused where torch's elementwise ops round twice).
+ *
+ * Tensors are row-major, sizes and strides in elements; bfloat16 travels as uint16_t. A product sums in
+ * float32 and rounds once to its output's dtype (to nearest even), as torch's CPU products do; elementwise
+ * ops round where transformers' code does (each torch op on a bfloat16 tensor computes in float32 and
+ * rounds its result).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <immintrin.h>
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+}
+
+static inline uint16_t f32_to_bf16(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* a NaN stays a NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+/* A value of the tensor's dtype (dtype 0: float32, 1: bfloat16) as float, and a float rounded into one. */
+static inline float load_as_f32(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+static inline void store_from_f32(void *p, int64_t i, float v, int bf16) {
+    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(v); else ((float *)p)[i] = v;
+}
+static inline float rounded(float v, int bf16) { return bf16 ? round_bf16(v) : v; }
+
+/* ---------------------------------------------------------------------------------------------------
+ * Products, tile by tile: up to MR input rows against 4 weight rows, MR x 4 float32 sums kept in vector
+ * registers over the whole of K. The 4 weight rows (4 x K elements: 4.5 KiB for K = 576 in bfloat16) stay
+ * in L1 while every chunk of input rows passes over them, so each weight byte is read from memory once
+ * per call, whatever the number of input rows. */
+
+/* Weight rows ahead of the ones being read whose lines are prefetched: the next block of 4 rows (contiguous in
+ * memory after this one). A row is only 1-3 KiB and a block reads 4 of them side by side, too short for the
+ * hardware's stream prefetcher to ramp up: bfloat16 products read 11.6 GB/s without this. */
+#define PREFETCH_ROWS 8
+
+#if defined(__AVX512F__)
+#define MR 4
+#else
+#define MR 2
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+static inline float hsum256(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+#endif
+
+/* The weight's 4 rows are passed as 4 pointers: a block of fewer rows repeats its first (not written). */
+static inline __attribute__((always_inline)) void tile_f32(const float *x, int64_t ldx, const float *const w[4],
+                                                           int64_t k, const int mr, float out[MR][4]) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 acc[MR][4];
+    for (int a = 0; a < mr; a++) for (int b = 0; b < 4; b++) acc[a][b] = _mm512_setzero_ps();
+    for (; i < k; i += 16) {
+        __mmask16 mask = k - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - i)) - 1);
+        __m512 wv[4];
+        for (int b = 0; b < 4; b++) {
+            _mm_prefetch((const char *)(w[b] + PREFETCH_ROWS * k + i), _MM_HINT_T0);
+            wv[b] = _mm512_maskz_loadu_ps(mask, w[b] + i);
+        }
+        for (int a = 0; a < mr; a++) {
+            __m512 xv = _mm512_maskz_loadu_ps(mask, x + a * ldx + i);
+            for (int b = 0; b < 4; b++) acc[a][b] = _mm512_fmadd_ps(wv[b], xv, acc[a][b]);
+        }
+    }
+    for (int a = 0; a < mr; a++) for (int b = 0; b < 4; b++) out[a][b] = _mm512_reduce_add_ps(acc[a][b]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[MR][4];
+    for (int a = 0; a < mr; a++) for (int b = 0; b < 4; b++) acc[a][b] = _mm256_setzero_ps();
+    for (; i + 8 <= k; i += 8) {
+        __m256 wv[4];
+        for (int b = 0; b < 4; b++) {
+            _mm_prefetch((const char *)(w[b] + PREFETCH_ROWS * k + i), _MM_HINT_T0);
+            wv[b] = _mm256_loadu_ps(w[b] + i);
+        }
+        for (int a = 0; a < mr; a++) {
+            __m256 xv = _mm256_loadu_ps(x + a * ldx + i);
+            for (int b = 0; b < 4; b++) acc[a][b] = _mm256_fmadd_ps(wv[b], xv, acc[a][b]);
+        }
+    }
+    for (int a = 0; a < mr; a++) for (int b = 0; b < 4; b++) out[a][b] = hsum256(acc[a][b]);
+#else
+    for (int a = 0; a < mr; a++) for (int b = 0; b < 4; b++) out[a][b] = 0.0f;
+#endif
+    for (; i < k; i++)
+        for (int a = 0; a < mr; a++) for (int b = 0; b < 4; b++) out[a][b] += w[b][i] * x[a * ldx + i];
+}
+
+static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, int64_t ldx,
+                                                            const uint16_t *const w[4], int64_t k, const int mr,
+                                                            float out[MR][4]) {
+    int64_t i = 0;
+#if defined(__AVX512BF16__)
+    __m512 acc[MR][4];
+    for (int a = 0; a < mr; a++) for (int b = 0; b < 4; b++) acc[a][b] = _mm512_setzero_ps();
+    for (; i < k; i += 32) {
+        __mmask32 mask = k - i >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (k - i)) - 1);
+        __m512bh wv[4];
+        for (int b = 0; b < 4; b++) {
+            _mm_prefetch((const char *)(w[b] + PREFETCH_ROWS * k + i), _MM_HINT_T0);
+            wv[b] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w[b] + i);
+        }
+        for (int a = 0; a < mr; a++) {
+            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + a * ldx + i);
+            for (int b = 0; b < 4; b++) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], wv[b], xv);
+        }
+    }
+    for (int a = 0; a < mr; a++) for (int b = 0; b < 4; b++) out[a][b] = _mm512_reduce_add_ps(acc[a][b]);
+#elif defined(__AVX512F__)
+#define WIDEN16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+    __m512 acc[MR][4];
+    for (int a = 0; a < mr; a++) for (int b = 0; b < 4; b++) acc[a][b] = _mm512_setzero_ps();
+    for (; i + 16 <= k; i += 16) {
+        __m512 wv[4];
+        for (int b = 0; b < 4; b++) {
+            _mm_prefetch((const char *)(w[b] + PREFETCH_ROWS * k + i), _MM_HINT_T0);
+            wv[b] = WIDEN16(w[b] + i);
+        }
+        for (int a = 0; a < mr; a++) {
+            __m512 xv = WIDEN16(x + a * ldx + i);
+            for (int b = 0; b < 4; b++) acc[a][b] = _mm512_fmadd_ps(wv[b], xv, acc[a][b]);
+        }
+    }
+#undef WIDEN16
+    for (int a = 0; a < mr; a++) for (int b = 0; b < 4; b++) out[a][b] = _mm512_reduce_add_ps(acc[a][b]);
+#elif defined(__AVX2__) && defined(__FMA__)
+#define WIDEN8(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+    __m256 acc[MR][4];
+    for (int a = 0; a < mr; a++) for (int b = 0; b < 4; b++) acc[a][b] = _mm256_setzero_ps();
+    for (; i + 8 <= k; i += 8) {
+        __m256 wv[4];
+        for (int b = 0; b < 4; b++) {
+            _mm_prefetch((const char *)(w[b] + PREFETCH_ROWS * k + i), _MM_HINT_T0);
+            wv[b] = WIDEN8(w[b] + i);
+        }
+        for (int a = 0; a < mr; a++) {
+            __m256 xv = WIDEN8(x + a * ldx + i);
+            for (int b = 0; b < 4; b++) acc[a][b] = _mm256_fmadd_ps(wv[b], xv, acc[a][b]);
+        }
+    }
+#undef WIDEN8
+    for (int a = 0; a < mr; a++) for (int b = 0; b < 4; b++) out[a][b] = hsum256(acc[a][b]);
+#else
+    for (int a = 0; a < mr; a++) for (int b = 0; b < 4; b++) out[a][b] = 0.0f;
+#endif
+    for (; i < k; i++)
+        for (int a = 0; a < mr; a++)
+            for (int b = 0; b < 4; b++) out[a][b] += bf16_to_f32(w[b][i]) * bf16_to_f32(x[a * ldx + i]);
+}
+
+#define ROWS_PER_TASK 16
+#define AT_MOST_MR(n) ((n) <= MR ? (n) : MR)
+
+/* y[r, n] = sum_k x[r, k] * w[n, k] (+ bias[n]) for r < m, n < n_out; w contiguous [n_out, k]; the weight's
+ * rows split in blocks of ROWS_PER_TASK over the threads. */
+#define PRODUCT(NAME, T, TILE, TO_OUT, BIAS)                                                                     \
+    int NAME(const T *x, int64_t ldx, const T *w, const T *bias, T *y, int64_t ldy, int64_t m, int64_t n_out,   \
+             int64_t k, int threads) {                                                                           \
+        int64_t tasks = (n_out + ROWS_PER_TASK - 1) / ROWS_PER_TASK;                                            \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                                        \
+        for (int64_t t = 0; t < tasks; t++) {                                                                    \
+            int64_t end = (t + 1) * ROWS_PER_TASK < n_out ? (t + 1) * ROWS_PER_TASK : n_out;                     \
+            for (int64_t j = t * ROWS_PER_TASK; j < end; j += 4) {                                               \
+                int rows = end - j < 4 ? (int)(end - j) : 4;                                                     \
+                const T *wr[4];                                                                                  \
+                for (int b = 0; b < 4; b++) wr[b] = w + (j + (b < rows ? b : 0)) * k;                            \
+                for (int64_t r = 0; r < m;) {                                                                    \
+                    int take = m - r >= MR ? MR : (int)(m - r);                                                  \
+                    float sums[MR][4];                                                                           \
+                    const T *xr = x + r * ldx;                                                                   \
+                    switch (take) {                                                                              \
+                        case 1: TILE(xr, ldx, wr, k, 1, sums); break;                                            \
+                        case 2: TILE(xr, ldx, wr, k, AT_MOST_MR(2), sums); break;                                \
+                        case 3: TILE(xr, ldx, wr, k, AT_MOST_MR(3), sums); break;                                \
+                        default: TILE(xr, ldx, wr, k, MR, sums); break;                                          \
+                    }                                                                                            \
+                    for (int a = 0; a < take; a++)                                                               \
+                        for (int b = 0; b < rows; b++)                                                           \
+                            y[(r + a) * ldy + j + b] = TO_OUT(bias ? sums[a][b] + BIAS(bias[j + b]) : sums[a][b]); \
+                    r += take;                                                                                   \
+                }                                                                                                \
+            }                                                                                                    \
+        }                                                                                                        \
+        return 0;                                                                                                \
+    }
+
+#define IDENTITY(v) (v)
+PRODUCT(llm_linear_f32, float, tile_f32, IDENTITY, IDENTITY)
+PRODUCT(llm_linear_bf16, uint16_t, tile_bf16, f32_to_bf16, bf16_to_f32)
+
+/* ---------------------------------------------------------------------------------------------------
+ * Elementwise ops, with transformers' rounding. dtype: 0 float32, 1 bfloat16 (every tensor of a call has it). */
+
+/* Llama's RMSNorm of rows [m, d] (row strides ldx, ldo): weight * (x * rsqrt(mean(x^2) + eps)).to(dtype).
+ * With residual (add_rms_norm): total = residual + x, rounded to the dtype and written to total (row stride
+ * ldt), then normalized: a layer's residual sum and the next norm in one pass. */
+int llm_rms_norm(const void *x, int64_t ldx, const void *residual, int64_t ldr, void *total, int64_t ldt,
+                 const void *weight, void *out, int64_t ldo, int64_t m, int64_t d, float eps, int bf16, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (m * d >= 65536)
+    for (int64_t r = 0; r < m; r++) {
+        float squares = 0.0f;
+        for (int64_t i = 0; i < d; i++) {
+            float v = load_as_f32(x, r * ldx + i, bf16);
+            if (residual) {
+                v = rounded(load_as_f32(residual, r * ldr + i, bf16) + v, bf16);
+                store_from_f32(total, r * ldt + i, v, bf16);
+            }
+            squares += v * v;
+        }
+        float scale = 1.0f / sqrtf(squares / (float)d + eps);
+        for (int64_t i = 0; i < d; i++) {
+            float v = residual ? load_as_f32(total, r * ldt + i, bf16) : load_as_f32(x, r * ldx + i, bf16);
+            store_from_f32(out, r * ldo + i, load_as_f32(weight, i, bf16) * rounded(v * scale, bf16), bf16);
+        }
+    }
+    return 0;
+}
+
+/* silu(gate) * up of rows [m, 2 * inter] (gate first, row stride ldx) into out [m, inter] (contiguous):
+ * the activation rounded to the dtype, then the product rounded (Llama's MLP: act_fn(gate) * up). */
+int llm_silu_and_mul(const void *gate_up, int64_t ldx, void *out, int64_t m, int64_t inter, int bf16, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (m * inter >= 65536)
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t i = 0; i < inter; i++) {
+            float g = load_as_f32(gate_up, r * ldx + i, bf16);
+            float activated = rounded(g / (1.0f + expf(-g)), bf16);
+            store_from_f32(out, r * inter + i, activated * load_as_f32(gate_up, r * ldx + inter + i, bf16), bf16);
+        }
+    return 0;
+}
+
+/* Llama's rotary embedding of x [b, h, t, dim] (element strides xs[3], last dimension contiguous) into out
+ * (strides os[3]) by cos and sin [b or 1, t, dim] (strides cs[2]: batch, token):
+ *   out[:half] = x[:half] * cos[:half] - x[half:] * sin[:half],  out[half:] = x[half:] * cos[half:] + x[:half] * sin[half:]
+ * each product rounded to the dtype before the sum (the reference's separate elementwise ops). */
+int llm_rotary(const void *x, const int64_t *xs, void *out, const int64_t *os, const void *cos, const void *sin,
+               const int64_t *cs, int64_t b, int64_t h, int64_t t, int64_t dim, int bf16, int threads) {
+    int64_t half = dim / 2;
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(static) if (b * h * t * dim >= 65536)
+    for (int64_t bi = 0; bi < b; bi++)
+        for (int64_t hi = 0; hi < h; hi++)
+            for (int64_t ti = 0; ti < t; ti++) {
+                int64_t xo = bi * xs[0] + hi * xs[1] + ti * xs[2], oo = bi * os[0] + hi * os[1] + ti * os[2];
+                int64_t co = bi * cs[0] + ti * cs[1];
+                for (int64_t i = 0; i < half; i++) {
+                    float x1 = load_as_f32(x, xo + i, bf16), x2 = load_as_f32(x, xo + half + i, bf16);
+                    float c1 = load_as_f32(cos, co + i, bf16), c2 = load_as_f32(cos, co + half + i, bf16);
+                    float s1 = load_as_f32(sin, co + i, bf16), s2 = load_as_f32(sin, co + half + i, bf16);
+                    store_from_f32(out, oo + i, rounded(x1 * c1, bf16) - rounded(x2 * s1, bf16), bf16);
+                    store_from_f32(out, oo + half + i, rounded(x2 * c2, bf16) + rounded(x1 * s2, bf16), bf16);
+                }
+            }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------
+ * A Llama decoder layer at a decode step's few rows, in two calls around the attention (which stays with
+ * the engine's paged-attention code): every product and elementwise op of the layer, with the same
+ * rounding as the ops above one by one, and no tensor handed back to Python that Python does not use. */
+
+static int product(const void *x, int64_t ldx, const void *w, const void *bias, void *y, int64_t ldy, int64_t m,
+                   int64_t n, int64_t k, int bf16, int threads) {
+    if (bf16) return llm_linear_bf16(x, ldx, w, bias, y, ldy, m, n, k, threads);
+    return llm_linear_f32(x, ldx, w, bias, y, ldy, m, n, k, threads);
+}
+
+static size_t size_of(int bf16) { return bf16 ? 2 : 4; }
+
+/* Before the attention: normed = input norm of hidden [m, d] (or normed_in, handed over by the layer before);
+ * qkv [m, n_q + 2 n_kv] = normed x w_qkv (+ b_qkv); q_out [m, n_q] and k_out [m, n_kv] rotated by cos and
+ * sin [m, head_dim] (row stride cos_ld); v stays in qkv. */
+int llm_layer_in(const void *hidden, const void *normed_in, const void *norm_weight, float eps, const void *w_qkv,
+                 const void *b_qkv, int64_t n_q, int64_t n_kv, int64_t head_dim, const void *cos, const void *sin,
+                 int64_t cos_ld, void *qkv, void *q_out, void *k_out, int64_t m, int64_t d, int bf16, int threads) {
+    size_t es = size_of(bf16);
+    void *scratch = NULL;
+    const void *normed = normed_in;
+    if (!normed) {
+        scratch = malloc(m * d * es);
+        if (!scratch) return 1;
+        llm_rms_norm(hidden, d, NULL, 0, NULL, 0, norm_weight, scratch, d, m, d, eps, bf16, 1);
+        normed = scratch;
+    }
+    int64_t width = n_q + 2 * n_kv;
+    product(normed, d, w_qkv, b_qkv, qkv, width, m, width, d, bf16, threads);
+    free(scratch);
+    int64_t cs[2] = {0, cos_ld};
+    int64_t qs[3] = {0, head_dim, width}, qo[3] = {0, head_dim, n_q};
+    llm_rotary(qkv, qs, q_out, qo, cos, sin, cs, 1, n_q / head_dim, m, head_dim, bf16, 1);
+    int64_t ko[3] = {0, head_dim, n_kv};
+    llm_rotary((const char *)qkv + n_q * es, qs, k_out, ko, cos, sin, cs, 1, n_kv / head_dim, m, head_dim, bf16, 1);
+    return 0;
+}
+
+/* After the attention: o = attn [m, n_attn] (row stride lda) x w_o; h = hidden + o; the MLP of
+ * post-norm(h): down(silu(gate) * up); hidden_out = h + mlp, and with next_weight, normed_out = the next
+ * norm of hidden_out (the next layer's input norm, or the model's final norm). */
+int llm_layer_out(const void *attn, int64_t lda, const void *hidden, const void *w_o, const void *b_o,
+                  const void *post_weight, float post_eps, const void *w_gate_up, const void *b_gate_up,
+                  const void *w_down, const void *b_down, const void *next_weight, float next_eps, void *hidden_out,
+                  void *normed_out, int64_t m, int64_t d, int64_t n_attn, int64_t inter, int bf16, int threads) {
+    size_t es = size_of(bf16);
+    char *scratch = (char *)malloc((size_t)m * (4 * d + 3 * inter) * es);
+    if (!scratch) return 1;
+    char *o = scratch, *h = o + m * d * es, *normed = h + m * d * es, *gate_up = normed + m * d * es;
+    char *act = gate_up + 2 * m * inter * es, *down = act + m * inter * es;
+    product(attn, lda, w_o, b_o, o, d, m, d, n_attn, bf16, threads);
+    llm_rms_norm(o, d, hidden, d, h, d, post_weight, normed, d, m, d, post_eps, bf16, 1);
+    product(normed, d, w_gate_up, b_gate_up, gate_up, 2 * inter, m, 2 * inter, d, bf16, threads);
+    llm_silu_and_mul(gate_up, 2 * inter, act, m, inter, bf16, 1);
+    product(act, inter, w_down, b_down, down, d, m, d, inter, bf16, threads);
+    if (next_weight) {
+        llm_rms_norm(down, d, h, d, hidden_out, d, next_weight, normed_out, d, m, d, next_eps, bf16, 1);
+    } else {
+        for (int64_t i = 0; i < m * d; i++)
+            store_from_f32(hidden_out, i, load_as_f32(h, i, bf16) + load_as_f32(down, i, bf16), bf16);
+    }
+    free(scratch);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------
+ * Paged attention of a decode step: each of b sequences has one new token. Its key and value rows
+ * (k_new, v_new [b, h_kv, dim], row strides ld_k, ld_v) are stored at the pool row slots[s] (< 0: stored nowhere)
+ * of key_cache / value_cache [blocks, block_size, h_kv, dim] (contiguous), then its query heads q [b, h_q,
+ * dim] (row stride ld_q) attend to its context_lens[s] tokens, found through block_tables[s, :] (row stride
+ * ld_bt): softmax(q . k * scaling) . v in float32, out [b, h_q, dim] (contiguous) rounded once. The query
+ * heads h_kv * group .. h_kv * group + group - 1 share key/value head h_kv (transformers' repeat_kv order). */
+
+static inline float dot_f32(const float *a, const void *b, int64_t n, int bf16) {
+    float sum = 0.0f;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    if (bf16) {
+        for (; i + 16 <= n; i += 16) {
+            __m512 bv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)b + i))), 16));
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), bv, acc);
+        }
+    } else {
+        for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps((const float *)b + i), acc);
+    }
+    sum = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    if (bf16) {
+        for (; i + 8 <= n; i += 8) {
+            __m256 bv = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)b + i))), 16));
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), bv, acc);
+        }
+    } else {
+        for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps((const float *)b + i), acc);
+    }
+    sum = hsum256(acc);
+#endif
+    for (; i < n; i++) sum += a[i] * load_as_f32(b, i, bf16);
+    return sum;
+}
+
+int llm_paged_decode(const void *q, int64_t ld_q, const void *k_new, int64_t ld_k, const void *v_new, int64_t ld_v,
+                     void *key_cache,
+                     void *value_cache, const int64_t *slots, const int64_t *block_tables, int64_t ld_bt,
+                     const int64_t *context_lens, void *out, int64_t b, int64_t h_q, int64_t h_kv, int64_t dim,
+                     int64_t block_size, float scaling, int bf16, int threads) {
+    size_t es = size_of(bf16);
+    size_t row_bytes = (size_t)h_kv * dim * es;
+    for (int64_t s = 0; s < b; s++) {
+        if (slots[s] < 0) continue;
+        memcpy((char *)key_cache + slots[s] * row_bytes, (const char *)k_new + s * ld_k * es, row_bytes);
+        memcpy((char *)value_cache + slots[s] * row_bytes, (const char *)v_new + s * ld_v * es, row_bytes);
+    }
+    int64_t group = h_q / h_kv;
+    int failed = 0;
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(dynamic, 1)
+    for (int64_t s = 0; s < b; s++) {
+        for (int64_t h = 0; h < h_kv; h++) {
+            int64_t length = context_lens[s];
+            float *scratch = (float *)malloc(((size_t)length * group + (size_t)dim * 2 * group) * sizeof(float));
+            if (!scratch) { failed = 1; continue; }
+            float *scores = scratch, *query = scratch + length * group, *acc = query + dim * group;
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t i = 0; i < dim; i++) {
+                    query[g * dim + i] = load_as_f32(q, s * ld_q + (h * group + g) * dim + i, bf16);
+                    acc[g * dim + i] = 0.0f;
+                }
+            float top[64], total[64];
+            float *maxima = group <= 64 ? top : (float *)malloc(group * sizeof(float));
+            float *sums = group <= 64 ? total : (float *)malloc(group * sizeof(float));
+            for (int64_t g = 0; g < group; g++) maxima[g] = -INFINITY, sums[g] = 0.0f;
+            for (int64_t p = 0; p < length; p++) {
+                int64_t row = block_tables[s * ld_bt + p / block_size] * block_size + p % block_size;
+                const char *key = (const char *)key_cache + (row * h_kv + h) * dim * es;
+                for (int64_t g = 0; g < group; g++) {
+                    float score = dot_f32(query + g * dim, key, dim, bf16) * scaling;
+                    scores[g * length + p] = score;
+                    if (score > maxima[g]) maxima[g] = score;
+                }
+            }
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t p = 0; p < length; p++) {
+                    float e = expf(scores[g * length + p] - maxima[g]);
+                    scores[g * length + p] = e;
+                    sums[g] += e;
+                }
+            for (int64_t p = 0; p < length; p++) {
+                int64_t row = block_tables[s * ld_bt + p / block_size] * block_size + p % block_size;
+                const char *value = (const char *)value_cache + (row * h_kv + h) * dim * es;
+                for (int64_t g = 0; g < group; g++) {
+                    float weight = scores[g * length + p];
+                    float *a = acc + g * dim;
+                    if (bf16) for (int64_t i = 0; i < dim; i++) a[i] += weight * bf16_to_f32(((const uint16_t *)value)[i]);
+                    else for (int64_t i = 0; i < dim; i++) a[i] += weight * ((const float *)value)[i];
+                }
+            }
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t i = 0; i < dim; i++)
+                    store_from_f32(out, (s * h_q + h * group + g) * dim + i, acc[g * dim + i] / sums[g], bf16);
+            if (maxima != top) free(maxima);
+            if (sums != total) free(sums);
+            free(scratch);
+        }
+    }
+    return failed;
+}

@@ -1,0 +1,133 @@
+"""The fused decoder layers with the C kernels (``llm_api.kernels.cpu``) in the engine on the CPU: what a
+server runs by default where a C compiler exists (``FUSED_KERNELS``; the engine's ``cpu_kernels_cache``).
+A decode step of up to 16 rows runs each Llama-code layer whole, in two kernel calls around the paged
+attention (``fused_layers._whole_layer``), which is itself one call (``kernels.cpu.paged_decode``); a
+prefill's many rows run op by op with the C norms, rotary and activation and torch's products. In float32
+the engine's greedy tokens equal ``generate()``'s on the tiny families and the embedded model's equal the
+eager engine's; a projection wrapped after the engine started (what LoRA does) is honoured."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from engine_helpers import TINY_CONFIGS, greedy, make_engine, random_prompt, reference_greedy, run_engine
+from llm_api.kernels import cpu as cpu_kernels
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler: the CPU kernels are not built (transformers' code runs)")
+
+
+def _model(arch: str):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(TINY_CONFIGS[arch](), dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How often each whole-layer kernel ran (a spy around the module's functions)."""
+    counts = {"layer_in": 0, "layer_out": 0, "paged_decode": 0}
+    for name in counts:
+        original = getattr(cpu_kernels, name)
+
+        def spy(*args, _original=original, _name=name, **kwargs):
+            counts[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(cpu_kernels, name, spy)
+    return counts
+
+
+def _arrivals(seed: int) -> dict:
+    """A long prompt (a 20-token prefill: op by op), then a second sequence joining while it decodes (steps of
+    two decode rows, and one mixed step of 6 rows: whole layers, the attention by the engine's backend)."""
+    generator = torch.Generator().manual_seed(seed)
+    return {0: [("a", random_prompt(generator, 20), greedy(8))], 3: [("b", random_prompt(generator, 5), greedy(6))]}
+
+
+# (arch, decoder layers fused, attention and MLP modules merged, layers run whole)
+CASES = [("llama", 2, 4, True),  # all of it
+         ("qwen2", 2, 2, False)]  # its attention's code has a sliding window (and a q/k/v bias): MLPs merged only
+
+
+@pytest.mark.parametrize("arch,layers,merged,whole", CASES, ids=[c[0] for c in CASES])
+def test_cpu_kernels_generate_what_generate_does(tmp_path, calls, arch, layers, merged, whole):
+    model = _model(arch)
+    reference = copy.deepcopy(model)
+    engine = make_engine(model, num_blocks=64, cpu_kernels_cache=str(tmp_path))
+    assert (engine.runner.fused["layers"], engine.runner.fused["merged"], engine.runner.fused["head"]) == (
+        layers, merged, 1)
+    arrivals = _arrivals(3)
+    results = run_engine(engine, arrivals)
+    for arrival in arrivals.values():
+        for request_id, prompt, params in arrival:
+            assert results[request_id][0] == reference_greedy(reference, prompt, params.max_new_tokens), request_id
+    if whole:
+        # (the step where b's 5-token prompt joins a's decode row: 6 rows, run whole, attended by the backend)
+        assert calls["layer_in"] == calls["layer_out"] > calls["paged_decode"] > 0
+    else:
+        assert calls == {"layer_in": 0, "layer_out": 0, "paged_decode": 0}
+
+
+def test_without_a_cache_folder_the_engine_keeps_transformers_code():
+    engine = make_engine(_model("llama"), num_blocks=16)
+    assert engine.runner.fused["layers"] == 0
+
+
+def test_a_projection_wrapped_later_is_honoured(tmp_path, calls):
+    """A projection wrapped after the engine made its layer plans (what a LoRA wrapper does) is called
+    through its wrapper: the plan is remade and the layer runs op by op."""
+
+    class Doubled(nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+
+        def forward(self, x):
+            return 2 * self.base(x)
+
+    model = _model("llama")
+    reference = copy.deepcopy(model)
+    engine = make_engine(model, num_blocks=64, cpu_kernels_cache=str(tmp_path))
+    generator = torch.Generator().manual_seed(8)
+    first = random_prompt(generator, 6)
+    assert run_engine(engine, {0: [("before", first, greedy(4))]})["before"][0] == reference_greedy(reference, first, 4)
+    assert calls["layer_in"] > 0
+    for layer, twin in zip(model.model.layers, reference.model.layers):
+        layer.self_attn.o_proj = Doubled(layer.self_attn.o_proj)
+        twin.self_attn.o_proj = Doubled(twin.self_attn.o_proj)
+    calls["layer_in"] = 0
+    prompt = random_prompt(generator, 7)
+    assert run_engine(engine, {0: [("after", prompt, greedy(6))]})["after"][0] == reference_greedy(reference, prompt, 6)
+    assert calls["layer_in"] == 0
+
+
+def test_the_embedded_model_decodes_as_without_kernels(tmp_path, calls, embedded_lm_fp32):
+    """The real model (SmolLM2-135M, float32), four sequences at once: every token as the eager engine's."""
+    from llm_api.engine.engine import EngineConfig, LLMEngine
+    from llm_api.engine.sampling_params import SamplingParams
+
+    model = embedded_lm_fp32.model
+    prompts = [embedded_lm_fp32.tokenizer(text).input_ids for text in (
+        "The capital of France is", "def fibonacci(n):", "Once upon a time,", "List three colours:")]
+
+    def run(cache: str) -> list[list[int]]:
+        engine = LLMEngine(model, EngineConfig(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=256,
+                                               cpu_kernels_cache=cache), set())
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))
+        tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                tokens[output.request_id] += output.new_token_ids
+        return [tokens[str(i)] for i in range(len(prompts))]
+
+    with_kernels = run(str(tmp_path))
+    assert calls["paged_decode"] >= 11 * 30
+    assert with_kernels == run("")
