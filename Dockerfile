@@ -10,11 +10,11 @@
 FROM python:3.11-slim
 
 ARG TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+# gcc and libc6-dev: the CPU kernels (llm_api/kernels/cpu) are compiled for the CPU the container runs on, at
+# the first start there (about a second; without a compiler the servers run transformers' slower code).
 # Unpinned on purpose: Debian replaces package versions with security updates, so pins break builds;
 # the base image tag fixes the Debian release.
 # hadolint ignore=DL3008
-# gcc and libc6-dev: the CPU kernels (llm_api/kernels/cpu) are compiled for the CPU the container runs on, at
-# the first start there (about a second; without a compiler the servers run transformers' slower code).
 RUN apt-get update \
     && apt-get install -y --no-install-recommends openjdk-17-jre-headless make gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*

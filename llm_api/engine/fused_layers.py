@@ -1,4 +1,5 @@
-"""Decoder layers whose code is Llama's, run as fewer and larger GPU kernels (issue 39).
+"""Decoder layers whose code is Llama's, run as fewer and larger kernels: Triton's on a GPU (issue 39), C
+on a CPU (issue 37; below, "On the CPU").
 
 With ``llm_api.engine.fused_ops`` (one kernel per RMSNorm and per rotary embedding) a batch-1 decode step
 of Llama-3.1-8B on an H200 still launched 17 kernels a layer, 7 of them products, and took 5.3 ms
@@ -43,6 +44,20 @@ activation rounded before its product), so greedy output stays token-identical t
 float32 (tests/engine/test_gpu_fast_path.py; on CPU under Triton's interpreter,
 tests/engine/test_fused_layers.py). Hand-written rather than compiled, for the reason ``fused_ops``
 gives.
+
+Kernel sets: every kernel above is called through the set ``enable`` gave the module (``kernels_of``):
+``TRITON_KERNELS``, or ``llm_api.kernels.cpu`` (the same functions, C compiled for the host). What a set's
+products take is its own rule (``takes_product``: Triton one row, the CPU set up to 16 rows).
+
+On the CPU: a step of rows the set's products take runs a layer whole where it can (``_whole_layer``: the
+layer's q/k/v and gate/up merged and holding, plain o_proj and down, Llama's rotary, one dtype): the set's
+``layer_in`` (input norm, q/k/v product, rotary), the attention, and ``layer_out`` (o_proj, sum + norm,
+gate/up, SiLU x up, down, sum + next norm), two calls where the forward above makes ~20 Python-level calls,
+each ~10-25 us on a CPU (a decode step of the embedded model made ~600 of them). What they read is planned
+once a layer (the set's ``LayerWeights``, kept while the layer holds the same modules and merged weights).
+A pure decode step's attention on the engine's torch backend is one more call (``paged_decode``). The
+rounding is the same as op by op (tests/engine/test_cpu_layers.py: float32 greedy tokens equal
+``generate()``'s).
 """
 
 from __future__ import annotations

@@ -73,9 +73,9 @@ def weight_layout(mode: str, dtype: torch.dtype, on_cpu: bool, vendor: str | Non
                   cpu_kernels: bool = False) -> str:
     """CPU_PACKED_WEIGHTS -> how the linear layers' products run: ``"packed"`` (``PackedLinear``), ``"split"``
     (``llm_api.model.split_linear``: a product of a few rows split across the cores) or ``"plain"``
-    (``F.linear``). ``auto``: plain where ``cpu_kernels`` (the engine's fused decoder layers will run with
-    ``llm_api.kernels.cpu``, whose products of up to 16 rows read the plain weights and beat both layouts
-    below: docs/benchmarks.md, "CPU kernels"); else bfloat16 packed, float32 split on AMD CPUs (measured
+    (``F.linear``). ``auto``: plain where ``cpu_kernels`` (the engine's fused decoder layers will run
+    ``llm_api.kernels.cpu``'s products, whose products of up to 16 rows read the plain weights and beat both
+    layouts below: docs/benchmarks.md, "CPU kernels"); else bfloat16 packed, float32 split on AMD CPUs (measured
     there: split beat packed at decode batch 1 and 4 and matched it at 16, module docstrings) and plain
     elsewhere (MKL's own products on an Intel Xeon). ``true``: packed, ``split``: split, ``false``: plain.
     Never off the CPU. ``vendor``: the CPU's ``vendor_id`` (default: this one's)."""

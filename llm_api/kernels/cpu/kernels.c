@@ -400,6 +400,10 @@ int llm_paged_decode(const void *q, int64_t ld_q, const void *k_new, int64_t ld_
     for (int64_t s = 0; s < b; s++) {
         for (int64_t h = 0; h < h_kv; h++) {
             int64_t length = context_lens[s];
+            if (length <= 0) { /* (nothing to attend: a zero row, not 0 / 0) */
+                for (int64_t i = 0; i < group * dim; i++) store_from_f32(out, (s * h_q + h * group) * dim + i, 0.0f, bf16);
+                continue;
+            }
             float *scratch = (float *)malloc(((size_t)length * group + (size_t)dim * 2 * group) * sizeof(float));
             if (!scratch) { failed = 1; continue; }
             float *scores = scratch, *query = scratch + length * group, *acc = query + dim * group;
