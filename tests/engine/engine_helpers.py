@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
@@ -159,3 +160,15 @@ def run_embedded_chats(tokenizer, model, max_new_tokens: int):
     requests = [(str(i), prompt, greedy(max_new_tokens)) for i, prompt in enumerate(prompts)]
     results = run_engine(engine, {0: requests[:2], 3: requests[2:]})
     return prompts, [results[str(i)][0] for i in range(len(prompts))]
+
+
+class Doubled(nn.Module):
+    """A wrapper around a projection, put in after an engine started (as a LoRA wrapper is): its change (x 2)
+    shows in the output only where the wrapper is called, not skipped by a merged or planned product."""
+
+    def __init__(self, base: nn.Module):
+        super().__init__()
+        self.base = base
+
+    def forward(self, x):
+        return 2 * self.base(x)

@@ -13,9 +13,8 @@ import shutil
 
 import pytest
 import torch
-from torch import nn
 
-from engine_helpers import TINY_CONFIGS, greedy, make_engine, random_prompt, reference_greedy, run_engine
+from engine_helpers import TINY_CONFIGS, Doubled, greedy, make_engine, random_prompt, reference_greedy, run_engine
 from llm_api.kernels import cpu as cpu_kernels
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -83,14 +82,6 @@ def test_without_a_cache_folder_the_engine_keeps_transformers_code():
 def test_a_projection_wrapped_later_is_honoured(tmp_path, calls):
     """A projection wrapped after the engine made its layer plans (what a LoRA wrapper does) is called
     through its wrapper: the plan is remade and the layer runs op by op."""
-
-    class Doubled(nn.Module):
-        def __init__(self, base):
-            super().__init__()
-            self.base = base
-
-        def forward(self, x):
-            return 2 * self.base(x)
 
     model = _model("llama")
     reference = copy.deepcopy(model)

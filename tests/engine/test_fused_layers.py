@@ -10,9 +10,8 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
-from engine_helpers import (TINY_CONFIGS, greedy, make_engine, needs_cpu_triton, random_prompt, reference_greedy,
+from engine_helpers import (TINY_CONFIGS, Doubled, greedy, make_engine, needs_cpu_triton, random_prompt, reference_greedy,
                             run_engine)
 from llm_api.engine import fused_layers, fused_ops
 
@@ -110,14 +109,6 @@ def test_merged_products_share_the_modules_weights():
 def test_a_wrapped_projection_takes_the_modules_path(fused_on_cpu):
     """A projection wrapped after the merge (what LoRA does) is called through its wrapper: the wrapper's
     change shows in the output, where the merged product would have skipped it."""
-
-    class Doubled(nn.Module):
-        def __init__(self, base):
-            super().__init__()
-            self.base = base
-
-        def forward(self, x):
-            return 2 * self.base(x)
 
     model = _model("llama")
     reference = copy.deepcopy(model)
