@@ -1,18 +1,20 @@
 """CPU kernels for the fused decoder layers (``llm_api.engine.fused_layers``, issue 37): a decode step's
 products of a few rows over both cores, and RMSNorm, the residual sum + norm, SiLU x up and the rotary
-embedding each in one pass, with transformers' rounding.
+embedding each in one pass, with transformers' rounding; a Llama layer of such a step in two calls around
+its attention (``layer_in``, ``layer_out``), and a decode step's paged attention in one (``paged_decode``).
 
 Why hand-written, and why C through ctypes. A batch-1 decode step on a 2-core CPU is ~60% weight products
 and ~25% small per-layer ops (docs/benchmarks.md, "Where a CPU decode step goes"). torch runs a one-row
 bfloat16 product at about half the memory's read rate (oneDNN's packed or not), and a one-row float32
 product on one core where MKL is not the library's choice (AMD); the small ops are ~60 tensor ops a layer
 at 3-20 us each, which a Python rewrite did not shorten. ``torch.compile`` fuses the small ops but took
-153 s to compile (issue 37's probe), and its products are torch's. A C file of ~300 lines compiled with
-``-march=native`` in about a second does both: the products as register tiles (up to 4 input rows x 4
-weight rows, float32 sums in vector registers, AVX512-BF16 ``vdpbf16ps`` where the CPU has it, AVX-512 or
-AVX2 FMA otherwise, scalar C elsewhere) over blocks of weight rows split across OpenMP threads (torch's
-own OpenMP runtime: the library resolves ``libgomp.so.1`` to the copy torch loaded), and each elementwise
-op as one loop. Plain C with raw pointers rather than a torch extension: no torch headers to compile
+153 s to compile (issue 37's probe), and its products are torch's. A C file of ~500 lines compiled with
+``-march=native`` in about a second does both, and saves the Python between the ops: the products as
+register tiles (up to 4 input rows x 4 weight rows, float32 sums in vector registers, AVX512-BF16
+``vdpbf16ps`` where the CPU has it, AVX-512 or AVX2 FMA otherwise, scalar C elsewhere) over blocks of
+weight rows split across OpenMP threads (torch's own OpenMP runtime: the library resolves
+``libgomp.so.1`` to the copy torch loaded), and each elementwise op as one loop. Plain C with raw
+pointers rather than a torch extension: no torch headers to compile
 (tens of seconds per build) and no ABI tied to a torch build.
 
 The build: ``load(cache_dir)`` compiles ``kernels.c`` with the system C compiler (``cc``) into
@@ -27,6 +29,8 @@ The contract of each function is its Triton twin's (``llm_api.kernels.rms_norm``
 products win there. Results: elementwise ops bit-identical to transformers' in float32 except the norm's
 sum of squares and the SiLU's ``exp`` (their own order and libm: an ulp or two), products equal up to the
 order of float32 sums; bfloat16 rounded once per op as there (tests/kernels/test_cpu_kernels.py).
+The C side trusts its arguments (shapes, strides, block tables, slots): they come from the engine and the
+model's own tensors, never from a request, and the wrappers here check what the engine does not fix.
 """
 
 from __future__ import annotations
