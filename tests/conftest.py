@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -28,12 +29,13 @@ if TEST_DTYPE not in ("", "bfloat16", "float32"):
     raise pytest.UsageError(f"LLM_API_TEST_DTYPE={TEST_DTYPE!r}: allowed values: bfloat16, float32")
 if TEST_DTYPE:
     os.environ["DTYPE"] = TEST_DTYPE
-# The float32 kind is the 2-core AMD EPYC the suite also runs on: there CPU_PACKED_WEIGHTS=auto splits float32
-# products across the cores (llm_api.model.split_linear), so its servers (which read the real /proc/cpuinfo) are
-# told to split.
+# The float32 kind is the 2-core AMD EPYC the suite also runs on: there CPU_PACKED_WEIGHTS=auto keeps the weights
+# plain for the CPU kernels (llm_api.kernels.cpu) where a C compiler exists, as everywhere, and without one splits
+# float32 products across the cores (llm_api.model.split_linear): so without a compiler its servers (which read
+# the real /proc/cpuinfo) are told to split.
 FORCED_CPUINFO = {"bfloat16": "vendor_id\t: GenuineIntel\nflags\t\t: avx2 avx512f avx512_bf16 amx_bf16\n",
                   "float32": "vendor_id\t: AuthenticAMD\nflags\t\t: avx2\n"}
-if TEST_DTYPE == "float32":
+if TEST_DTYPE == "float32" and not (shutil.which("cc") or shutil.which("gcc")):
     os.environ.setdefault("CPU_PACKED_WEIGHTS", "split")
 
 CLASSIC_CONFIG = """\
