@@ -172,6 +172,11 @@ def kernels_of(module: nn.Module) -> Any:
     return module.__dict__.get(_KERNELS, TRITON_KERNELS)
 
 
+def kernel_sets_in(model: nn.Module) -> list[str]:
+    """The names of the kernel sets installed in ``model``'s modules (empty: transformers' code throughout)."""
+    return sorted({kernels.name for module in model.modules() if (kernels := module.__dict__.get(_KERNELS)) is not None})
+
+
 class MergedProjection:
     """Several ``nn.Linear`` of one input as one product: ``weight`` [sum of outputs, in], ``bias`` or None;
     the modules' parameters are views of them (``merge``)."""

@@ -54,6 +54,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from llm_api.engine import fused_layers
 from llm_api.engine.model_runner import ModelRunner
 from llm_api.engine.request import Request
 from llm_api.engine.sampling_params import SamplingParams
@@ -170,6 +171,7 @@ class BudgetKey:
             "config": model_config.to_dict() if hasattr(model_config, "to_dict") else repr(model_config),
             "dtype": str(next(model.parameters()).dtype),
             "layers": sorted({type(m).__name__ for m in model.modules()}),  # packed, quantized, LoRA-wrapped
+            "kernels": fused_layers.kernel_sets_in(model),  # the fused layers' CPU kernels: a shorter step
         }, sort_keys=True, default=str)
         return cls(
             cpu_model=cpu.cpu_model_name(),
