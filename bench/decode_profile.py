@@ -5,12 +5,19 @@ the paged engine, prefills ``--batch-sizes`` requests of a ``--prompt-tokens`` p
 steps in alternating rounds of two kinds:
 
   plain         ``LLMEngine.step()`` untouched: the step's real time (tok/s = batch / median step);
-  instrumented  the same step with timers around each part: the weight products (every linear layer), the
-                attention over the paged cache (the backend's ``forward``, K/V store included), the rest of
-                the model's forward (norms, rotary embedding, residuals, activations, transformers' Python),
-                sampling (``Sampler``, logits processors included), and what is left of the step: scheduler,
-                packing the inputs, stop checks. The timers add ~1 us per call (211 linear layers per
-                step), so the parts are scaled to the plain step's median.
+  instrumented  the same step with timers around each part: the weight products (every linear layer, and
+                the CPU kernels' ``row_product``: the output head), the CPU kernels' layers in C (a pure
+                decode step's every layer in one ``decode_layers`` call, its attention included; else each
+                layer's two calls ``layer_in`` and ``layer_out``: its products with its norms, rotary and
+                SiLU x up), the attention over the paged cache (the backend's ``forward``, or the CPU kernels'
+                ``paged_decode``; K/V store included), the rest of the model's forward (norms, rotary
+                embedding, residuals, activations, transformers' Python), sampling (``Sampler``, logits
+                processors included), and what is left of the step: scheduler, packing the inputs, stop
+                checks. A part called inside another counts in the outer one only. The timers add ~1 us per
+                call, so the parts are scaled to the plain step's median.
+
+The engine runs as the servers run it: ``--fused true`` (FUSED_KERNELS; on a CPU the C kernels of
+``llm_api.kernels.cpu``, built under LLM_API_CACHE) or ``false`` (transformers' code).
 
 The roofline: ``--bandwidth-gib`` GiB of float32 summed with torch on the same threads (a read-only stream,
 larger than the last-level cache unless that is huge: say so) gives the read bandwidth; one decode step must
@@ -39,6 +46,7 @@ def parse_args():
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--packed", default="auto", choices=["auto", "true", "split", "false"],
                         help="CPU_PACKED_WEIGHTS")
+    parser.add_argument("--fused", default="true", choices=["true", "false"], help="FUSED_KERNELS")
     parser.add_argument("--batch-sizes", default="1,16")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=8, help="decode steps per round and kind")
@@ -80,23 +88,31 @@ def weight_bytes(model) -> int:
 class PartTimers:
     """Wall-clock seconds per part of a step, by wrapping the parts' callables (``install``/``remove``)."""
 
-    PARTS = ("weight products", "attention", "other model ops", "sampling", "scheduler, inputs, stops")
+    PARTS = ("weight products", "layers in C", "attention", "other model ops", "sampling",
+             "scheduler, inputs, stops")
+    LEAVES = ("linear", "layer", "attention")  # (timed only where no other leaf is running)
 
     def __init__(self, engine):
         self.engine = engine
-        self.seconds = dict.fromkeys(("linear", "attention", "forward", "sampling"), 0.0)
+        self.seconds = dict.fromkeys(("linear", "layer", "attention", "forward", "sampling"), 0.0)
         self._undo = []
+        self._inside = [False]
 
     def _wrap(self, owner, attribute, key):
         original = getattr(owner, attribute)
-        seconds = self.seconds
+        seconds, inside, leaf = self.seconds, self._inside, key in self.LEAVES
 
         def timed(*args, **kwargs):
+            if leaf and inside[0]:
+                return original(*args, **kwargs)
+            inside[0] = inside[0] or leaf
             start = time.perf_counter()
             try:
                 return original(*args, **kwargs)
             finally:
                 seconds[key] += time.perf_counter() - start
+                if leaf:
+                    inside[0] = False
 
         own = attribute in vars(owner)  # an instance attribute (restore it) or the class's method (drop ours)
         setattr(owner, attribute, timed)
@@ -110,6 +126,13 @@ class PartTimers:
         self._wrap(engine.runner.backend, "forward", "attention")
         self._wrap(engine.model, "forward", "forward")
         self._wrap(engine, "sampler", "sampling")  # (called as engine.sampler(logits, batch))
+        from llm_api.kernels import cpu as cpu_kernels
+
+        if cpu_kernels.loaded():  # (a kernel set is a module: its functions are looked up at each call)
+            for name, key in (("row_product", "linear"), ("layer_in", "layer"), ("layer_out", "layer"),
+                              ("decode_layers", "layer"),
+                              ("paged_decode", "attention")):
+                self._wrap(cpu_kernels, name, key)
 
     def remove(self):
         for owner, attribute, original in reversed(self._undo):
@@ -160,8 +183,9 @@ def profile_batch(engine, batch_size, prompt_tokens, steps, rounds):
     median = {key: statistics.median(values) for key, values in parts.items()}
     split = {
         "weight products": median["linear"],
+        "layers in C": median["layer"],
         "attention": median["attention"],
-        "other model ops": median["forward"] - median["linear"] - median["attention"],
+        "other model ops": median["forward"] - median["linear"] - median["layer"] - median["attention"],
         "sampling": median["sampling"],
     }
     split["scheduler, inputs, stops"] = max(measured - sum(split.values()), 0.0)
@@ -178,7 +202,7 @@ def main():
     from llm_api.model.loader import load
     from llm_api.model.settings import Settings
 
-    env = dict(os.environ, DTYPE=args.dtype, CPU_PACKED_WEIGHTS=args.packed)
+    env = dict(os.environ, DTYPE=args.dtype, CPU_PACKED_WEIGHTS=args.packed, FUSED_KERNELS=args.fused)
     if args.model:
         env["MODEL_PATH"] = args.model
     settings = Settings.from_env(env)
@@ -187,21 +211,22 @@ def main():
     max_tokens = args.prompt_tokens + args.steps + 4
     engine = LLMEngine(lm.model, EngineConfig(num_blocks=max(batch_sizes) * (-(-max_tokens // 16) + 1) + 8,
                                               max_num_seqs=max(batch_sizes), max_num_batched_tokens=2048,
-                                              enable_prefix_caching=False), set(lm.eos_token_ids))
+                                              enable_prefix_caching=False, fused_kernels=settings.fused_kernels,
+                                              cpu_kernels_cache=settings.cache_dir), set(lm.eos_token_ids))
     bandwidth = read_bandwidth(args.bandwidth_gib)
     weights = weight_bytes(lm.model)
     layout = type(lm.model.get_output_embeddings()).__name__  # Linear, PackedLinear or SplitLinear
     host = describe()
     results = [profile_batch(engine, b, args.prompt_tokens, args.steps, args.rounds) for b in batch_sizes]
-    print(f"\nhost: {host}\n{args.dtype}, products: {layout}; read bandwidth {bandwidth / 1e9:.1f} GB/s "
+    print(f"\nhost: {host}\n{args.dtype}, FUSED_KERNELS={args.fused} ({engine.runner.fused}), products: {layout}; read bandwidth {bandwidth / 1e9:.1f} GB/s "
           f"({args.bandwidth_gib} GiB float32 sum); weights read per step {weights / 1e6:.0f} MB; "
           f"batch-1 roofline {bandwidth / weights:.1f} tok/s\n")
     rows = [[part, *(f"{r['parts_s'][part] * 1e3:.1f} ({r['parts_s'][part] / r['step_s']:.0%})" for r in results)]
             for part in PartTimers.PARTS]
     rows.append(["**step**", *(f"**{r['step_s'] * 1e3:.1f}** = {r['tokens_per_s']:.1f} tok/s" for r in results)])
     print(markdown_table(["part of a decode step", *(f"batch {r['batch_size']} (ms)" for r in results)], rows))
-    products = results[0]["parts_s"]["weight products"]
-    print(f"\nbatch 1: weight products read {weights / products / 1e9:.1f} GB/s "
+    products = results[0]["parts_s"]["weight products"] + results[0]["parts_s"]["layers in C"]
+    print(f"\nbatch {results[0]['batch_size']}: weight products and whole layers read {weights / products / 1e9:.1f} GB/s "
           f"({weights / products / bandwidth:.0%} of the measured bandwidth)")
     if args.out:
         write_json(args.out, {"host": host, "dtype": args.dtype, "products": layout, "bandwidth_bytes_per_s": bandwidth,

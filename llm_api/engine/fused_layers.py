@@ -78,6 +78,7 @@ _MERGED = "_llm_api_merged"  # attention / MLP -> MergedProjection
 _HANDOFF = "_llm_api_handoff"  # norm -> (the tensor it is to normalize, its output)
 _FUSED_ROTARY = "_llm_api_fused_rotary"  # attention -> True: its modeling module's rotary is Llama's (fused_ops)
 _KERNELS = "_llm_api_kernels"  # a swapped module (and the model) -> the kernel set its forward calls
+_STACK = "_llm_api_stack"  # decoder model -> (its layers' plans, the kernel set's DecodeStack of them)
 _PLAN = "_llm_api_layer_plan"  # decoder layer -> (its modules, the kernel set's LayerWeights or None, pointers)
 
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -401,16 +402,10 @@ def _make_plan(layer: Any, kernels: Any) -> Any:
                                 o_proj, gate_up, down)
 
 
-def _whole_layer_weights(layer: Any, kernels: Any, hidden_states: torch.Tensor, position_embeddings,
-                         past_key_values) -> Any:
-    """The layer's ``LayerWeights`` when the kernel set can run it whole in two calls (``layer_in`` and
-    ``layer_out``) for this input: the engine's paged step (no transformers cache) of no more rows than the
-    set's products take, in the plan's dtype. Else None (the layer runs op by op). The plan is made once a
-    layer and kept while the layer has the same modules (``_plan_key``) and its merged weights (their
-    first pointers) where they were: a plan costs ~70 attribute reads and checks, its check ~15."""
-    if (past_key_values is not None or position_embeddings is None or hidden_states.dim() != 3
-            or hidden_states.shape[0] != 1 or not hidden_states.is_contiguous()):
-        return None
+def _layer_plan(layer: Any, kernels: Any) -> Any:
+    """The layer's ``LayerWeights`` (``_make_plan``), made once a layer and kept while the layer has the same
+    modules (``_plan_key``) and its merged weights (their first pointers) where they were: a plan costs ~70
+    attribute reads and checks, its check ~15. None where the layer cannot run whole."""
     key = _plan_key(layer)
     cached = layer.__dict__.get(_PLAN)
     if (cached is None or cached[0] != key
@@ -419,14 +414,51 @@ def _whole_layer_weights(layer: Any, kernels: Any, hidden_states: torch.Tensor, 
         pointers = None if weights is None else [key[2].weight.data_ptr(), key[6].weight.data_ptr()]
         cached = (key, weights, pointers)
         object.__setattr__(layer, _PLAN, cached)
-    weights = cached[1]
-    if weights is None or hidden_states.dtype != weights.dtype or hidden_states.shape[1] > kernels.max_rows(weights.dtype):
-        return None
+    return cached[1]
+
+
+def _takes_rotary(weights: Any, position_embeddings) -> bool:
+    """The rotary's cos/sin [1, T, head_dim] are what the set's ``layer_in`` reads."""
     cos, sin = position_embeddings
-    if (cos.dtype != weights.dtype or sin.dtype != weights.dtype or cos.dim() != 3 or cos.shape[0] != 1
-            or cos.stride() != sin.stride() or cos.stride(-1) != 1):
+    return (cos.dtype == weights.dtype and sin.dtype == weights.dtype and cos.dim() == 3 and cos.shape[0] == 1
+            and cos.stride() == sin.stride() and cos.stride(-1) == 1)
+
+
+def _whole_layer_weights(layer: Any, kernels: Any, hidden_states: torch.Tensor, position_embeddings,
+                         past_key_values) -> Any:
+    """The layer's ``LayerWeights`` when the kernel set can run it whole in two calls (``layer_in`` and
+    ``layer_out``) for this input: the engine's paged step (no transformers cache) of no more rows than the
+    set's products take, in the plan's dtype. Else None (the layer runs op by op)."""
+    if (past_key_values is not None or position_embeddings is None or hidden_states.dim() != 3
+            or hidden_states.shape[0] != 1 or not hidden_states.is_contiguous()):
+        return None
+    weights = _layer_plan(layer, kernels)
+    if (weights is None or hidden_states.dtype != weights.dtype
+            or hidden_states.shape[1] > kernels.max_rows(weights.dtype)
+            or not _takes_rotary(weights, position_embeddings)):
         return None
     return weights
+
+
+def _decode_metadata(attn_implementation: str, kernels: Any, kwargs: dict, rows: int) -> Any:
+    """The engine's attention metadata of this call where it is a pure decode step of ``rows`` sequences on
+    the engine's torch backend, which the kernel set's ``paged_decode`` replaces; else None."""
+    from llm_api.engine.attention.base import ATTENTION_NAME, METADATA_KWARG
+
+    metadata = kwargs.get(METADATA_KWARG)
+    if (metadata is None or getattr(kernels, "paged_decode", None) is None or attn_implementation != ATTENTION_NAME
+            or metadata.backend.name != "torch" or metadata.num_decode_seqs != rows
+            or len(metadata.context_lens_list) != rows):
+        return None
+    return metadata
+
+
+def _decode_tables(metadata: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(slots, block tables, context lengths) as the C side reads them: int64, contiguous, on the CPU
+    (made once a step, for every layer)."""
+    return metadata.cached("cpu-kernels", lambda: tuple(
+        t.to("cpu", torch.int64).contiguous()
+        for t in (metadata.slot_mapping, metadata.block_tables, metadata.context_lens)))
 
 
 def _paged_decode(attn: Any, kernels: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -435,20 +467,14 @@ def _paged_decode(attn: Any, kernels: Any, query: torch.Tensor, key: torch.Tenso
     every sequence's attention) where the engine's torch backend would run it (a gather and SDPA, ~13 tensor
     ops a layer); None elsewhere (the attention interface runs). Llama's attention passes no sliding window
     or softcap, so there is none to honour here."""
-    from llm_api.engine.attention.base import ATTENTION_NAME, METADATA_KWARG
-
-    metadata = kwargs.get(METADATA_KWARG)
-    if (metadata is None or getattr(kernels, "paged_decode", None) is None
-            or attn.config._attn_implementation != ATTENTION_NAME or metadata.backend.name != "torch"
-            or metadata.num_decode_seqs != query.shape[0] or len(metadata.context_lens_list) != query.shape[0]):
+    metadata = _decode_metadata(attn.config._attn_implementation, kernels, kwargs, query.shape[0])
+    if metadata is None:
         return None
     key_cache, value_cache = metadata.key_caches[attn.layer_idx], metadata.value_caches[attn.layer_idx]
     if (key_cache.dtype != query.dtype or value_cache.dtype != query.dtype or not key_cache.is_contiguous()
             or not value_cache.is_contiguous() or key_cache.device.type != "cpu"):
         return None
-    slots, tables, lengths = metadata.cached("cpu-kernels", lambda: tuple(
-        t.to("cpu", torch.int64).contiguous()
-        for t in (metadata.slot_mapping, metadata.block_tables, metadata.context_lens)))
+    slots, tables, lengths = _decode_tables(metadata)
     return kernels.paged_decode(query, key, value, key_cache, value_cache, slots, tables, lengths, attn.scaling)
 
 
@@ -485,6 +511,78 @@ def _whole_layer(layer: Any, kernels: Any, weights: Any, hidden_states: torch.Te
     return result
 
 
+def _stack_plan(decoder: Any, kernels: Any, layers: list) -> Any:
+    """The kernel set's ``DecodeStack`` of ``decoder``'s layers, where every one runs whole and hands its
+    output's norm to the next one's input norm (the last one's to the model's final norm, or to none):
+    the chain ``decode_layers`` runs in C. Kept while the layers' plans (``_layer_plan``) are the same
+    objects; None where any layer cannot run whole."""
+    plans = []
+    for i, layer in enumerate(layers):
+        swapped = getattr(layer.__dict__.get("forward"), "__func__", None) is _fused_layer
+        weights = _layer_plan(layer, kernels) if swapped else None
+        if weights is None:
+            return None
+        following = layers[i + 1].input_layernorm if i + 1 < len(layers) else decoder.norm
+        next_norm = layer.__dict__.get(_NEXT_NORM)
+        if next_norm is not None and next_norm is not following:
+            return None
+        plans.append(weights)
+    cached = decoder.__dict__.get(_STACK)
+    if cached is None or len(cached[0]) != len(plans) or any(a is not b for a, b in zip(cached[0], plans)):
+        stack = kernels.DecodeStack(plans, [float(layer.self_attn.scaling) for layer in layers])
+        cached = (plans, stack)
+        object.__setattr__(decoder, _STACK, cached)
+    return cached[1]
+
+
+def _decoder_stack(decoder: Any, input_ids, position_ids, past_key_values, inputs_embeds, kwargs: dict) -> Any:
+    """The model's last hidden state (the final norm's output) of a pure decode step computed by the kernel
+    set's ``decode_layers`` in one call, where it can run: ids in (not embeddings), the engine's paged step
+    on its torch backend and nothing else asked of the forward, every layer whole (``_stack_plan``), rows the
+    set's products take. Else None (the model's own forward runs, layer by layer)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    kernels = kernels_of(decoder)
+    if (input_ids is None or inputs_embeds is not None or past_key_values is not None or position_ids is None
+            or len(kwargs) != 1 or input_ids.dim() != 2 or input_ids.shape[0] != 1 or not kernels.takes(input_ids)):
+        return None
+    rows = input_ids.shape[1]
+    metadata = _decode_metadata(decoder.config._attn_implementation, kernels, kwargs, rows)
+    layers = list(decoder.layers._modules.values())[: decoder.config.num_hidden_layers]  # (a slice: a new ModuleList)
+    if metadata is None or not layers:
+        return None
+    stack = _stack_plan(decoder, kernels, layers)
+    if stack is None or rows > kernels.max_rows(stack.dtype):
+        return None
+    hidden = decoder.embed_tokens(input_ids)
+    if hidden.dtype != stack.dtype or not hidden.is_contiguous():
+        return None
+    position_embeddings = decoder.rotary_emb(hidden, position_ids=position_ids)
+    if not _takes_rotary(stack, position_embeddings):
+        return None
+    cos, sin = position_embeddings
+    slots, tables, lengths = _decode_tables(metadata)
+    out = kernels.decode_layers(stack, hidden.view(rows, -1), cos[0], sin[0], metadata.key_caches,
+                                metadata.value_caches, slots, tables, lengths)
+    if out is None:
+        return None
+    hidden_out, normed_out = out
+    last = normed_out if normed_out is not None else decoder.norm(hidden_out.view(hidden.shape))
+    return BaseModelOutputWithPast(last_hidden_state=last.view(hidden.shape), past_key_values=None)
+
+
+def _fused_decoder(self: Any, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                   inputs_embeds=None, use_cache=None, **kwargs):
+    """The decoder model's forward (Llama's ``LlamaModel.forward``): a pure decode step in one kernel-set call
+    where ``_decoder_stack`` can run it, else the model's own forward."""
+    out = _decoder_stack(self, input_ids, position_ids, past_key_values, inputs_embeds, kwargs)
+    if out is not None:
+        return out
+    return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                              **kwargs)
+
+
 def _is_llama_layer(layer: nn.Module, swapped_norms: set[int]) -> bool:
     return (same_code(type(layer).forward, llama_modeling().LlamaDecoderLayer.forward)
             and getattr(layer.__dict__.get("forward"), "__func__", _fused_layer) is _fused_layer
@@ -502,9 +600,10 @@ def enable(model: nn.Module, swapped_norms: list[nn.Module], rotary_modules: lis
            kernels: Any = TRITON_KERNELS) -> dict[str, int]:
     """Swap the fused forward into ``model``'s Llama-code decoder layers (``swapped_norms``: the norms
     ``fused_ops`` gave the fused forward; ``rotary_modules``: the modeling modules whose rotary it swapped),
-    merging their projections. Returns {"layers", "merged", "head"}: the output head runs one row by
+    merging their projections. Returns {"layers", "merged", "head", "stack"}: the output head runs one row by
     ``kernels.gemv`` too ("head": 1) where it is a plain ``nn.Linear`` with its own forward (no accelerate
-    hook), once any layer is fused."""
+    hook), once any layer is fused; with a kernel set that has ``decode_layers`` (the CPU's), the decoder
+    model's forward, where its code is Llama's, hands a pure decode step to it ("stack": 1)."""
     llama = llama_modeling()
     swapped = {id(m) for m in swapped_norms}
     get_decoder = getattr(model, "get_decoder", None)  # (transformers' base model under a task head)
@@ -544,14 +643,20 @@ def enable(model: nn.Module, swapped_norms: list[nn.Module], rotary_modules: lis
     if swap_head:
         set_kernels(head, kernels)
         head.forward = types.MethodType(_one_row_head, head)
-    return {"layers": len(fused), "merged": merged, "head": int(swap_head)}
+    # A kernel set that runs a decode step's layers in one call: the decoder's forward hands it the step.
+    swap_decoder = (getattr(kernels, "decode_layers", None) is not None and decoder is not None and bool(fused)
+                    and same_code(type(decoder).forward, llama.LlamaModel.forward) and "forward" not in decoder.__dict__)
+    if swap_decoder:
+        set_kernels(decoder, kernels)
+        decoder.forward = types.MethodType(_fused_decoder, decoder)
+    return {"layers": len(fused), "merged": merged, "head": int(swap_head), "stack": int(swap_decoder)}
 
 
 def disable(model: nn.Module) -> None:
     """Undo ``enable``'s forwards and handovers (merged weights stay merged: the modules read them as views)."""
     for module in model.modules():
         forward = module.__dict__.get("forward")
-        if getattr(forward, "__func__", None) in (_fused_layer, _one_row_head):
+        if getattr(forward, "__func__", None) in (_fused_layer, _one_row_head, _fused_decoder):
             del module.forward
-        for name in (_NEXT_NORM, _HANDOFF, _FUSED_ROTARY, _KERNELS, _PLAN):
+        for name in (_NEXT_NORM, _HANDOFF, _FUSED_ROTARY, _KERNELS, _PLAN, _STACK):
             module.__dict__.pop(name, None)

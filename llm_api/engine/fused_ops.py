@@ -126,7 +126,7 @@ def rotary_modeling_modules(model: nn.Module) -> list[types.ModuleType]:
     return found
 
 
-NOTHING_FUSED = {"rms_norm": 0, "rotary": 0, "layers": 0, "merged": 0, "head": 0}
+NOTHING_FUSED = {"rms_norm": 0, "rotary": 0, "layers": 0, "merged": 0, "head": 0, "stack": 0}
 
 
 def enable(model: nn.Module, layers: bool = True, cpu_kernels_cache: str | None = None) -> dict[str, int]:
@@ -135,7 +135,8 @@ def enable(model: nn.Module, layers: bool = True, cpu_kernels_cache: str | None 
     ``llm_api.kernels.cpu`` builds its library), the C kernels, where they build. With ``layers``, also the fused decoder layers
     (``llm_api.engine.fused_layers``). Returns what was swapped: {"rms_norm": modules, "rotary": modeling
     modules, "layers": decoder layers, "merged": attention and MLP modules whose projections run as one
-    product, "head": 1 where the output head's few-row product is the kernel set's}."""
+    product, "head": 1 where the output head's few-row product is the kernel set's, "stack": 1 where a decode
+    step's layers run in one kernel-set call (the CPU set)}."""
     from llm_api.kernels import triton_usable
 
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
@@ -177,8 +178,8 @@ def install(model: nn.Module, layers: bool = True, kernels: Any = fused_layers.T
         for module in [*norms, model]:
             fused_layers.set_kernels(module, kernels)  # (disable dropped them; the norms still run fused)
     logger.info("fused %s kernels: %d RMSNorm modules, rotary embedding in %d modeling modules, %d decoder layers "
-                "(%d attention and MLP modules with merged products)", kernels.name, len(norms), rotary, fused["layers"],
-                fused["merged"])
+                "(%d attention and MLP modules with merged products)%s", kernels.name, len(norms), rotary, fused["layers"],
+                fused["merged"], "; a decode step's layers in one call" if fused["stack"] else "")
     return fused
 
 

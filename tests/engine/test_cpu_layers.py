@@ -1,10 +1,13 @@
 """The fused decoder layers with the C kernels (``llm_api.kernels.cpu``) in the engine on the CPU: what a
 server runs by default where a C compiler exists (``FUSED_KERNELS``; the engine's ``cpu_kernels_cache``).
-A decode step of up to 16 rows runs each Llama-code layer whole, in two kernel calls around the paged
-attention (``fused_layers._whole_layer``), which is itself one call (``kernels.cpu.paged_decode``); a
-prefill's many rows run op by op with the C norms, rotary and activation and torch's products. In float32
-the engine's greedy tokens equal ``generate()``'s on the tiny families and the embedded model's equal the
-eager engine's; a projection wrapped after the engine started (what LoRA does) is honoured."""
+A pure decode step of up to 16 rows runs every layer of a Llama-code model in one call
+(``kernels.cpu.decode_layers``, from the decoder's forward); a step of up to 16 rows that is not (a prompt
+joining decode rows), or whose layers are not all whole, runs each Llama-code layer whole, in two kernel
+calls around the attention (``fused_layers._whole_layer``; the paged attention of a pure decode step is one
+more call, ``kernels.cpu.paged_decode``); a prefill's many rows run op by op with the C norms, rotary and
+activation and torch's products. In float32 the engine's greedy tokens equal ``generate()``'s on the tiny
+families and the embedded model's equal the eager engine's, the one-call step's logprobs equal the layer by
+layer step's bit for bit; a projection wrapped after the engine started (what LoRA does) is honoured."""
 
 from __future__ import annotations
 
@@ -21,17 +24,17 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc
                                 reason="no C compiler: the CPU kernels are not built (transformers' code runs)")
 
 
-def _model(arch: str):
+def _model(arch: str, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(TINY_CONFIGS[arch](), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_config(TINY_CONFIGS[arch](), dtype=dtype).eval()
 
 
 @pytest.fixture
 def calls(monkeypatch):
     """How often each whole-layer kernel ran (a spy around the module's functions)."""
-    counts = {"layer_in": 0, "layer_out": 0, "paged_decode": 0}
+    counts = {"layer_in": 0, "layer_out": 0, "paged_decode": 0, "decode_layers": 0}
     for name in counts:
         original = getattr(cpu_kernels, name)
 
@@ -60,18 +63,51 @@ def test_cpu_kernels_generate_what_generate_does(tmp_path, calls, arch, layers, 
     model = _model(arch)
     reference = copy.deepcopy(model)
     engine = make_engine(model, num_blocks=64, cpu_kernels_cache=str(tmp_path))
-    assert (engine.runner.fused["layers"], engine.runner.fused["merged"], engine.runner.fused["head"]) == (
-        layers, merged, 1)
+    fused = engine.runner.fused
+    assert (fused["layers"], fused["merged"], fused["head"], fused["stack"]) == (layers, merged, 1, int(whole))
     arrivals = _arrivals(3)
     results = run_engine(engine, arrivals)
     for arrival in arrivals.values():
         for request_id, prompt, params in arrival:
             assert results[request_id][0] == reference_greedy(reference, prompt, params.max_new_tokens), request_id
     if whole:
-        # (the step where b's 5-token prompt joins a's decode row: 6 rows, run whole, attended by the backend)
-        assert calls["layer_in"] == calls["layer_out"] > calls["paged_decode"] > 0
+        # (pure decode steps in one call each; the step where b's 5-token prompt joins a's decode row: 6 rows,
+        # layer by layer, run whole, attended by the backend)
+        assert calls["decode_layers"] > 0 and calls["layer_in"] == calls["layer_out"] > 0
+        assert calls["paged_decode"] == 0
     else:
-        assert calls == {"layer_in": 0, "layer_out": 0, "paged_decode": 0}
+        assert calls == {"layer_in": 0, "layer_out": 0, "paged_decode": 0, "decode_layers": 0}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_decode_step_in_one_call_is_the_layer_by_layer_step(tmp_path, calls, dtype):
+    """Three sequences decoding at once (and joining at different steps), on two copies of one model: with
+    the decoder's one-call forward, and with it taken away (each layer whole, ``paged_decode`` per layer).
+    Every token and every logprob the same, bit for bit, in both dtypes (the same C calls in the same order)."""
+    from llm_api.engine import fused_layers
+
+    model = _model("llama", dtype)
+    twin = copy.deepcopy(model)
+    one_call = make_engine(model, num_blocks=64, cpu_kernels_cache=str(tmp_path))
+    layer_by_layer = make_engine(twin, num_blocks=64, cpu_kernels_cache=str(tmp_path))
+    del twin.model.forward  # (the decoder's own forward: its layers one by one)
+    generator = torch.Generator().manual_seed(5)
+    arrivals = {step: [(f"r{step}", random_prompt(generator, 3 + step), greedy(9, logprobs=2))] for step in (0, 2, 5)}
+
+    def run(engine) -> dict:
+        outputs: dict[str, list] = {}
+        for step in range(40):
+            for request_id, prompt, params in arrivals.get(step, []):
+                engine.add_request(request_id, prompt, params)
+            for output in engine.step():
+                outputs.setdefault(output.request_id, []).append((output.new_token_ids, output.logprobs))
+        assert not engine.has_unfinished_requests()
+        return outputs
+
+    assert run(one_call) == (expected := run(layer_by_layer))
+    assert calls["decode_layers"] > 0 and calls["paged_decode"] >= 2 * calls["decode_layers"]
+    assert sum(len(steps) for steps in expected.values()) == 27
+    assert fused_layers._STACK in model.model.__dict__ and fused_layers._STACK not in twin.model.__dict__
 
 
 def test_without_a_cache_folder_the_engine_keeps_transformers_code():
@@ -120,5 +156,5 @@ def test_the_embedded_model_decodes_as_without_kernels(tmp_path, calls, embedded
         return [tokens[str(i)] for i in range(len(prompts))]
 
     with_kernels = run(str(tmp_path))
-    assert calls["paged_decode"] >= 11 * 30
+    assert calls["decode_layers"] >= 11
     assert with_kernels == run("")

@@ -77,6 +77,8 @@ _SIGNATURES = {
                      _i64, _int, _int],
     "llm_layer_out": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr, _ptr, _f32, _ptr, _ptr, _i64,
                       _i64, _i64, _i64, _int, _int],
+    "llm_decode_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64,
+                          _int, _int],
 }
 
 
@@ -394,3 +396,82 @@ def paged_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ke
     if failed:
         raise MemoryError("paged_decode: out of memory for its scores")
     return out
+
+
+# ------------------------------------------------------------------------------------------------------
+# A pure decode step through every layer in one call (llm_api.engine.fused_layers' whole-stack path)
+
+class _Layer(ctypes.Structure):
+    """kernels.c's ``llm_layer_t``: keep the two in step."""
+
+    _fields_ = [*((name, ctypes.c_void_p) for name in (
+        "input_norm", "post_norm", "next_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias", "down",
+        "down_bias", "key_cache", "value_cache")),
+        *((name, ctypes.c_int64) for name in ("n_q", "n_kv", "head_dim", "inter")),
+        *((name, ctypes.c_float) for name in ("input_eps", "post_eps", "next_eps", "scaling"))]
+
+
+class DecodeStack:
+    """Every decoder layer's ``LayerWeights`` and attention scaling as the array ``decode_layers`` hands to C,
+    with the KV pool's pages of each layer filled in by ``decode_layers`` (they are checked again whenever
+    the pool's tensors change). The layers' weights stay referenced through their ``LayerWeights``."""
+
+    def __init__(self, layers: list[LayerWeights], scalings: list[float]):
+        self.layers = layers
+        self.dtype = layers[0].dtype
+        self.hidden = layers[0].hidden
+        self.array = (_Layer * len(layers))()
+        for entry, weights, scaling in zip(self.array, layers, scalings):
+            entry.input_norm, entry.post_norm, entry.next_norm = weights.input_norm, weights.post_norm, weights.next_norm
+            entry.qkv, entry.qkv_bias, entry.o, entry.o_bias = weights.qkv, weights.qkv_bias, weights.o_proj, weights.o_bias
+            entry.gate_up, entry.gate_up_bias = weights.gate_up, weights.gate_up_bias
+            entry.down, entry.down_bias = weights.down, weights.down_bias
+            entry.n_q, entry.n_kv, entry.head_dim, entry.inter = (weights.n_q, weights.n_kv, weights.head_dim,
+                                                                  weights.intermediate)
+            entry.input_eps, entry.post_eps, entry.next_eps = weights.input_eps, weights.post_eps, weights.next_eps
+            entry.scaling = scaling
+        self.pages: tuple = ()  # the (key, value) data pointers filled in
+        self.block_size = 0
+
+    def _take_pages(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]) -> bool:
+        """Point each layer at its pages; False where the pool is not what the C side reads ([blocks,
+        block_size, Hkv, head_dim], contiguous, the weights' dtype, on the CPU)."""
+        pages = tuple(t.data_ptr() for t in key_caches) + tuple(t.data_ptr() for t in value_caches)
+        if pages == self.pages:
+            return True
+        if len(key_caches) != len(self.layers) or len(value_caches) != len(self.layers):
+            return False
+        block_size = key_caches[0].shape[1]
+        for weights, key, value in zip(self.layers, key_caches, value_caches):
+            shape = (block_size, weights.n_kv // weights.head_dim, weights.head_dim)
+            if not all(t.dim() == 4 and tuple(t.shape[1:]) == shape and t.dtype == self.dtype and t.is_contiguous()
+                       and t.device.type == "cpu" for t in (key, value)) or key.shape[0] != value.shape[0]:
+                return False
+        for entry, key, value in zip(self.array, key_caches, value_caches):
+            entry.key_cache, entry.value_cache = key.data_ptr(), value.data_ptr()
+        self.pages, self.block_size = pages, block_size
+        return True
+
+
+def decode_layers(stack: DecodeStack, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], slots: torch.Tensor,
+                  block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A pure decode step's rows ``hidden`` [B, D] (one new token per sequence, contiguous, the stack's dtype)
+    through every layer: per layer ``layer_in``, ``paged_decode`` (the K/V store at ``slots``, then the
+    attention through ``block_tables`` over ``context_lens`` tokens, int64, contiguous) and ``layer_out``,
+    with the same numbers. ``cos``/``sin`` [B, head_dim] (last dimension contiguous). Returns ``(hidden_out,
+    normed_out)``, the last layer's output and its next norm's (None where it has none), or None where the
+    KV pool is not one the C side reads (the caller runs the layers one by one)."""
+    if not stack._take_pages(key_caches, value_caches):
+        return None
+    rows = hidden.shape[0]
+    hidden_out = torch.empty_like(hidden)
+    normed_out = None if stack.layers[-1].next_norm is None else torch.empty_like(hidden)
+    failed = _lib().llm_decode_layers(stack.array, len(stack.layers), hidden.data_ptr(), hidden_out.data_ptr(),
+                                      None if normed_out is None else normed_out.data_ptr(), cos.data_ptr(),
+                                      sin.data_ptr(), cos.stride(0), slots.data_ptr(), block_tables.data_ptr(),
+                                      block_tables.stride(0), context_lens.data_ptr(), rows, stack.hidden,
+                                      stack.block_size, DTYPES[stack.dtype], _threads())
+    if failed:
+        raise MemoryError("decode_layers: out of memory for its scratch")
+    return hidden_out, normed_out
