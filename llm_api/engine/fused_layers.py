@@ -71,6 +71,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llm_api.lora.context import current_step
+from llm_api.lora.layer import LoraLinear
+
 # Attributes this module keeps in a module's __dict__ (set with object.__setattr__: a module or tensor
 # stored through nn.Module.__setattr__ would join the module tree or its state).
 _NEXT_NORM = "_llm_api_next_norm"  # decoder layer -> the norm that reads its output
@@ -203,8 +206,29 @@ class MergedProjection:
                 and [m.weight.data_ptr() for m in modules] == self.pointers  # type: ignore[union-attr]
                 and all((m.bias is None) == (self.bias is None) for m in modules))  # type: ignore[union-attr]
 
+    def holds_bases(self, owner: nn.Module) -> bool:
+        """``holds``, where a module may also be a LoRA wrapper around such a linear (``base_linear``): what
+        a kernel set's whole layer runs, adding the adapters' deltas itself."""
+        modules = [base_linear(getattr(owner, name, None)) for name in self.names]
+        return (all(m is not None for m in modules)
+                and [m.weight.data_ptr() for m in modules] == self.pointers  # type: ignore[union-attr]
+                and all((m.bias is None) == (self.bias is None) for m in modules))  # type: ignore[union-attr]
+
     def __call__(self, x: torch.Tensor, kernels: Any) -> torch.Tensor:
         return linear(x, self.weight, self.bias, kernels)
+
+
+def base_linear(module: Any) -> nn.Linear | None:
+    """``module`` if it is a plain ``nn.Linear``, the ``nn.Linear`` a LoRA wrapper (``llm_api.lora.layer``)
+    wraps, else None."""
+    if type(module) is LoraLinear:
+        module = module.base
+    return module if type(module) is nn.Linear else None
+
+
+def lora_slots(module: Any) -> Any:
+    """The adapters' weights of a LoRA-wrapped projection (``llm_api.lora.ops.ModuleSlots``), else None."""
+    return module.slots if type(module) is LoraLinear else None
 
 
 def one_row(x: torch.Tensor) -> bool:
@@ -230,12 +254,14 @@ def _product(projection: nn.Module, x: torch.Tensor, kernels: Any, silu_mul: boo
     return projection(x)
 
 
-def merge(owner: nn.Module, names: tuple[str, ...]) -> MergedProjection | None:
+def merge(owner: nn.Module, names: tuple[str, ...], through_lora: bool = False) -> MergedProjection | None:
     """Concatenate the weights (and biases) of ``owner``'s linears ``names`` into one tensor and make the
-    modules' parameters views of it; None (nothing changed) unless they are plain ``nn.Linear`` of one
-    input size, dtype and device, all with or all without a bias."""
-    modules = [getattr(owner, name, None) for name in names]
-    if not all(type(m) is nn.Linear for m in modules):
+    modules' parameters views of it; None (nothing changed) unless they are plain ``nn.Linear`` (with
+    ``through_lora``, also LoRA wrappers of one: their base linears are merged, for a kernel set that adds
+    the deltas itself) of one input size, dtype and device, all with or all without a bias."""
+    modules = [base_linear(m) if through_lora else m if type(m) is nn.Linear else None
+               for m in (getattr(owner, name, None) for name in names)]
+    if not all(m is not None for m in modules):
         return None
     linears: list[nn.Linear] = modules  # type: ignore[assignment]
     first = linears[0].weight
@@ -383,14 +409,16 @@ def _plan_key(layer: Any) -> tuple:
 def _make_plan(layer: Any, kernels: Any) -> Any:
     """The kernel set's ``LayerWeights`` for ``layer``, or None where it cannot run whole: its q/k/v and
     gate/up merged (and still holding), plain o_proj and down, Llama's rotary, one dtype the set takes,
-    contiguous weights on its device."""
+    contiguous weights on its device. A projection may be LoRA-wrapped (``base_linear``): the plan keeps its
+    adapters' slots, and the set adds their deltas."""
     attn, mlp = layer.self_attn, layer.mlp
-    qkv, gate_up = merged_projection(attn), merged_projection(mlp)
-    if qkv is None or gate_up is None or not attn.__dict__.get(_FUSED_ROTARY) or len(qkv.sizes) != 3:
+    qkv, gate_up = attn.__dict__.get(_MERGED), mlp.__dict__.get(_MERGED)
+    if (qkv is None or gate_up is None or not qkv.holds_bases(attn) or not gate_up.holds_bases(mlp)
+            or not attn.__dict__.get(_FUSED_ROTARY) or len(qkv.sizes) != 3):
         return None
-    o_proj, down, next_norm = attn.o_proj, mlp.down_proj, layer.__dict__.get(_NEXT_NORM)
+    o_proj, down, next_norm = base_linear(attn.o_proj), base_linear(mlp.down_proj), layer.__dict__.get(_NEXT_NORM)
     norms = [layer.input_layernorm, layer.post_attention_layernorm, *([] if next_norm is None else [next_norm])]
-    if type(o_proj) is not nn.Linear or type(down) is not nn.Linear or qkv.sizes[1] != qkv.sizes[2]:
+    if o_proj is None or down is None or qkv.sizes[1] != qkv.sizes[2]:
         return None
     dtype = qkv.weight.dtype
     tensors = [qkv.weight, qkv.bias, o_proj.weight, o_proj.bias, gate_up.weight, gate_up.bias, down.weight,
@@ -398,8 +426,15 @@ def _make_plan(layer: Any, kernels: Any) -> Any:
     if kernels.max_rows(dtype) < 1 or not all(t is None or (t.dtype == dtype and t.is_contiguous()
                                                             and kernels.takes(t)) for t in tensors):
         return None
+    adapted = tuple(lora_slots(getattr(attn, name)) for name in (*QKV, "o_proj")) + tuple(
+        lora_slots(getattr(mlp, name)) for name in (*GATE_UP, "down_proj"))
     return kernels.LayerWeights(layer.input_layernorm, layer.post_attention_layernorm, next_norm, qkv, attn.head_dim,
-                                o_proj, gate_up, down)
+                                o_proj, gate_up, down, adapted)
+
+
+def _first_pointers(key: tuple) -> list[int]:
+    """Where the q and gate projections' weights (the merged tensors' first rows) are now."""
+    return [base_linear(key[2]).weight.data_ptr(), base_linear(key[6]).weight.data_ptr()]  # type: ignore[union-attr]
 
 
 def _layer_plan(layer: Any, kernels: Any) -> Any:
@@ -409,9 +444,9 @@ def _layer_plan(layer: Any, kernels: Any) -> Any:
     key = _plan_key(layer)
     cached = layer.__dict__.get(_PLAN)
     if (cached is None or cached[0] != key
-            or (cached[1] is not None and [key[2].weight.data_ptr(), key[6].weight.data_ptr()] != cached[2])):
+            or (cached[1] is not None and _first_pointers(key) != cached[2])):
         weights = _make_plan(layer, kernels)
-        pointers = None if weights is None else [key[2].weight.data_ptr(), key[6].weight.data_ptr()]
+        pointers = None if weights is None else _first_pointers(key)
         cached = (key, weights, pointers)
         object.__setattr__(layer, _PLAN, cached)
     return cached[1]
@@ -478,6 +513,38 @@ def _paged_decode(attn: Any, kernels: Any, query: torch.Tensor, key: torch.Tenso
     return kernels.paged_decode(query, key, value, key_cache, value_cache, slots, tables, lengths, attn.scaling)
 
 
+_LORA_STEP: dict = {}  # the last LoRA step seen -> its rows as the kernel set takes them
+
+
+def _lora(kernels: Any, holder: Any, plans: list, rows: int) -> tuple | None:
+    """The kernel set's LoRA arguments (its ``LoraRows`` and ``LoraProducts``) for the products of ``plans``
+    (one layer's, or every layer's) in this step of ``rows`` rows: each row's adapter, from the step the
+    engine entered (``llm_api.lora.context``), made once a step and shared by its layers. The products are
+    kept on ``holder`` (the layer's plan, or the stack's) and remade only when an adapter's concatenated
+    tensors change (a slot refilled). None where no row runs an adapter."""
+    step = current_step()
+    if step is None:
+        return None
+    if _LORA_STEP.get("step") is not step:
+        slots = step.token_slots.tolist()
+        offsets = [step.columns[slot][0] for slot in slots]
+        widths = [step.columns[slot][1] if slot else 0 for slot in slots]
+        columns = sum(width for _, width in step.columns)
+        _LORA_STEP.clear()
+        _LORA_STEP.update(step=step, rows=kernels.LoraRows(offsets, widths, step.row_scaling, columns))
+    lora_rows = _LORA_STEP["rows"]
+    if lora_rows.rows != rows:
+        raise ValueError(f"the LoRA step has {lora_rows.rows} rows, the forward {rows}")
+    pairs = [None if slots is None else slots.concatenated_t(step) for plan in plans for slots in plan.lora_slots]
+    products = getattr(holder, "lora_products", None)
+    if (products is None or products.columns != lora_rows.columns or len(products.pairs) != len(pairs)
+            or any(p is not q for p, q in zip(pairs, products.pairs))):
+        sizes = [size for plan in plans for size in plan.product_sizes]
+        products = kernels.LoraProducts(pairs, sizes, plans[0].dtype, lora_rows.columns)
+        holder.lora_products = products
+    return lora_rows, products
+
+
 def _whole_layer(layer: Any, kernels: Any, weights: Any, hidden_states: torch.Tensor, position_embeddings,
                  attention_mask, **kwargs) -> torch.Tensor:
     """A Llama decoder layer as two kernel-set calls around the engine's attention (``_whole_layer_weights``):
@@ -490,8 +557,9 @@ def _whole_layer(layer: Any, kernels: Any, weights: Any, hidden_states: torch.Te
     rows = hidden_states.view(tokens, width)
     handed = take_handed(layer.input_layernorm, hidden_states)
     cos, sin = position_embeddings
+    lora = _lora(kernels, weights, [weights], tokens)
     query, key, value = kernels.layer_in(weights, rows, None if handed is None else handed.reshape(tokens, width),
-                                         cos[0], sin[0])
+                                         cos[0], sin[0], lora)
     output = _paged_decode(attn, kernels, query, key, value, kwargs)
     if output is None:
         shape = (1, tokens, -1, attn.head_dim)
@@ -504,7 +572,7 @@ def _whole_layer(layer: Any, kernels: Any, weights: Any, hidden_states: torch.Te
         output = output.reshape(tokens, -1)
         if output.stride(-1) != 1:
             output = output.contiguous()
-    hidden_out, normed_out = kernels.layer_out(weights, output, rows)
+    hidden_out, normed_out = kernels.layer_out(weights, output, rows, lora)
     result = hidden_out.view(hidden_states.shape)
     if normed_out is not None:
         hand_over(layer.__dict__[_NEXT_NORM], result, normed_out.view(hidden_states.shape))
@@ -563,7 +631,7 @@ def _decoder_stack(decoder: Any, input_ids, position_ids, past_key_values, input
     cos, sin = position_embeddings
     slots, tables, lengths = _decode_tables(metadata)
     out = kernels.decode_layers(stack, hidden.view(rows, -1), cos[0], sin[0], metadata.key_caches,
-                                metadata.value_caches, slots, tables, lengths)
+                                metadata.value_caches, slots, tables, lengths, _lora(kernels, stack, stack.layers, rows))
     if out is None:
         return None
     hidden_out, normed_out = out
@@ -610,18 +678,19 @@ def enable(model: nn.Module, swapped_norms: list[nn.Module], rotary_modules: lis
     decoder = get_decoder() if callable(get_decoder) else None
     layers = list(getattr(decoder, "layers", None) or [])
     fused = [layer for layer in layers if _is_llama_layer(layer, swapped)]
+    through_lora = getattr(kernels, "layer_in", None) is not None  # (whole layers add LoRA deltas themselves)
     merged = 0
     for layer in fused:
         attn, mlp = layer.self_attn, layer.mlp
         if same_code(type(attn).forward, llama.LlamaAttention.forward) and _MERGED not in attn.__dict__:
-            projection = merge(attn, QKV)
+            projection = merge(attn, QKV, through_lora)
             if projection is not None:
                 object.__setattr__(attn, _MERGED, projection)
         if sys.modules.get(type(attn).__module__) in rotary_modules:
             object.__setattr__(attn, _FUSED_ROTARY, True)
         if (same_code(type(mlp).forward, llama.LlamaMLP.forward) and _is_silu(mlp)
                 and _MERGED not in mlp.__dict__):
-            projection = merge(mlp, GATE_UP)
+            projection = merge(mlp, GATE_UP, through_lora)
             if projection is not None:
                 object.__setattr__(mlp, _MERGED, projection)
         merged += (_MERGED in attn.__dict__) + (_MERGED in mlp.__dict__)
@@ -646,7 +715,7 @@ def enable(model: nn.Module, swapped_norms: list[nn.Module], rotary_modules: lis
     # A kernel set that runs a decode step's layers in one call: the decoder's forward hands it the step.
     swap_decoder = (getattr(kernels, "decode_layers", None) is not None and decoder is not None and bool(fused)
                     and same_code(type(decoder).forward, llama.LlamaModel.forward) and "forward" not in decoder.__dict__)
-    if swap_decoder:
+    if swap_decoder and decoder is not None:
         set_kernels(decoder, kernels)
         decoder.forward = types.MethodType(_fused_decoder, decoder)
     return {"layers": len(fused), "merged": merged, "head": int(swap_head), "stack": int(swap_decoder)}

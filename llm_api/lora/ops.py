@@ -38,10 +38,11 @@ class ModuleSlots:
         self.scaling = [0.0] * (max_loras + 1)
         self._packed: tuple[int, tuple[torch.Tensor, torch.Tensor] | None] | None = None  # (layout version, A/B cat)
         self._stacked: tuple[torch.Tensor, ...] | None = None  # the kernel's copy (CUDA only)
+        self._transposed: tuple | None = None  # (the A/B cat it was made from, (A_cat, B_cat.T)): the CPU kernels
 
     def set(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None, scaling: float) -> None:
         self.a[slot], self.b[slot], self.scaling[slot] = a, b, scaling
-        self._packed = self._stacked = None
+        self._packed = self._stacked = self._transposed = None
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor, step: LoraStep) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # [T, in]
@@ -53,7 +54,7 @@ class ModuleSlots:
             if stacked is not None:
                 lora_bgmv(y2, x2, step.token_slots, *stacked)
             return y
-        packed = self._concatenated(step)
+        packed = self.concatenated(step)
         if packed is None:
             return y  # no resident adapter adapts this module
         a_cat, b_cat = packed
@@ -61,7 +62,7 @@ class ModuleSlots:
         y2 += F.linear(shrunk, b_cat) * step.row_scaling
         return y
 
-    def _concatenated(self, step: LoraStep) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def concatenated(self, step: LoraStep) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(A_cat [C, in], B_cat [out, C]) in the step's column layout; None when no slot adapts this module."""
         if self._packed is not None and self._packed[0] == step.layout_version:
             return self._packed[1]
@@ -79,6 +80,16 @@ class ModuleSlots:
             packed = (a_cat, b_cat)
         self._packed = (step.layout_version, packed)
         return packed
+
+    def concatenated_t(self, step: LoraStep) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``concatenated`` with B transposed and contiguous, (A_cat [C, in], B_cat.T [C, out]): the CPU
+        kernels' delta (``llm_api.kernels.cpu``) adds B's rows along the output, in one pass per column."""
+        packed = self.concatenated(step)
+        if packed is None:
+            return None
+        if self._transposed is None or self._transposed[0] is not packed:
+            self._transposed = (packed, (packed[0], packed[1].t().contiguous()))
+        return self._transposed[1]
 
     def _stacked_weights(self, device: torch.device, dtype: torch.dtype):
         """(A [S, R, in], B [S, out, R], ranks [S] int32, scalings [S] float32), slot 0 empty; None when no

@@ -315,7 +315,7 @@ class Settings:
         "one more copy of the embedding); `split`: products of up to 128 rows split across the cores along the "
         "output features, over the weights as loaded (+26% batch-1 decode over packed in float32 on an AMD EPYC "
         "with avx2, where one-row products otherwise run on one core); `false`: torch's `F.linear`. `auto`: "
-        "the weights as loaded where the CPU kernels run their products (`FUSED_KERNELS`, no LoRA), else "
+        "the weights as loaded where the CPU kernels run their products (`FUSED_KERNELS`, LoRA included), else "
         "bfloat16 packed (a CPU without bfloat16 instructions cannot pack them and keeps `F.linear`, logged), "
         "float32 split on AMD CPUs and `F.linear` on others (MKL's float32 products use the cores on an Intel "
         "Xeon). Measured: docs/benchmarks.md, \"Where a CPU decode step goes\"",

@@ -46,7 +46,7 @@ def test_enable_leaves_cpu_models_alone():
     model = AutoModelForCausalLM.from_config(TINY_CONFIGS["llama"]())
     forward = model.forward
     assert fused_ops.enable(model) == fused_ops.NOTHING_FUSED == {"rms_norm": 0, "rotary": 0, "layers": 0, "merged": 0,
-                                                                 "head": 0}
+                                                                 "head": 0, "stack": 0}
     assert model.forward == forward
 
 

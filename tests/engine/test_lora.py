@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -46,8 +47,18 @@ def adapters(embedded, tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="module")
+def kernels_cache(tmp_path_factory) -> str:
+    """A cache folder for the CPU kernels' library (``llm_api.kernels.cpu``): an engine given it runs a decode
+    step's layers whole in C, the adapters' deltas included, as a server does where a C compiler exists."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: the CPU kernels are not built (transformers' code runs)")
+    return str(tmp_path_factory.mktemp("kernels"))
+
+
 def _served_engine(model_path, adapters, max_loras: int, **config) -> tuple[LLMEngine, LoraRegistry, dict]:
-    """An engine over a fresh copy of the model, stopping at the model's EOS ids as generate() does."""
+    """An engine over a fresh copy of the model, stopping at the model's EOS ids as generate() does (with
+    ``cpu_kernels_cache``, the CPU kernels' whole layers; without, transformers' code)."""
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -98,20 +109,35 @@ def peft_answers(embedded, adapters):
     return prompts, expected
 
 
-@pytest.mark.parametrize("max_loras, speculative_tokens", [(2, 0), (1, 0), (2, 4)],
-                         ids=["all-resident", "swapped", "speculative"])
-def test_mixed_batch_matches_peft(peft_answers, adapters, embedded_model_path, max_loras, speculative_tokens):
+@pytest.mark.parametrize("max_loras, speculative_tokens, kernels", [(2, 0, False), (1, 0, False), (2, 4, False),
+                                                                   (2, 0, True), (1, 0, True)],
+                         ids=["all-resident", "swapped", "speculative", "all-resident-cpu-kernels",
+                              "swapped-cpu-kernels"])
+def test_mixed_batch_matches_peft(peft_answers, adapters, embedded_model_path, max_loras, speculative_tokens, kernels,
+                                  request):
     """Base, alpha and beta requests in the same steps: each answer is PEFT's, token for token. With
     MAX_LORAS=1 the scheduler runs one adapter at a time beside the base and the slot is swapped; with
-    speculation, each drafted token is verified under its own sequence's adapter."""
+    speculation, each drafted token is verified under its own sequence's adapter. With the CPU kernels, the
+    decode steps run every layer in C with each row's own adapter's deltas (``kernels.cpu``)."""
+    from llm_api.kernels import cpu as cpu_kernels
+
     prompts, expected = peft_answers
+    cache = request.getfixturevalue("kernels_cache") if kernels else ""
     engine, registry, ids = _served_engine(embedded_model_path, adapters, max_loras,
-                                           speculative_tokens=speculative_tokens)
+                                           speculative_tokens=speculative_tokens, cpu_kernels_cache=cache)
+    assert engine.runner.fused["stack"] == int(kernels)
+    calls = []
+    if kernels:  # (a spy: the C deltas did run, on steps with adapter rows)
+        original = cpu_kernels.decode_layers
+        request.addfinalizer(lambda: setattr(cpu_kernels, "decode_layers", original))
+        cpu_kernels.decode_layers = lambda *a, **k: calls.append(k.get("lora", a[-1])) or original(*a, **k)
     requests = [(f"{name}-{i}", prompt, ids.get(name, 0)) for i, prompt in enumerate(prompts)
                 for name in ("base", "alpha", "beta")]
     got = _run(engine, requests)
     mixed_steps = got.pop("_mixed_steps")[0]
     assert got == expected
+    if kernels:
+        assert sum(lora is not None for lora in calls) >= MAX_NEW_TOKENS - 2
     stats = registry.stats()
     if speculative_tokens:
         assert engine.stats().spec_decode_num_accepted_tokens > 0, "no draft was accepted: speculation untested"
@@ -281,11 +307,13 @@ def test_hostile_values_are_refused_at_load_naming_the_reason(tmp_path):
     assert registry.adapters() == []
 
 
-def test_a_non_finite_adapter_harms_no_other_row(tmp_path):
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "cpu-kernels"])
+def test_a_non_finite_adapter_harms_no_other_row(tmp_path, kernels, request):
     """An adapter whose values turn infinite (past the load checks: written into the resident weights, as the
     reported attack had them, A = 3e38 and B = 0) runs in the same steps as the base model and a good adapter:
     their greedy tokens are exactly those they get without it, it ends alone with NON_FINITE, its blocks are
-    zeroed before reuse and never served from the prefix cache, and the next requests are unharmed."""
+    zeroed before reuse and never served from the prefix cache, and the next requests are unharmed. With the
+    CPU kernels too (each row's delta reads only its own adapter's columns)."""
     from llm_api.engine.request import FinishReason
 
     oracle = tiny_model("llama", seed=3)
@@ -293,7 +321,10 @@ def test_a_non_finite_adapter_harms_no_other_row(tmp_path):
     oracle.save_pretrained(model_path)
     good = make_adapter(oracle, tmp_path / "good", seed=4, r=8, alpha=16, scale=1.0)
     hostile = make_adapter(oracle, tmp_path / "hostile", seed=5, r=8, alpha=16, scale=1.0)
-    engine, registry, ids = _served_engine(model_path, {"good": good, "hostile": hostile}, 2, block_size=4)
+    cache = request.getfixturevalue("kernels_cache") if kernels else ""
+    engine, registry, ids = _served_engine(model_path, {"good": good, "hostile": hostile}, 2, block_size=4,
+                                           cpu_kernels_cache=cache)
+    assert engine.runner.fused["stack"] == int(kernels)
     for module in next(a for a in registry.adapters() if a.name == "hostile").modules.values():
         module.a.fill_(3e38)
         module.b.zero_()

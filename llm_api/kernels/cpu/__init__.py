@@ -74,11 +74,11 @@ _SIGNATURES = {
     "llm_paged_decode": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64,
                          _i64, _i64, _f32, _int, _int],
     "llm_layer_in": [_ptr, _ptr, _ptr, _f32, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64,
-                     _i64, _int, _int],
+                     _i64, _ptr, _ptr, _int, _int],
     "llm_layer_out": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr, _ptr, _f32, _ptr, _ptr, _i64,
-                      _i64, _i64, _i64, _int, _int],
+                      _i64, _i64, _i64, _ptr, _ptr, _int, _int],
     "llm_decode_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64,
-                          _int, _int],
+                          _ptr, _ptr, _int, _int],
 }
 
 
@@ -326,7 +326,7 @@ class LayerWeights:
     still holds these tensors (``llm_api.engine.fused_layers``)."""
 
     def __init__(self, input_norm: Any, post_norm: Any, next_norm: Any, qkv: Any, head_dim: int, o_proj: Any,
-                 gate_up: Any, down_proj: Any):
+                 gate_up: Any, down_proj: Any, lora_slots: tuple = (None,) * 7):
         self.tensors = [t for t in (input_norm.weight, post_norm.weight, None if next_norm is None else next_norm.weight,
                                     qkv.weight, qkv.bias, o_proj.weight, o_proj.bias, gate_up.weight, gate_up.bias,
                                     down_proj.weight, down_proj.bias) if t is not None]
@@ -341,12 +341,80 @@ class LayerWeights:
         self.gate_up, self.gate_up_bias = gate_up.weight.data_ptr(), _pointer(gate_up.bias)
         self.down, self.down_bias = down_proj.weight.data_ptr(), _pointer(down_proj.bias)
         self.hidden, self.intermediate = down_proj.weight.shape[0], gate_up.weight.shape[0] // 2
+        # (q, k, v, o, gate, up, down: each product's LoRA adapters where it is wrapped, llm_api.lora.ops'
+        # ModuleSlots, else None) and each product's (outputs, inputs)
+        self.lora_slots = lora_slots
+        self.lora_products: Any = None  # (the LoraProducts of these slots, kept by llm_api.engine.fused_layers)
+        self.product_sizes = ((self.n_q, self.hidden), (self.n_kv, self.hidden), (self.n_kv, self.hidden),
+                              (self.hidden, o_proj.weight.shape[1]), (self.intermediate, self.hidden),
+                              (self.intermediate, self.hidden), (self.hidden, self.intermediate))
+
+
+class _Lora(ctypes.Structure):
+    """kernels.c's ``llm_lora_t``: keep the two in step."""
+
+    _fields_ = [("a", ctypes.c_void_p), ("bt", ctypes.c_void_p), ("c", ctypes.c_int64)]
+
+
+class _LoraRows(ctypes.Structure):
+    """kernels.c's ``llm_lora_rows_t``: keep the two in step."""
+
+    _fields_ = [("offset", ctypes.c_void_p), ("width", ctypes.c_void_p), ("scaling", ctypes.c_void_p)]
+
+
+class LoraRows:
+    """A step's rows as the LoRA deltas read them (``llm_api.lora``'s CPU layout, ``llm_api.lora.context``):
+    each row's own columns of the concatenated adapters (``offsets``, ``widths``; width 0: the base model)
+    and its adapter's ``scalings`` (in the model's dtype, as the torch path multiplies by them). ``columns``:
+    how many columns the concatenated adapters have (every product's the same)."""
+
+    def __init__(self, offsets: list[int], widths: list[int], scalings: torch.Tensor, columns: int):
+        if any(o < 0 or w < 0 or o + w > columns for o, w in zip(offsets, widths)) or len(offsets) != len(widths):
+            raise ValueError("LoraRows: a row's columns lie outside the adapters'")
+        self.rows, self.columns = len(offsets), columns
+        self.offsets = torch.tensor(offsets, dtype=torch.int64)
+        self.widths = torch.tensor(widths, dtype=torch.int64)
+        self.scalings = scalings.to(torch.float32).reshape(-1).contiguous()
+        if self.scalings.numel() != self.rows:
+            raise ValueError("LoraRows: one scaling a row")
+        self.struct = _LoraRows(self.offsets.data_ptr(), self.widths.data_ptr(), self.scalings.data_ptr())
+
+
+class LoraProducts:
+    """The LoRA deltas of a run of products (one layer's seven: q, k, v, o, gate, up, down; or every layer's)
+    as kernels.c's ``llm_lora_t`` array: per product its adapters concatenated, ``(a [C, in], bt [C, out])``
+    (``llm_api.lora.ops.ModuleSlots.concatenated_t``: B transposed), or None where nothing adapts it. Checked
+    against each product's ``(out, in)`` and the rows' ``C``, since the C side trusts them; the tensors stay
+    referenced while this lives."""
+
+    def __init__(self, pairs: list, sizes: list[tuple[int, int]], dtype: torch.dtype, columns: int):
+        self.pairs, self.columns = pairs, columns
+        self.array = (_Lora * len(pairs))()
+        for entry, pair, (outputs, inputs) in zip(self.array, pairs, sizes):
+            if pair is None:
+                continue
+            a, bt = pair
+            if not (tuple(a.shape) == (columns, inputs) and tuple(bt.shape) == (columns, outputs)
+                    and a.is_contiguous() and bt.is_contiguous() and _on_cpu(a, bt) and a.dtype == dtype):
+                raise ValueError(f"LoraProducts: adapters of {tuple(a.shape)} and {tuple(bt.shape)} (transposed B) "
+                                 f"for a product of {inputs} -> {outputs} over {columns} columns")
+            entry.a, entry.bt, entry.c = a.data_ptr(), bt.data_ptr(), columns
+
+    def at(self, index: int) -> Any:
+        """A pointer to the entries from product ``index`` on."""
+        return ctypes.byref(self.array, index * ctypes.sizeof(_Lora))
+
+
+def _lora_args(lora: tuple[LoraRows, LoraProducts] | None, index: int) -> tuple[Any, Any]:
+    return (None, None) if lora is None else (lora[1].at(index), ctypes.byref(lora[0].struct))
 
 
 def layer_in(weights: LayerWeights, hidden: torch.Tensor, normed: torch.Tensor | None, cos: torch.Tensor,
-             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             sin: torch.Tensor, lora: tuple[LoraRows, LoraProducts] | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The layer before its attention, for rows ``hidden`` [T, D] (contiguous, ``weights.dtype``): the input
-    norm (unless ``normed``, handed over by the layer before, is given), the merged q/k/v product and the
+    norm (unless ``normed``, handed over by the layer before, is given), the merged q/k/v product (with
+    ``lora``, the rows' adapters' deltas of q, k and v: the layer's ``LoraProducts``, entries 0-2) and the
     rotary embedding of q and k by ``cos``/``sin`` [T, head_dim] (last dimension contiguous). Returns
     ``(q [T, Nq], k [T, Nk], v [T, Nk])``, v a view of the product's output."""
     rows = hidden.shape[0]
@@ -354,26 +422,32 @@ def layer_in(weights: LayerWeights, hidden: torch.Tensor, normed: torch.Tensor |
     qkv = torch.empty((rows, n_q + 2 * n_kv), dtype=hidden.dtype)
     q = torch.empty((rows, n_q), dtype=hidden.dtype)
     k = torch.empty((rows, n_kv), dtype=hidden.dtype)
-    _lib().llm_layer_in(hidden.data_ptr(), None if normed is None else normed.data_ptr(), weights.input_norm,
-                        weights.input_eps, weights.qkv, weights.qkv_bias, n_q, n_kv, weights.head_dim,
-                        cos.data_ptr(), sin.data_ptr(), cos.stride(0), qkv.data_ptr(), q.data_ptr(), k.data_ptr(),
-                        rows, weights.hidden, DTYPES[hidden.dtype], _threads())
+    failed = _lib().llm_layer_in(hidden.data_ptr(), None if normed is None else normed.data_ptr(), weights.input_norm,
+                                 weights.input_eps, weights.qkv, weights.qkv_bias, n_q, n_kv, weights.head_dim,
+                                 cos.data_ptr(), sin.data_ptr(), cos.stride(0), qkv.data_ptr(), q.data_ptr(), k.data_ptr(),
+                                 rows, weights.hidden, *_lora_args(lora, 0), DTYPES[hidden.dtype], _threads())
+    if failed:
+        raise MemoryError("layer_in: out of memory for its scratch")
     return q, k, qkv[:, n_q + n_kv:]
 
 
-def layer_out(weights: LayerWeights, attention: torch.Tensor,
-              hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def layer_out(weights: LayerWeights, attention: torch.Tensor, hidden: torch.Tensor,
+              lora: tuple[LoraRows, LoraProducts] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The layer after its attention, for rows ``attention`` [T, Nq] (last dimension contiguous) and the
     residual stream ``hidden`` [T, D] (contiguous): o_proj, the residual sum and post-attention norm, the
-    merged gate/up product, SiLU x up, down, the residual sum, and where the layer has a next norm, that
-    norm of it. Returns ``(hidden_out, normed_out or None)``."""
+    merged gate/up product, SiLU x up, down (with ``lora``, the deltas of o, gate, up and down: entries 3-6),
+    the residual sum, and where the layer has a next norm, that norm of it. Returns ``(hidden_out,
+    normed_out or None)``."""
     hidden_out = torch.empty_like(hidden)
     normed_out = None if weights.next_norm is None else torch.empty_like(hidden)
-    _lib().llm_layer_out(attention.data_ptr(), attention.stride(0), hidden.data_ptr(), weights.o_proj, weights.o_bias,
-                         weights.post_norm, weights.post_eps, weights.gate_up, weights.gate_up_bias, weights.down,
-                         weights.down_bias, weights.next_norm, weights.next_eps, hidden_out.data_ptr(),
-                         None if normed_out is None else normed_out.data_ptr(), hidden.shape[0], weights.hidden,
-                         attention.shape[1], weights.intermediate, DTYPES[hidden.dtype], _threads())
+    failed = _lib().llm_layer_out(attention.data_ptr(), attention.stride(0), hidden.data_ptr(), weights.o_proj, weights.o_bias,
+                                  weights.post_norm, weights.post_eps, weights.gate_up, weights.gate_up_bias, weights.down,
+                                  weights.down_bias, weights.next_norm, weights.next_eps, hidden_out.data_ptr(),
+                                  None if normed_out is None else normed_out.data_ptr(), hidden.shape[0], weights.hidden,
+                                  attention.shape[1], weights.intermediate, *_lora_args(lora, 3), DTYPES[hidden.dtype],
+                                  _threads())
+    if failed:
+        raise MemoryError("layer_out: out of memory for its scratch")
     return hidden_out, normed_out
 
 
@@ -431,6 +505,7 @@ class DecodeStack:
             entry.input_eps, entry.post_eps, entry.next_eps = weights.input_eps, weights.post_eps, weights.next_eps
             entry.scaling = scaling
         self.pages: tuple = ()  # the (key, value) data pointers filled in
+        self.lora_products: Any = None  # (every layer's LoraProducts, kept by llm_api.engine.fused_layers)
         self.block_size = 0
 
     def _take_pages(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]) -> bool:
@@ -455,11 +530,13 @@ class DecodeStack:
 
 def decode_layers(stack: DecodeStack, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], slots: torch.Tensor,
-                  block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                  block_tables: torch.Tensor, context_lens: torch.Tensor,
+                  lora: tuple[LoraRows, LoraProducts] | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """A pure decode step's rows ``hidden`` [B, D] (one new token per sequence, contiguous, the stack's dtype)
     through every layer: per layer ``layer_in``, ``paged_decode`` (the K/V store at ``slots``, then the
     attention through ``block_tables`` over ``context_lens`` tokens, int64, contiguous) and ``layer_out``,
-    with the same numbers. ``cos``/``sin`` [B, head_dim] (last dimension contiguous). Returns ``(hidden_out,
+    with the same numbers; with ``lora``, every layer's adapters' deltas (``LoraProducts`` of 7 products a
+    layer). ``cos``/``sin`` [B, head_dim] (last dimension contiguous). Returns ``(hidden_out,
     normed_out)``, the last layer's output and its next norm's (None where it has none), or None where the
     KV pool is not one the C side reads (the caller runs the layers one by one)."""
     if not stack._take_pages(key_caches, value_caches):
@@ -471,7 +548,7 @@ def decode_layers(stack: DecodeStack, hidden: torch.Tensor, cos: torch.Tensor, s
                                       None if normed_out is None else normed_out.data_ptr(), cos.data_ptr(),
                                       sin.data_ptr(), cos.stride(0), slots.data_ptr(), block_tables.data_ptr(),
                                       block_tables.stride(0), context_lens.data_ptr(), rows, stack.hidden,
-                                      stack.block_size, DTYPES[stack.dtype], _threads())
+                                      stack.block_size, *_lora_args(lora, 0), DTYPES[stack.dtype], _threads())
     if failed:
         raise MemoryError("decode_layers: out of memory for its scratch")
     return hidden_out, normed_out

@@ -289,12 +289,87 @@ static int product(const void *x, int64_t ldx, const void *w, const void *bias, 
 
 static size_t size_of(int bf16) { return bf16 ? 2 : 4; }
 
+static inline float dot_f32(const float *a, const void *b, int64_t n, int bf16);
+
+/* LoRA deltas of a step whose rows run under different adapters (llm_api.lora.ops' CPU layout): for one
+ * product, the resident adapters' A concatenated along the rank (a [c, k]) and their B, transposed (bt
+ * [c, n]); for the step, each row's own columns (offset, width; width 0: the base model, no delta) and
+ * its adapter's scaling. y[t] += ((x[t] . A[off..off+w]) rounded) . B[:, off..off+w] rounded, times
+ * scaling rounded, the sum rounded: PEFT's order (lora_B(lora_A(x)) * scaling) and the torch path's
+ * rounding. A row never reads another adapter's columns, which keeps one tenant's numbers (an infinite
+ * one included) out of another's rows. The expand runs along bt's rows (n at a time, vectorized). */
+typedef struct {
+    const void *a, *bt; /* NULL a: no adapter adapts this product */
+    int64_t c;
+} llm_lora_t;
+
+typedef struct {
+    const int64_t *offset, *width;
+    const float *scaling;
+} llm_lora_rows_t;
+
+#define LORA_CHUNK 256 /* outputs per task of the expand */
+
+static int lora_delta(const void *x, int64_t ldx, const llm_lora_t *lora, const llm_lora_rows_t *rows, void *y,
+                      int64_t ldy, int64_t m, int64_t n, int64_t k, int bf16, int threads) {
+    if (!lora || !lora->a || !rows) return 0;
+    int64_t most = 0;
+    for (int64_t t = 0; t < m; t++)
+        if (rows->width[t] > most) most = rows->width[t];
+    if (!most) return 0;
+    float *inputs = (float *)malloc(((size_t)m * k + (size_t)m * most) * sizeof(float));
+    if (!inputs) return 1;
+    float *shrunk = inputs + m * k;
+    size_t es = size_of(bf16);
+    int64_t chunks = (n + LORA_CHUNK - 1) / LORA_CHUNK;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < m; t++)
+            for (int64_t i = 0; i < k; i++) inputs[t * k + i] = load_as_f32(x, t * ldx + i, bf16);
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t t = 0; t < m; t++)
+            for (int64_t j = 0; j < most; j++)
+                if (j < rows->width[t])
+                    shrunk[t * most + j] = rounded(
+                        dot_f32(inputs + t * k, (const char *)lora->a + (rows->offset[t] + j) * k * es, k, bf16), bf16);
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t t = 0; t < m; t++)
+            for (int64_t chunk = 0; chunk < chunks; chunk++) {
+                int64_t width = rows->width[t], offset = rows->offset[t];
+                if (!width) continue;
+                int64_t first = chunk * LORA_CHUNK, count = n - first < LORA_CHUNK ? n - first : LORA_CHUNK;
+                float sums[LORA_CHUNK];
+                for (int64_t o = 0; o < count; o++) sums[o] = 0.0f;
+                for (int64_t j = 0; j < width; j++) {
+                    float s = shrunk[t * most + j];
+                    int64_t row = (offset + j) * n + first;
+                    if (bf16) {
+                        const uint16_t *b = (const uint16_t *)lora->bt + row;
+                        for (int64_t o = 0; o < count; o++) sums[o] += s * bf16_to_f32(b[o]);
+                    } else {
+                        const float *b = (const float *)lora->bt + row;
+                        for (int64_t o = 0; o < count; o++) sums[o] += s * b[o];
+                    }
+                }
+                float scaling = rows->scaling[t];
+                for (int64_t o = 0; o < count; o++) {
+                    float delta = rounded(rounded(sums[o], bf16) * scaling, bf16);
+                    store_from_f32(y, t * ldy + first + o, load_as_f32(y, t * ldy + first + o, bf16) + delta, bf16);
+                }
+            }
+    }
+    free(inputs);
+    return 0;
+}
+
 /* Before the attention: normed = input norm of hidden [m, d] (or normed_in, handed over by the layer before);
- * qkv [m, n_q + 2 n_kv] = normed x w_qkv (+ b_qkv); q_out [m, n_q] and k_out [m, n_kv] rotated by cos and
- * sin [m, head_dim] (row stride cos_ld); v stays in qkv. */
+ * qkv [m, n_q + 2 n_kv] = normed x w_qkv (+ b_qkv) (+ with lora, lora[0..2]: q's, k's and v's deltas);
+ * q_out [m, n_q] and k_out [m, n_kv] rotated by cos and sin [m, head_dim] (row stride cos_ld); v stays in qkv. */
 int llm_layer_in(const void *hidden, const void *normed_in, const void *norm_weight, float eps, const void *w_qkv,
                  const void *b_qkv, int64_t n_q, int64_t n_kv, int64_t head_dim, const void *cos, const void *sin,
-                 int64_t cos_ld, void *qkv, void *q_out, void *k_out, int64_t m, int64_t d, int bf16, int threads) {
+                 int64_t cos_ld, void *qkv, void *q_out, void *k_out, int64_t m, int64_t d,
+                 const llm_lora_t *lora, const llm_lora_rows_t *lora_rows, int bf16, int threads) {
     size_t es = size_of(bf16);
     void *scratch = NULL;
     const void *normed = normed_in;
@@ -305,33 +380,48 @@ int llm_layer_in(const void *hidden, const void *normed_in, const void *norm_wei
         normed = scratch;
     }
     int64_t width = n_q + 2 * n_kv;
-    product(normed, d, w_qkv, b_qkv, qkv, width, m, width, d, bf16, threads);
+    int failed = product(normed, d, w_qkv, b_qkv, qkv, width, m, width, d, bf16, threads);
+    if (lora) { /* q, k and v, each on its own columns of the merged output */
+        failed |= lora_delta(normed, d, &lora[0], lora_rows, qkv, width, m, n_q, d, bf16, threads);
+        failed |= lora_delta(normed, d, &lora[1], lora_rows, (char *)qkv + n_q * es, width, m, n_kv, d, bf16, threads);
+        failed |= lora_delta(normed, d, &lora[2], lora_rows, (char *)qkv + (n_q + n_kv) * es, width, m, n_kv, d, bf16,
+                             threads);
+    }
     free(scratch);
     int64_t cs[2] = {0, cos_ld};
     int64_t qs[3] = {0, head_dim, width}, qo[3] = {0, head_dim, n_q};
     llm_rotary(qkv, qs, q_out, qo, cos, sin, cs, 1, n_q / head_dim, m, head_dim, bf16, 1);
     int64_t ko[3] = {0, head_dim, n_kv};
     llm_rotary((const char *)qkv + n_q * es, qs, k_out, ko, cos, sin, cs, 1, n_kv / head_dim, m, head_dim, bf16, 1);
-    return 0;
+    return failed;
 }
 
 /* After the attention: o = attn [m, n_attn] (row stride lda) x w_o; h = hidden + o; the MLP of
  * post-norm(h): down(silu(gate) * up); hidden_out = h + mlp, and with next_weight, normed_out = the next
- * norm of hidden_out (the next layer's input norm, or the model's final norm). */
+ * norm of hidden_out (the next layer's input norm, or the model's final norm). With lora, lora[0..3]: the
+ * deltas of o, gate, up and down. */
 int llm_layer_out(const void *attn, int64_t lda, const void *hidden, const void *w_o, const void *b_o,
                   const void *post_weight, float post_eps, const void *w_gate_up, const void *b_gate_up,
                   const void *w_down, const void *b_down, const void *next_weight, float next_eps, void *hidden_out,
-                  void *normed_out, int64_t m, int64_t d, int64_t n_attn, int64_t inter, int bf16, int threads) {
+                  void *normed_out, int64_t m, int64_t d, int64_t n_attn, int64_t inter, const llm_lora_t *lora,
+                  const llm_lora_rows_t *lora_rows, int bf16, int threads) {
     size_t es = size_of(bf16);
     char *scratch = (char *)malloc((size_t)m * (4 * d + 3 * inter) * es);
     if (!scratch) return 1;
     char *o = scratch, *h = o + m * d * es, *normed = h + m * d * es, *gate_up = normed + m * d * es;
     char *act = gate_up + 2 * m * inter * es, *down = act + m * inter * es;
-    product(attn, lda, w_o, b_o, o, d, m, d, n_attn, bf16, threads);
+    int failed = product(attn, lda, w_o, b_o, o, d, m, d, n_attn, bf16, threads);
+    if (lora) failed |= lora_delta(attn, lda, &lora[0], lora_rows, o, d, m, d, n_attn, bf16, threads);
     llm_rms_norm(o, d, hidden, d, h, d, post_weight, normed, d, m, d, post_eps, bf16, 1);
-    product(normed, d, w_gate_up, b_gate_up, gate_up, 2 * inter, m, 2 * inter, d, bf16, threads);
+    failed |= product(normed, d, w_gate_up, b_gate_up, gate_up, 2 * inter, m, 2 * inter, d, bf16, threads);
+    if (lora) {
+        failed |= lora_delta(normed, d, &lora[1], lora_rows, gate_up, 2 * inter, m, inter, d, bf16, threads);
+        failed |= lora_delta(normed, d, &lora[2], lora_rows, gate_up + inter * es, 2 * inter, m, inter, d, bf16,
+                             threads);
+    }
     llm_silu_and_mul(gate_up, 2 * inter, act, m, inter, bf16, 1);
-    product(act, inter, w_down, b_down, down, d, m, d, inter, bf16, threads);
+    failed |= product(act, inter, w_down, b_down, down, d, m, d, inter, bf16, threads);
+    if (lora) failed |= lora_delta(act, inter, &lora[3], lora_rows, down, d, m, d, inter, bf16, threads);
     if (next_weight) {
         llm_rms_norm(down, d, h, d, hidden_out, d, next_weight, normed_out, d, m, d, next_eps, bf16, 1);
     } else {
@@ -339,7 +429,7 @@ int llm_layer_out(const void *attn, int64_t lda, const void *hidden, const void 
             store_from_f32(hidden_out, i, load_as_f32(h, i, bf16) + load_as_f32(down, i, bf16), bf16);
     }
     free(scratch);
-    return 0;
+    return failed;
 }
 
 /* ---------------------------------------------------------------------------------------------------
@@ -455,10 +545,11 @@ int llm_paged_decode(const void *q, int64_t ld_q, const void *k_new, int64_t ld_
 /* ---------------------------------------------------------------------------------------------------
  * A pure decode step through every decoder layer in one call: per layer, layer_in, paged_decode and
  * layer_out above, in that order, each layer's output (and its next norm's, handed over) the next one's
- * input. The same calls as the layer by layer path, so the same numbers; what it saves is the Python
- * between them (~150 us a layer on a 2-core CPU). llm_layer_t is filled by the wrapper (ctypes.Structure:
- * keep the two in step). hidden_out and normed_out [m, d] receive the last layer's output and its next
- * norm's (normed_out untouched where the last layer has none). */
+ * input; with lora, lora[7 i .. 7 i + 6] are layer i's q, k, v, o, gate, up and down. The same calls as the
+ * layer by layer path, so the same numbers; what it saves is the Python between them (~150 us a layer on a
+ * 2-core CPU). llm_layer_t is filled by the wrapper (ctypes.Structure: keep the two in step). hidden_out
+ * and normed_out [m, d] receive the last layer's output and its next norm's (normed_out untouched where
+ * the last layer has none). */
 
 typedef struct {
     const void *input_norm, *post_norm, *next_norm, *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down,
@@ -471,7 +562,8 @@ typedef struct {
 int llm_decode_layers(const llm_layer_t *layers, int64_t n_layers, const void *hidden_in, void *hidden_out,
                       void *normed_out, const void *cos, const void *sin, int64_t cos_ld, const int64_t *slots,
                       const int64_t *block_tables, int64_t ld_bt, const int64_t *context_lens, int64_t m, int64_t d,
-                      int64_t block_size, int bf16, int threads) {
+                      int64_t block_size, const llm_lora_t *lora, const llm_lora_rows_t *lora_rows, int bf16,
+                      int threads) {
     size_t es = size_of(bf16);
     int64_t most_q = 0, most_width = 0;
     for (int64_t i = 0; i < n_layers; i++) {
@@ -494,14 +586,15 @@ int llm_decode_layers(const llm_layer_t *layers, int64_t n_layers, const void *h
         void *h_out = last ? hidden_out : pairs[i % 2][0];
         void *n_out = L->next_norm ? (last ? normed_out : pairs[i % 2][1]) : NULL;
         failed |= llm_layer_in(hidden, normed, L->input_norm, L->input_eps, L->qkv, L->qkv_bias, L->n_q, L->n_kv,
-                               L->head_dim, cos, sin, cos_ld, qkv, q, k, m, d, bf16, threads);
+                               L->head_dim, cos, sin, cos_ld, qkv, q, k, m, d, lora ? lora + 7 * i : NULL, lora_rows,
+                               bf16, threads);
         failed |= llm_paged_decode(q, L->n_q, k, L->n_kv, qkv + (L->n_q + L->n_kv) * es, width, L->key_cache,
                                    L->value_cache, slots, block_tables, ld_bt, context_lens, attn, m,
                                    L->n_q / L->head_dim, L->n_kv / L->head_dim, L->head_dim, block_size, L->scaling,
                                    bf16, threads);
         failed |= llm_layer_out(attn, L->n_q, hidden, L->o, L->o_bias, L->post_norm, L->post_eps, L->gate_up,
                                 L->gate_up_bias, L->down, L->down_bias, L->next_norm, L->next_eps, h_out, n_out, m, d,
-                                L->n_q, L->inter, bf16, threads);
+                                L->n_q, L->inter, lora ? lora + 7 * i + 3 : NULL, lora_rows, bf16, threads);
         hidden = h_out;
         normed = n_out;
     }
