@@ -12,7 +12,7 @@ steps in alternating rounds of two kinds:
                 SiLU x up), the attention over the paged cache (the backend's ``forward``, or the CPU kernels'
                 ``paged_decode``; K/V store included), the rest of the model's forward (norms, rotary
                 embedding, residuals, activations, transformers' Python), sampling (``Sampler``, logits
-                processors included), and what is left of the step: scheduler, packing the inputs, stop
+                processors included; a greedy step's argmax), and what is left of the step: scheduler, packing the inputs, stop
                 checks. A part called inside another counts in the outer one only. The timers add ~1 us per
                 call, so the parts are scaled to the plain step's median.
 
@@ -126,6 +126,7 @@ class PartTimers:
         self._wrap(engine.runner.backend, "forward", "attention")
         self._wrap(engine.model, "forward", "forward")
         self._wrap(engine, "sampler", "sampling")  # (called as engine.sampler(logits, batch))
+        self._wrap(engine, "_greedy_pick", "sampling")  # (a greedy step's argmax: a static method)
         from llm_api.kernels import cpu as cpu_kernels
 
         if cpu_kernels.loaded():  # (a kernel set is a module: its functions are looked up at each call)

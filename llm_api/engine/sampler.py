@@ -161,7 +161,9 @@ class Sampler:
 def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
     """[each row's argmax, whether all of the row is finite (1 or 0)] (int64 ``[2, B]``, to read back in one
     copy) for logits ``[B, V]``: on CUDA one pass of ``llm_api.kernels.greedy`` (where torch launches six
-    kernels, one of them a one-block argmax), else torch."""
+    kernels, one of them a one-block argmax); on the CPU one pass of ``llm_api.kernels.cpu`` where its
+    library is loaded (where torch takes two: ~3 ms for 16 rows of a 49k vocabulary on a 2-core Xeon); else
+    torch."""
     if logits.is_cuda:
         from llm_api.kernels import triton_usable
 
@@ -169,6 +171,12 @@ def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
             from llm_api.kernels.greedy import greedy_pick as pick
 
             return pick(logits.contiguous())
+    else:
+        from llm_api.kernels import cpu as cpu_kernels
+
+        picked = cpu_kernels.greedy_pick(logits)
+        if picked is not None:
+            return picked
     return torch.stack((_argmax(logits), torch.isfinite(logits).all(dim=-1).long()))
 
 

@@ -188,6 +188,33 @@ def test_paged_decode_stores_and_attends(library, dtype):
         _assert_one_rounding(out[s].view(q_heads, dim), exact, dtype, rtol32=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_greedy_pick_is_torchs_argmax_and_finiteness(library, dtype):
+    """Rows with ties (the first maximum wins, as torch's argmax), a maximum at either end, a NaN, an
+    infinity of each sign, and a row taken from a wider tensor (row stride): the argmax of every finite row
+    is torch's, and every row's finiteness too."""
+    from llm_api.engine import sampler
+
+    generator = _generator(f"greedy{dtype}")
+    wide = _randn(generator, 7, 1200, dtype=dtype, scale=4.0)
+    logits = wide[:, :1000]
+    logits[0, 10] = logits[0, 500] = logits[0].max() + 1  # a tie: index 10
+    logits[1, 0] = logits[1].max() + 1
+    logits[2, 999] = logits[2].max() + 1
+    logits[3, 7] = float("nan")
+    logits[4, 70] = float("inf")
+    logits[5, 3] = float("-inf")
+    picked = cpu.greedy_pick(logits)
+    assert picked is not None and picked.dtype == torch.int64 and picked.shape == (2, 7)
+    finite = torch.isfinite(logits).all(dim=-1)
+    assert picked[1].tolist() == finite.long().tolist() == [1, 1, 1, 0, 0, 0, 1]
+    expected = logits.float().argmax(dim=-1)
+    assert [picked[0, r].item() for r in range(7) if finite[r]] == [expected[r].item() for r in range(7) if finite[r]]
+    assert picked[0, :3].tolist() == [10, 0, 999]
+    assert torch.equal(sampler.greedy_pick(logits), picked)  # (the engine's pick takes this path while loaded)
+    assert cpu.greedy_pick(logits.t()) is None and cpu.greedy_pick(logits[0]) is None
+
+
 def test_the_library_is_built_once_per_host_and_reused(tmp_path):
     first = cpu.build(tmp_path)
     modified = first.stat().st_mtime_ns

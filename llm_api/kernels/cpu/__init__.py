@@ -77,6 +77,7 @@ _SIGNATURES = {
                      _i64, _ptr, _ptr, _int, _int],
     "llm_layer_out": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr, _ptr, _f32, _ptr, _ptr, _i64,
                       _i64, _i64, _i64, _ptr, _ptr, _int, _int],
+    "llm_greedy_pick": [_ptr, _i64, _i64, _i64, _ptr, _int, _int],
     "llm_decode_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64,
                           _ptr, _ptr, _int, _int],
 }
@@ -310,6 +311,19 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
                               batch, heads, tokens, dim, DTYPES[x.dtype], _threads())
         outputs.append(out)
     return outputs[0], outputs[1]
+
+
+def greedy_pick(logits: torch.Tensor) -> torch.Tensor | None:
+    """``llm_api.engine.sampler.greedy_pick`` in one pass for logits [B, V] (float32 or bfloat16, last dimension
+    contiguous, on the CPU): [each row's argmax, whether all of the row is finite (1 or 0)] (int64 [2, B]);
+    None where the library is not loaded or the logits are not such (the caller uses torch)."""
+    if (_library is None or logits.dim() != 2 or logits.device.type != "cpu" or logits.dtype not in DTYPES
+            or logits.stride(-1) != 1 or logits.shape[1] == 0):
+        return None
+    out = torch.empty((2, logits.shape[0]), dtype=torch.int64)
+    _library.llm_greedy_pick(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], out.data_ptr(),
+                             DTYPES[logits.dtype], _threads())
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------
