@@ -140,11 +140,13 @@ def main():
     print(f"device {device}, k={args.k}, ngram {args.ngram_min}..{args.ngram_max}, {args.max_new_tokens} tokens, "
           f"{args.rounds} rounds; torch {torch.__version__}, {cpu_model()}")
     for dtype_name in args.dtypes.split(","):
-        # Loaded as the servers load it (on a CPU: CPU_PACKED_WEIGHTS as set, auto by default).
-        model = load(Settings.from_env({**os.environ, "MODEL_PATH": str(path), "DTYPE": dtype_name,
-                                        "DEVICE_MAP": device})).model
+        # Loaded and run as the servers do (on a CPU: CPU_PACKED_WEIGHTS as set, auto by default; FUSED_KERNELS,
+        # with the C kernels where they build).
+        settings = Settings.from_env({**os.environ, "MODEL_PATH": str(path), "DTYPE": dtype_name, "DEVICE_MAP": device})
+        model = load(settings).model
         common = dict(block_size=16, num_blocks=1024, max_num_seqs=max(batch_sizes + [16]), max_num_batched_tokens=2048,
-                      ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+                      ngram_min=args.ngram_min, ngram_max=args.ngram_max, fused_kernels=settings.fused_kernels,
+                      cpu_kernels_cache=settings.cache_dir)
         if args.max_batch is not None:
             common["speculative_max_batch"] = args.max_batch
         engines = {"off": LLMEngine(model, EngineConfig(**common, speculative_tokens=0), {tokenizer.eos_token_id}),

@@ -55,9 +55,23 @@ layer's q/k/v and gate/up merged and holding, plain o_proj and down, Llama's rot
 gate/up, SiLU x up, down, sum + next norm), two calls where the forward above makes ~20 Python-level calls,
 each ~10-25 us on a CPU (a decode step of the embedded model made ~600 of them). What they read is planned
 once a layer (the set's ``LayerWeights``, kept while the layer holds the same modules and merged weights).
-A pure decode step's attention on the engine's torch backend is one more call (``paged_decode``). The
-rounding is the same as op by op (tests/engine/test_cpu_layers.py: float32 greedy tokens equal
-``generate()``'s).
+The attention on the engine's torch backend is one more call (``paged_decode``: every row's K/V stored,
+then each row attends its sequence's blocks up to its own position, ``_row_tables``: decode rows, drafted
+rows and prompt chunks alike). The rounding is the same as op by op (tests/engine/test_cpu_layers.py:
+float32 greedy tokens equal ``generate()``'s).
+
+Such a step goes further where the decoder's forward is Llama's (``LlamaModel.forward``): ``enable`` swaps
+it for ``_fused_decoder``, which embeds the ids, computes the rotary tables and hands every layer to the
+set's ``decode_layers`` (``layer_in``, ``paged_decode``, ``layer_out`` per layer in C, the same calls in the
+same order: the same numbers), planned as the set's ``DecodeStack`` while every layer's plan holds and each
+hands its output's norm to the next; anything else asked of the forward runs the model's own.
+
+LoRA: a projection wrapped by ``llm_api.lora`` (``LoraLinear`` around a plain ``nn.Linear``) keeps its
+layer on these CPU paths. ``enable`` merges the wrapped linears' weights for the CPU set (``merge(...,
+through_lora=True)``; the op-by-op path still calls the wrappers, whose base linears read the views), the
+plan keeps each projection's adapter slots, and the set's calls add each row's own adapter's delta after
+the base product (``_lora``: the step's rows from ``llm_api.lora.context``, each module's concatenated
+adapters with B transposed, ``ModuleSlots.concatenated_t``).
 """
 
 from __future__ import annotations
@@ -475,41 +489,54 @@ def _whole_layer_weights(layer: Any, kernels: Any, hidden_states: torch.Tensor, 
     return weights
 
 
-def _decode_metadata(attn_implementation: str, kernels: Any, kwargs: dict, rows: int) -> Any:
-    """The engine's attention metadata of this call where it is a pure decode step of ``rows`` sequences on
-    the engine's torch backend, which the kernel set's ``paged_decode`` replaces; else None."""
+def _paged_step(attn_implementation: str, kernels: Any, kwargs: dict, rows: int) -> Any:
+    """The engine's attention metadata of this call where the step's ``rows`` tokens attend on the engine's
+    torch backend, which the kernel set's ``paged_decode`` replaces (``_row_tables``); else None."""
     from llm_api.engine.attention.base import ATTENTION_NAME, METADATA_KWARG
 
     metadata = kwargs.get(METADATA_KWARG)
     if (metadata is None or getattr(kernels, "paged_decode", None) is None or attn_implementation != ATTENTION_NAME
-            or metadata.backend.name != "torch" or metadata.num_decode_seqs != rows
-            or len(metadata.context_lens_list) != rows):
+            or metadata.backend.name != "torch" or metadata.query_start_loc[-1] != rows
+            or len(metadata.query_start_loc) != len(metadata.context_lens_list) + 1):
         return None
     return metadata
 
 
-def _decode_tables(metadata: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(slots, block tables, context lengths) as the C side reads them: int64, contiguous, on the CPU
-    (made once a step, for every layer)."""
-    return metadata.cached("cpu-kernels", lambda: tuple(
-        t.to("cpu", torch.int64).contiguous()
-        for t in (metadata.slot_mapping, metadata.block_tables, metadata.context_lens)))
+def _row_tables(metadata: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(slots, block tables, context lengths) a row each, as the C side reads them (int64, contiguous, on the
+    CPU), made once a step for every layer. A decode row attends its sequence's whole context; a row of a
+    sequence with several new tokens (speculation's drafts, a prompt chunk) attends its sequence's blocks up
+    to and including its own position: ``paged_decode`` stores every row's K/V before any row attends, so
+    this is the causal attention of the step, one query row at a time."""
+
+    def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        slots = metadata.slot_mapping.to("cpu", torch.int64).contiguous()
+        tables = metadata.block_tables.to("cpu", torch.int64)
+        starts, ends = metadata.query_start_loc, metadata.context_lens_list
+        counts = [b - a for a, b in zip(starts, starts[1:])]
+        if all(count == 1 for count in counts):
+            return slots, tables.contiguous(), metadata.context_lens.to("cpu", torch.int64).contiguous()
+        lengths = [end - count + j + 1 for end, count in zip(ends, counts) for j in range(count)]
+        return (slots, tables.repeat_interleave(torch.tensor(counts), dim=0).contiguous(),
+                torch.tensor(lengths, dtype=torch.int64))
+
+    return metadata.cached("cpu-kernels", build)
 
 
 def _paged_decode(attn: Any, kernels: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   kwargs: dict) -> torch.Tensor | None:
-    """The attention of a pure decode step as the kernel set's one call (``paged_decode``: the K/V store and
-    every sequence's attention) where the engine's torch backend would run it (a gather and SDPA, ~13 tensor
+    """The attention of a step as the kernel set's one call (``paged_decode``: the K/V store and every row's
+    attention, ``_row_tables``) where the engine's torch backend would run it (a gather and SDPA, ~13 tensor
     ops a layer); None elsewhere (the attention interface runs). Llama's attention passes no sliding window
     or softcap, so there is none to honour here."""
-    metadata = _decode_metadata(attn.config._attn_implementation, kernels, kwargs, query.shape[0])
+    metadata = _paged_step(attn.config._attn_implementation, kernels, kwargs, query.shape[0])
     if metadata is None:
         return None
     key_cache, value_cache = metadata.key_caches[attn.layer_idx], metadata.value_caches[attn.layer_idx]
     if (key_cache.dtype != query.dtype or value_cache.dtype != query.dtype or not key_cache.is_contiguous()
             or not value_cache.is_contiguous() or key_cache.device.type != "cpu"):
         return None
-    slots, tables, lengths = _decode_tables(metadata)
+    slots, tables, lengths = _row_tables(metadata)
     return kernels.paged_decode(query, key, value, key_cache, value_cache, slots, tables, lengths, attn.scaling)
 
 
@@ -604,7 +631,7 @@ def _stack_plan(decoder: Any, kernels: Any, layers: list) -> Any:
 
 
 def _decoder_stack(decoder: Any, input_ids, position_ids, past_key_values, inputs_embeds, kwargs: dict) -> Any:
-    """The model's last hidden state (the final norm's output) of a pure decode step computed by the kernel
+    """The model's last hidden state (the final norm's output) of a step of a few rows computed by the kernel
     set's ``decode_layers`` in one call, where it can run: ids in (not embeddings), the engine's paged step
     on its torch backend and nothing else asked of the forward, every layer whole (``_stack_plan``), rows the
     set's products take. Else None (the model's own forward runs, layer by layer)."""
@@ -615,7 +642,7 @@ def _decoder_stack(decoder: Any, input_ids, position_ids, past_key_values, input
             or len(kwargs) != 1 or input_ids.dim() != 2 or input_ids.shape[0] != 1 or not kernels.takes(input_ids)):
         return None
     rows = input_ids.shape[1]
-    metadata = _decode_metadata(decoder.config._attn_implementation, kernels, kwargs, rows)
+    metadata = _paged_step(decoder.config._attn_implementation, kernels, kwargs, rows)
     layers = list(decoder.layers._modules.values())[: decoder.config.num_hidden_layers]  # (a slice: a new ModuleList)
     if metadata is None or not layers:
         return None
@@ -629,7 +656,7 @@ def _decoder_stack(decoder: Any, input_ids, position_ids, past_key_values, input
     if not _takes_rotary(stack, position_embeddings):
         return None
     cos, sin = position_embeddings
-    slots, tables, lengths = _decode_tables(metadata)
+    slots, tables, lengths = _row_tables(metadata)
     out = kernels.decode_layers(stack, hidden.view(rows, -1), cos[0], sin[0], metadata.key_caches,
                                 metadata.value_caches, slots, tables, lengths, _lora(kernels, stack, stack.layers, rows))
     if out is None:
@@ -641,7 +668,7 @@ def _decoder_stack(decoder: Any, input_ids, position_ids, past_key_values, input
 
 def _fused_decoder(self: Any, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                    inputs_embeds=None, use_cache=None, **kwargs):
-    """The decoder model's forward (Llama's ``LlamaModel.forward``): a pure decode step in one kernel-set call
+    """The decoder model's forward (Llama's ``LlamaModel.forward``): a step of a few rows in one kernel-set call
     where ``_decoder_stack`` can run it, else the model's own forward."""
     out = _decoder_stack(self, input_ids, position_ids, past_key_values, inputs_embeds, kwargs)
     if out is not None:
@@ -671,7 +698,7 @@ def enable(model: nn.Module, swapped_norms: list[nn.Module], rotary_modules: lis
     merging their projections. Returns {"layers", "merged", "head", "stack"}: the output head runs one row by
     ``kernels.gemv`` too ("head": 1) where it is a plain ``nn.Linear`` with its own forward (no accelerate
     hook), once any layer is fused; with a kernel set that has ``decode_layers`` (the CPU's), the decoder
-    model's forward, where its code is Llama's, hands a pure decode step to it ("stack": 1)."""
+    model's forward, where its code is Llama's, hands a step of up to its rows to it ("stack": 1)."""
     llama = llama_modeling()
     swapped = {id(m) for m in swapped_norms}
     get_decoder = getattr(model, "get_decoder", None)  # (transformers' base model under a task head)

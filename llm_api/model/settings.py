@@ -374,9 +374,9 @@ class Settings:
         "residual sums fused into the norms (only where the model's code is Llama's, checked by bytecode: Llama, "
         "Mistral, Qwen2/3, ...): Triton kernels on a GPU (docs/benchmarks.md \"GPU\"); on a CPU, C kernels built "
         "once per host with the system compiler (`cc`) under `LLM_API_CACHE` (`cpu-kernels/`), which also run "
-        "a step's products of up to 16 rows and a decode step's paged attention, each layer in two calls "
-        "(docs/benchmarks.md \"CPU kernels\"; no compiler: transformers' code, logged); `false` keeps "
-        "transformers' code")
+        "a step's products of up to 16 rows (LoRA deltas included), its paged attention and greedy pick, a decode "
+        "step's layers in one call (docs/benchmarks.md \"CPU kernels\"; no compiler: transformers' code, "
+        "logged); `false` keeps transformers' code")
     cuda_graph_max_batch_size: int = setting(
         "CUDA_GRAPH_MAX_BATCH_SIZE", 128,
         "largest captured decode batch (capped by `MAX_NUM_SEQS`); larger batches run eagerly", minimum=1)

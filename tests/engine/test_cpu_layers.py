@@ -1,13 +1,14 @@
 """The fused decoder layers with the C kernels (``llm_api.kernels.cpu``) in the engine on the CPU: what a
 server runs by default where a C compiler exists (``FUSED_KERNELS``; the engine's ``cpu_kernels_cache``).
-A pure decode step of up to 16 rows runs every layer of a Llama-code model in one call
-(``kernels.cpu.decode_layers``, from the decoder's forward); a step of up to 16 rows that is not (a prompt
-joining decode rows), or whose layers are not all whole, runs each Llama-code layer whole, in two kernel
-calls around the attention (``fused_layers._whole_layer``; the paged attention of a pure decode step is one
-more call, ``kernels.cpu.paged_decode``); a prefill's many rows run op by op with the C norms, rotary and
-activation and torch's products. In float32 the engine's greedy tokens equal ``generate()``'s on the tiny
-families and the embedded model's equal the eager engine's, the one-call step's logprobs equal the layer by
-layer step's bit for bit; a projection wrapped after the engine started (what LoRA does) is honoured."""
+A step of up to 16 rows runs every layer of a Llama-code model in one call (``kernels.cpu.decode_layers``,
+from the decoder's forward), decode rows, drafted rows and prompt chunks alike (each row attends its
+sequence's blocks up to its own position); where the decoder's forward is not Llama's or a layer is not
+whole, each Llama-code layer runs whole in two kernel calls around the attention
+(``fused_layers._whole_layer``; the paged attention one more call, ``kernels.cpu.paged_decode``); a
+prefill's many rows run op by op with the C norms, rotary and activation and torch's products. In float32
+the engine's greedy tokens equal ``generate()``'s on the tiny families and the embedded model's equal the
+eager engine's; the one-call step's logprobs equal the layer by layer step's bit for bit, speculation's
+verification steps included; a projection wrapped after the engine started (what LoRA does) is honoured."""
 
 from __future__ import annotations
 
@@ -71,28 +72,32 @@ def test_cpu_kernels_generate_what_generate_does(tmp_path, calls, arch, layers, 
         for request_id, prompt, params in arrival:
             assert results[request_id][0] == reference_greedy(reference, prompt, params.max_new_tokens), request_id
     if whole:
-        # (pure decode steps in one call each; the step where b's 5-token prompt joins a's decode row: 6 rows,
-        # layer by layer, run whole, attended by the backend)
-        assert calls["decode_layers"] > 0 and calls["layer_in"] == calls["layer_out"] > 0
-        assert calls["paged_decode"] == 0
+        # (every step of up to 16 rows in one call, the step where b's 5-token prompt joins a's decode row
+        # included; a's 20-token prompt op by op)
+        assert calls["decode_layers"] > 0
+        assert calls["layer_in"] == calls["layer_out"] == calls["paged_decode"] == 0
     else:
         assert calls == {"layer_in": 0, "layer_out": 0, "paged_decode": 0, "decode_layers": 0}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_a_decode_step_in_one_call_is_the_layer_by_layer_step(tmp_path, calls, dtype):
-    """Three sequences decoding at once (and joining at different steps), on two copies of one model: with
-    the decoder's one-call forward, and with it taken away (each layer whole, ``paged_decode`` per layer).
-    Every token and every logprob the same, bit for bit, in both dtypes (the same C calls in the same order)."""
+@pytest.mark.parametrize("dtype,speculative", [(torch.float32, 0), (torch.bfloat16, 0), (torch.float32, 3)],
+                         ids=["float32", "bfloat16", "float32-speculative"])
+def test_a_step_in_one_call_is_the_layer_by_layer_step(tmp_path, calls, dtype, speculative):
+    """Three sequences decoding at once (and joining at different steps: prompt rows beside decode rows), on
+    two copies of one model: with the decoder's one-call forward, and with it taken away (each layer whole,
+    ``paged_decode`` per layer); with speculation, steps of drafted rows too. Every token and every logprob
+    the same, bit for bit (the same C calls in the same order)."""
     from llm_api.engine import fused_layers
 
     model = _model("llama", dtype)
     twin = copy.deepcopy(model)
-    one_call = make_engine(model, num_blocks=64, cpu_kernels_cache=str(tmp_path))
-    layer_by_layer = make_engine(twin, num_blocks=64, cpu_kernels_cache=str(tmp_path))
+    one_call = make_engine(model, num_blocks=64, cpu_kernels_cache=str(tmp_path), speculative_tokens=speculative)
+    layer_by_layer = make_engine(twin, num_blocks=64, cpu_kernels_cache=str(tmp_path), speculative_tokens=speculative)
     del twin.model.forward  # (the decoder's own forward: its layers one by one)
     generator = torch.Generator().manual_seed(5)
-    arrivals = {step: [(f"r{step}", random_prompt(generator, 3 + step), greedy(9, logprobs=2))] for step in (0, 2, 5)}
+    # (with speculation, prompts that repeat themselves: the n-gram lookup finds drafts in them)
+    arrivals = {step: [(f"r{step}", random_prompt(generator, 3 + step) * (3 if speculative else 1),
+                        greedy(9, logprobs=2))] for step in (0, 2, 5)}
 
     def run(engine) -> dict:
         outputs: dict[str, list] = {}
@@ -105,8 +110,11 @@ def test_a_decode_step_in_one_call_is_the_layer_by_layer_step(tmp_path, calls, d
         return outputs
 
     assert run(one_call) == (expected := run(layer_by_layer))
-    assert calls["decode_layers"] > 0 and calls["paged_decode"] >= 2 * calls["decode_layers"]
-    assert sum(len(steps) for steps in expected.values()) == 27
+    assert calls["decode_layers"] > 0 and calls["paged_decode"] == 2 * calls["decode_layers"]
+    assert calls["layer_in"] == calls["paged_decode"]  # (the twin's every step whole, none op by op)
+    if speculative:
+        assert one_call.stats().spec_decode_num_drafts > 0 and one_call.stats() == layer_by_layer.stats()
+    assert sum(len(ids) for steps in expected.values() for ids, _ in steps) == 27
     assert fused_layers._STACK in model.model.__dict__ and fused_layers._STACK not in twin.model.__dict__
 
 
@@ -125,14 +133,14 @@ def test_a_projection_wrapped_later_is_honoured(tmp_path, calls):
     generator = torch.Generator().manual_seed(8)
     first = random_prompt(generator, 6)
     assert run_engine(engine, {0: [("before", first, greedy(4))]})["before"][0] == reference_greedy(reference, first, 4)
-    assert calls["layer_in"] > 0
+    assert calls["decode_layers"] > 0
     for layer, twin in zip(model.model.layers, reference.model.layers):
         layer.self_attn.o_proj = Doubled(layer.self_attn.o_proj)
         twin.self_attn.o_proj = Doubled(twin.self_attn.o_proj)
-    calls["layer_in"] = 0
+    calls["decode_layers"] = 0
     prompt = random_prompt(generator, 7)
     assert run_engine(engine, {0: [("after", prompt, greedy(6))]})["after"][0] == reference_greedy(reference, prompt, 6)
-    assert calls["layer_in"] == 0
+    assert calls["layer_in"] == calls["decode_layers"] == 0
 
 
 def test_the_embedded_model_decodes_as_without_kernels(tmp_path, calls, embedded_lm_fp32):

@@ -1,7 +1,10 @@
 """CPU kernels for the fused decoder layers (``llm_api.engine.fused_layers``, issue 37): a decode step's
 products of a few rows over both cores, and RMSNorm, the residual sum + norm, SiLU x up and the rotary
 embedding each in one pass, with transformers' rounding; a Llama layer of such a step in two calls around
-its attention (``layer_in``, ``layer_out``), and a decode step's paged attention in one (``paged_decode``).
+its attention (``layer_in``, ``layer_out``), a decode step's paged attention in one (``paged_decode``), and
+a step's every layer in one (``decode_layers``); LoRA adapters' deltas inside those calls, each
+row over its own adapter's columns (``LoraRows``, ``LoraProducts``); and a greedy step's argmax and
+finiteness check in one pass (``greedy_pick``).
 
 Why hand-written, and why C through ctypes. A batch-1 decode step on a 2-core CPU is ~60% weight products
 and ~25% small per-layer ops (docs/benchmarks.md, "Where a CPU decode step goes"). torch runs a one-row
@@ -468,11 +471,13 @@ def layer_out(weights: LayerWeights, attention: torch.Tensor, hidden: torch.Tens
 def paged_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scaling: float) -> torch.Tensor:
-    """A decode step's attention over the paged cache, one token per sequence: ``key``/``value`` [B, Nk]
+    """A step's attention over the paged cache, a query row at a time: every row's ``key``/``value`` [B, Nk]
     (rows of Hkv x D, last dimension contiguous) stored at the pool rows ``slots`` [B] (< 0: nowhere), then
-    ``query`` [B, Nq] attends each sequence's ``context_lens`` tokens through its ``block_tables`` row
-    (int64, contiguous). ``key_cache``/``value_cache`` [blocks, block_size, Hkv, D] contiguous, the query's
-    dtype. Returns out [B, Nq] (softmax in float32, rounded once)."""
+    each row of ``query`` [B, Nq] attends ``context_lens`` [B] tokens through its ``block_tables`` row
+    (int64, contiguous): a decode row its sequence's whole context; several rows of one sequence (drafts, a
+    prompt chunk) each up to its own position, which makes the step causal because every store comes first.
+    ``key_cache``/``value_cache`` [blocks, block_size, Hkv, D] contiguous, the query's dtype. Returns out
+    [B, Nq] (softmax in float32, rounded once)."""
     rows = query.shape[0]
     _, block_size, kv_heads, head_dim = key_cache.shape
     out = torch.empty((rows, query.shape[1]), dtype=query.dtype)
@@ -487,7 +492,7 @@ def paged_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ke
 
 
 # ------------------------------------------------------------------------------------------------------
-# A pure decode step through every layer in one call (llm_api.engine.fused_layers' whole-stack path)
+# A step of a few rows through every layer in one call (llm_api.engine.fused_layers' whole-stack path)
 
 class _Layer(ctypes.Structure):
     """kernels.c's ``llm_layer_t``: keep the two in step."""
@@ -546,9 +551,9 @@ def decode_layers(stack: DecodeStack, hidden: torch.Tensor, cos: torch.Tensor, s
                   key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], slots: torch.Tensor,
                   block_tables: torch.Tensor, context_lens: torch.Tensor,
                   lora: tuple[LoraRows, LoraProducts] | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """A pure decode step's rows ``hidden`` [B, D] (one new token per sequence, contiguous, the stack's dtype)
-    through every layer: per layer ``layer_in``, ``paged_decode`` (the K/V store at ``slots``, then the
-    attention through ``block_tables`` over ``context_lens`` tokens, int64, contiguous) and ``layer_out``,
+    """A step's rows ``hidden`` [T, D] (contiguous, the stack's dtype) through every layer: per layer
+    ``layer_in``, ``paged_decode`` (every row's K/V stored at ``slots``, then each row's attention through its
+    ``block_tables`` row over its ``context_lens`` tokens, a row each, int64, contiguous) and ``layer_out``,
     with the same numbers; with ``lora``, every layer's adapters' deltas (``LoraProducts`` of 7 products a
     layer). ``cos``/``sin`` [B, head_dim] (last dimension contiguous). Returns ``(hidden_out,
     normed_out)``, the last layer's output and its next norm's (None where it has none), or None where the

@@ -543,7 +543,7 @@ int llm_paged_decode(const void *q, int64_t ld_q, const void *k_new, int64_t ld_
 }
 
 /* ---------------------------------------------------------------------------------------------------
- * A pure decode step through every decoder layer in one call: per layer, layer_in, paged_decode and
+ * A step of a few rows through every decoder layer in one call: per layer, layer_in, paged_decode and
  * layer_out above, in that order, each layer's output (and its next norm's, handed over) the next one's
  * input; with lora, lora[7 i .. 7 i + 6] are layer i's q, k, v, o, gate, up and down. The same calls as the
  * layer by layer path, so the same numbers; what it saves is the Python between them (~150 us a layer on a
