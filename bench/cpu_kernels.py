@@ -9,7 +9,12 @@ each batch size (``--new-tokens`` greedy tokens per request after a 64-token pro
 round, and whether the two produced the same greedy tokens (float32: they must; bfloat16 may part at a
 one-ulp tie between the top two logits, as packing did).
 
+``--compare amx`` compares the kernels with and without AMX tiles instead (bfloat16 products of 2-16 rows,
+on a CPU with AMX): ``vectors`` is the kernels with ``llm_api.kernels.cpu.use_amx(False)``, switched before
+each of its runs.
+
   python bench/cpu_kernels.py --dtype bfloat16 --rounds 5
+  python bench/cpu_kernels.py --compare amx --rounds 5
   python bench/cpu_kernels.py --smoke
 """
 
@@ -26,7 +31,8 @@ from cpu_products import decode
 from harness.host import describe
 from harness.report import markdown_table, write_json
 
-CONFIGS = {"eager": "false", "kernels": "true"}  # name -> FUSED_KERNELS
+COMPARISONS = {"eager": {"eager": "false", "kernels": "true"},  # name -> FUSED_KERNELS
+               "amx": {"vectors": "true", "kernels": "true"}}
 
 
 def parse_args():
@@ -36,6 +42,8 @@ def parse_args():
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prefill", type=int, default=512, help="prompt tokens of the timed prefill (0: none)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--compare", default="eager", choices=sorted(COMPARISONS),
+                        help="the engine the kernels are compared with")
     parser.add_argument("--smoke", action="store_true", help="seconds: batch 1, 2 rounds of 4 tokens, 64-token prefill")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     return parser.parse_args()
@@ -74,16 +82,23 @@ def main():
         args.batch_sizes, args.new_tokens, args.rounds, args.prefill = "1", 4, 2, 64
     batches = [int(b) for b in args.batch_sizes.split(",")]
     longest = max(64 + args.new_tokens, args.prefill) + 4
-    engines = {name: build_engine(args.dtype, fused, max(batches), longest) for name, fused in CONFIGS.items()}
+    configs = COMPARISONS[args.compare]
+    base = next(iter(configs))  # (the other engine; "kernels" is the second)
+    engines = {name: build_engine(args.dtype, fused, max(batches), longest) for name, fused in configs.items()}
     parts = [f"batch {b}" for b in batches] + ([f"prefill {args.prefill}"] if args.prefill else [])
     speeds: dict[tuple[str, str], list[float]] = {}
     ratios: dict[str, list[float]] = {}
     answers: dict[tuple[str, int], list[list[int]]] = {}
     for round_index in range(args.rounds):
-        order = list(CONFIGS) if round_index % 2 == 0 else list(CONFIGS)[::-1]
+        order = list(configs) if round_index % 2 == 0 else list(configs)[::-1]
         this_round: dict[tuple[str, str], float] = {}
         for name in order:
             engine = engines[name][0]
+            if args.compare == "amx":
+                from llm_api.kernels import cpu
+
+                if not cpu.use_amx(name == "kernels") and name == "kernels":
+                    raise SystemExit("no AMX here: this library was not built for it, or the kernel refuses its tiles")
             for batch in batches:
                 speed, tokens = decode(engine, batch, args.new_tokens, f"{name}-{round_index}-{batch}")
                 this_round[(name, f"batch {batch}")] = speed
@@ -93,13 +108,13 @@ def main():
         for key, speed in this_round.items():
             speeds.setdefault(key, []).append(speed)
         for part in parts:
-            ratios.setdefault(part, []).append(this_round[("kernels", part)] / this_round[("eager", part)])
-    same = {b: answers[("kernels", b)] == answers[("eager", b)] for b in batches}
+            ratios.setdefault(part, []).append(this_round[("kernels", part)] / this_round[(base, part)])
+    same = {b: answers[("kernels", b)] == answers[(base, b)] for b in batches}
     host = describe()
     print(f"\nhost: {host}\n{args.dtype}, {args.rounds} alternating rounds, {args.new_tokens} tokens per request\n")
     rows = [[f"`{name}` ({engines[name][1]}, {engines[name][2]} fused layers)",
-             *(f"{statistics.median(speeds[(name, part)]):.1f}" for part in parts)] for name in CONFIGS]
-    rows.append(["kernels / eager (median of rounds)", *(f"**{statistics.median(ratios[p]):.2f}x**" for p in parts)])
+             *(f"{statistics.median(speeds[(name, part)]):.1f}" for part in parts)] for name in configs]
+    rows.append([f"kernels / {base} (median of rounds)", *(f"**{statistics.median(ratios[p]):.2f}x**" for p in parts)])
     rows.append(["same greedy tokens", *("yes" if same[b] else "no" for b in batches), *([""] if args.prefill else [])])
     print(markdown_table(["tok/s", *parts], rows))
     if args.out:

@@ -62,7 +62,10 @@ def _assert_one_rounding(got: torch.Tensor, exact: torch.Tensor, dtype: torch.dt
         assert ((got.double() - exact).abs() <= tolerance).all(), (got.double() - exact).abs().max()
 
 
-PRODUCT_SHAPES = [(1, 1, 5), (1, 7, 33), (2, 13, 64), (3, 64, 576), (5, 193, 577), (16, 50, 1000), (4, 3, 1536)]
+# (bfloat16 with AMX, on the native build of an AMX host: 2-16 rows, K a multiple of 32, 32 weight rows at a time
+# and the rest by the vector tiles: (3, 64, 576), (2, 40, 64), (16, 96, 576), (7, 1536, 192))
+PRODUCT_SHAPES = [(1, 1, 5), (1, 7, 33), (2, 13, 64), (3, 64, 576), (5, 193, 577), (16, 50, 1000), (4, 3, 1536),
+                  (2, 40, 64), (16, 96, 576), (7, 1536, 192)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -82,6 +85,31 @@ def test_products(library, dtype, m, n, k):
         summing = (k + 1) * 2.0 ** -24 * magnitude
         rounding = exact.abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24)
         assert ((got.double() - exact).abs() <= summing + rounding + 1e-30).all()
+
+
+def test_amx_tiles_where_the_cpu_has_them(libraries, monkeypatch):
+    """On a CPU with AMX the native build multiplies 2-16 bfloat16 rows on its tiles (unless switched off, a
+    benchmark's comparison), with the vector tiles' results up to the order of float32 sums; the portable
+    builds never do."""
+    for march in ("x86-64-v3", "x86-64"):
+        if march in libraries:
+            monkeypatch.setattr(cpu, "_library", libraries[march])
+            assert cpu.use_amx(True) is False
+    monkeypatch.setattr(cpu, "_library", libraries["native"])
+    if not cpu.use_amx(True):
+        pytest.skip("no AMX on this CPU (or the kernel refuses its tiles): the vector tiles run")
+    generator = _generator("amx")
+    x, weight, bias = (_randn(generator, 9, 576, dtype=torch.bfloat16), _randn(generator, 100, 576, dtype=torch.bfloat16),
+                       _randn(generator, 100, dtype=torch.bfloat16))
+    try:
+        on = cpu.row_product(x, weight, bias)
+        assert cpu.use_amx(False) is False
+        off = cpu.row_product(x, weight, bias)
+    finally:
+        cpu.use_amx(True)
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    _assert_one_rounding(on, exact, torch.bfloat16)
+    _assert_one_rounding(off, exact, torch.bfloat16)
 
 
 def test_product_of_strided_rows_and_a_leading_shape(library):

@@ -81,6 +81,7 @@ _SIGNATURES = {
     "llm_layer_out": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr, _ptr, _f32, _ptr, _ptr, _i64,
                       _i64, _i64, _i64, _ptr, _ptr, _int, _int],
     "llm_greedy_pick": [_ptr, _i64, _i64, _i64, _ptr, _int, _int],
+    "llm_use_amx": [_int],
     "llm_decode_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64,
                           _ptr, _ptr, _int, _int],
 }
@@ -314,6 +315,12 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
                               batch, heads, tokens, dim, DTYPES[x.dtype], _threads())
         outputs.append(out)
     return outputs[0], outputs[1]
+
+
+def use_amx(on: bool = True) -> bool:
+    """Let bfloat16 products of 2-16 rows run on AMX tiles (the default) or not (a benchmark's comparison);
+    returns whether they will: the library was built for a CPU with AMX and the kernel permits its tiles."""
+    return bool(_lib().llm_use_amx(int(on)))
 
 
 def greedy_pick(logits: torch.Tensor) -> torch.Tensor | None:

@@ -209,7 +209,108 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, i
 
 #define IDENTITY(v) (v)
 PRODUCT(llm_linear_f32, float, tile_f32, IDENTITY, IDENTITY)
-PRODUCT(llm_linear_bf16, uint16_t, tile_bf16, f32_to_bf16, bf16_to_f32)
+PRODUCT(llm_linear_bf16_vectors, uint16_t, tile_bf16, f32_to_bf16, bf16_to_f32)
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* bfloat16 products of 2..16 rows on Intel's AMX tiles (one tdpbf16ps multiplies 16 weight rows by 16 input
+ * rows over 32 of K): the vector tiles above spend a multiply per input row, so a step of 16 rows cost ~16x
+ * one row's compute, where AMX takes them for about the price of one. A = 16 weight rows x 32 of K (the
+ * weight as it is, row-major), B = the input rows in AMX's pair layout (x_pairs[k / 2][m][2], made once a
+ * call: m <= 16 rows), C = 16 weight rows x m float32 sums, two C tiles at a time. Tiles need the kernel's
+ * permission once per process (arch_prctl ARCH_REQ_XCOMP_PERM; oneDNN asks the same) and a configuration
+ * per thread; where either fails, or K is not a multiple of 32, the vector tiles run. The sums run in
+ * AMX's order (pairs of K, then chunks of 32): equal to the vector tiles' up to the order of float32 sums. */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_MIN_ROWS 2
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) tile_config_t;
+
+static int amx_permitted(void) {
+    static int permitted = -1; /* (a benign race: every thread asks the same and gets the same answer) */
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return permitted;
+}
+
+static int amx_linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                           int64_t ldy, int64_t m, int64_t n_out, int64_t k, int threads) {
+    uint16_t *pairs = (uint16_t *)aligned_alloc(64, ((size_t)k * m * 2 + 63) / 64 * 64);
+    if (!pairs) return 1;
+    for (int64_t kk = 0; kk < k / 2; kk++)
+        for (int64_t r = 0; r < m; r++) {
+            pairs[(kk * m + r) * 2] = x[r * ldx + 2 * kk];
+            pairs[(kk * m + r) * 2 + 1] = x[r * ldx + 2 * kk + 1];
+        }
+    int64_t blocks = n_out / 32;
+#pragma omp parallel num_threads(threads)
+    {
+        tile_config_t config = {0};
+        config.palette = 1;
+        for (int t = 0; t < 5; t++) config.rows[t] = 16;
+        config.colsb[0] = config.colsb[1] = config.colsb[4] = (uint16_t)(m * 4); /* C0, C1 and B: m columns */
+        config.colsb[2] = config.colsb[3] = 64;                                   /* A0, A1: 32 of K */
+        _tile_loadconfig(&config);
+        float sums[2][16][16];
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t j = b * 32;
+            const uint16_t *w0 = w + j * k, *w1 = w + (j + 16) * k;
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t c = 0; c < k; c += 32) {
+                _tile_loadd(2, w0 + c, k * 2);
+                _tile_loadd(3, w1 + c, k * 2);
+                _tile_loadd(4, pairs + c * m, m * 4);
+                _tile_dpbf16ps(0, 2, 4);
+                _tile_dpbf16ps(1, 3, 4);
+            }
+            _tile_stored(0, sums[0], 64);
+            _tile_stored(1, sums[1], 64);
+            for (int h = 0; h < 2; h++)
+                for (int i = 0; i < 16; i++) {
+                    int64_t o = j + h * 16 + i;
+                    for (int64_t r = 0; r < m; r++)
+                        y[r * ldy + o] = f32_to_bf16(bias ? sums[h][i][r] + bf16_to_f32(bias[o]) : sums[h][i][r]);
+                }
+        }
+        _tile_release();
+    }
+    free(pairs);
+    if (blocks * 32 < n_out) /* the last few weight rows */
+        return llm_linear_bf16_vectors(x, ldx, w + blocks * 32 * k, bias ? bias + blocks * 32 : NULL,
+                                       y + blocks * 32, ldy, m, n_out - blocks * 32, k, threads);
+    return 0;
+}
+#endif
+
+static int amx_wanted = 1;
+
+/* Whether bfloat16 products of 2..16 rows may use AMX (on: 1, off: 0; a benchmark's switch); returns whether
+ * they will: this build has AMX and the kernel permits its tiles. */
+int llm_use_amx(int on) {
+    amx_wanted = on;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    return on && amx_permitted();
+#else
+    return 0;
+#endif
+}
+
+int llm_linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t ldy,
+                    int64_t m, int64_t n_out, int64_t k, int threads) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx_wanted && m >= AMX_MIN_ROWS && m <= 16 && k % 32 == 0 && n_out >= 32 && amx_permitted())
+        return amx_linear_bf16(x, ldx, w, bias, y, ldy, m, n_out, k, threads);
+#endif
+    return llm_linear_bf16_vectors(x, ldx, w, bias, y, ldy, m, n_out, k, threads);
+}
 
 /* ---------------------------------------------------------------------------------------------------
  * Elementwise ops, with transformers' rounding. dtype: 0 float32, 1 bfloat16 (every tensor of a call has it). */
