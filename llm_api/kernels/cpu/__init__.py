@@ -14,8 +14,9 @@ at 3-20 us each, which a Python rewrite did not shorten. ``torch.compile`` fuses
 153 s to compile (issue 37's probe), and its products are torch's. A C file of ~500 lines compiled with
 ``-march=native`` in about a second does both, and saves the Python between the ops: the products as
 register tiles (up to 4 input rows x 4 weight rows, float32 sums in vector registers, AVX512-BF16
-``vdpbf16ps`` where the CPU has it, AVX-512 or AVX2 FMA otherwise, scalar C elsewhere) over blocks of
-weight rows split across OpenMP threads (torch's own OpenMP runtime: the library resolves
+``vdpbf16ps`` where the CPU has it, AVX-512 or AVX2 FMA otherwise, scalar C elsewhere; bfloat16 products
+of 2-16 rows on AMX tiles where the CPU has AMX, ``use_amx``) over blocks of weight rows split across
+OpenMP threads (torch's own OpenMP runtime: the library resolves
 ``libgomp.so.1`` to the copy torch loaded), and each elementwise op as one loop. Plain C with raw
 pointers rather than a torch extension: no torch headers to compile
 (tens of seconds per build) and no ABI tied to a torch build.
