@@ -698,7 +698,8 @@ def enable(model: nn.Module, swapped_norms: list[nn.Module], rotary_modules: lis
     merging their projections. Returns {"layers", "merged", "head", "stack"}: the output head runs one row by
     ``kernels.gemv`` too ("head": 1) where it is a plain ``nn.Linear`` with its own forward (no accelerate
     hook), once any layer is fused; with a kernel set that has ``decode_layers`` (the CPU's), the decoder
-    model's forward, where its code is Llama's, hands a step of up to its rows to it ("stack": 1)."""
+    model's forward, where its code is Llama's, hands it every step of as many rows as the set's products take
+    ("stack": 1)."""
     llama = llama_modeling()
     swapped = {id(m) for m in swapped_norms}
     get_decoder = getattr(model, "get_decoder", None)  # (transformers' base model under a task head)
