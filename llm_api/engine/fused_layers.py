@@ -642,6 +642,8 @@ def _decoder_stack(decoder: Any, input_ids, position_ids, past_key_values, input
             or len(kwargs) != 1 or input_ids.dim() != 2 or input_ids.shape[0] != 1 or not kernels.takes(input_ids)):
         return None
     rows = input_ids.shape[1]
+    if rows > kernels.max_rows(decoder.embed_tokens.weight.dtype):  # (a prefill: no plan checks a step)
+        return None
     metadata = _paged_step(decoder.config._attn_implementation, kernels, kwargs, rows)
     layers = list(decoder.layers._modules.values())[: decoder.config.num_hidden_layers]  # (a slice: a new ModuleList)
     if metadata is None or not layers:

@@ -135,8 +135,8 @@ def enable(model: nn.Module, layers: bool = True, cpu_kernels_cache: str | None 
     ``llm_api.kernels.cpu`` builds its library), the C kernels, where they build. With ``layers``, also the fused decoder layers
     (``llm_api.engine.fused_layers``). Returns what was swapped: {"rms_norm": modules, "rotary": modeling
     modules, "layers": decoder layers, "merged": attention and MLP modules whose projections run as one
-    product, "head": 1 where the output head's few-row product is the kernel set's, "stack": 1 where a decode
-    step's layers run in one kernel-set call (the CPU set)}."""
+    product, "head": 1 where the output head's few-row product is the kernel set's, "stack": 1 where a step
+    of a few rows runs its layers in one kernel-set call (the CPU set)}."""
     from llm_api.kernels import triton_usable
 
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
@@ -179,7 +179,7 @@ def install(model: nn.Module, layers: bool = True, kernels: Any = fused_layers.T
             fused_layers.set_kernels(module, kernels)  # (disable dropped them; the norms still run fused)
     logger.info("fused %s kernels: %d RMSNorm modules, rotary embedding in %d modeling modules, %d decoder layers "
                 "(%d attention and MLP modules with merged products)%s", kernels.name, len(norms), rotary, fused["layers"],
-                fused["merged"], "; a decode step's layers in one call" if fused["stack"] else "")
+                fused["merged"], "; a step of a few rows in one call" if fused["stack"] else "")
     return fused
 
 

@@ -58,7 +58,7 @@ class ModuleSlots:
             if stacked is not None:
                 lora_bgmv(y2, x2, step.token_slots, *stacked)
             return y
-        packed = self.concatenated(step)
+        packed = self._concatenated(step)
         if packed is None:
             return y  # no resident adapter adapts this module
         a_cat, b_cat = packed
@@ -66,7 +66,7 @@ class ModuleSlots:
         y2 += F.linear(shrunk, b_cat) * step.row_scaling
         return y
 
-    def concatenated(self, step: LoraStep) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _concatenated(self, step: LoraStep) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(A_cat [C, in], B_cat [out, C]) in the step's column layout; None when no slot adapts this module."""
         if self._packed is not None and self._packed[0] == step.layout_version:
             return self._packed[1]
@@ -86,9 +86,9 @@ class ModuleSlots:
         return packed
 
     def concatenated_t(self, step: LoraStep) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``concatenated`` with B transposed and contiguous, (A_cat [C, in], B_cat.T [C, out]): the CPU
+        """``_concatenated`` with B transposed and contiguous, (A_cat [C, in], B_cat.T [C, out]): the CPU
         kernels' delta (``llm_api.kernels.cpu``) adds B's rows along the output, in one pass per column."""
-        packed = self.concatenated(step)
+        packed = self._concatenated(step)
         if packed is None:
             return None
         if self._transposed is None or self._transposed[0] is not packed:
