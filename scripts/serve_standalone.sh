@@ -5,5 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 # shellcheck disable=SC1091
-. .venv/bin/activate
+. scripts/env.sh
 exec llm_api serve "$@"
