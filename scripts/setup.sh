@@ -9,7 +9,8 @@
 # SETUP_INSTALLER=pip installs with pip alone; the default, uv, installs the same requirements from the same
 # places with uv (pip puts uv into .venv first; pip again if that fails). uv downloads and unpacks in parallel:
 # on a 2-core host the first install took 40 s instead of 124 s, most of the first run's time (issue 33). It
-# does not compile the bytecode ahead: Python writes it on the first import of each module, for the modules a
+# does not compile the bytecode ahead: Python writes it on the first import of each module (scripts/env.sh makes
+# sure of that where PYTHONDONTWRITEBYTECODE is set, as on this project's CI host), for the modules a
 # server uses, where compiling all of torch's took longer than the rest of the install (fresh clone, empty uv
 # cache, 2-core AMD EPYC avx2: set-up 62 s with --compile-bytecode and 25 s without; the first import of torch
 # and transformers then 4.8 s and 9.1 s, and 4.6 s from the second on).
@@ -29,6 +30,7 @@ fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+unset PYTHONDONTWRITEBYTECODE  # (scripts/env.sh: the model's conversion below imports much of what a server does)
 
 # pip's configuration (indexes, local wheel folders, constraints, a CA bundle; files and PIP_* variables alike)
 # handed to uv, which does not read it, so both installers take the same packages from the same places.
