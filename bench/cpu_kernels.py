@@ -97,7 +97,8 @@ def main():
             if args.compare == "amx":
                 from llm_api.kernels import cpu
 
-                if not cpu.use_amx(name == "kernels") and name == "kernels":
+                amx_on = cpu.use_amx(name == "kernels")  # (switched before each engine's runs: off for "vectors")
+                if name == "kernels" and not amx_on:
                     raise SystemExit("no AMX here: this library was not built for it, or the kernel refuses its tiles")
             for batch in batches:
                 speed, tokens = decode(engine, batch, args.new_tokens, f"{name}-{round_index}-{batch}")
