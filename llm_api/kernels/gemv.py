@@ -152,11 +152,12 @@ def _config_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return None
     if mode == "triton" or interpreter_enabled():
         return CANDIDATES[0]
-    if x.dtype not in FAST_DTYPES or not x.is_cuda:
+    if not x.is_cuda:
         return None
     key = (x.device, x.dtype, tuple(weight.shape), bias is not None, silu_mul)
-    if key not in _chosen:
-        _chosen[key] = rule(weight.shape[0], weight.shape[1], torch.cuda.get_device_capability(x.device))
+    if key not in _chosen:  # float32 keeps the library's order of sums (recorded as None, as chosen() says)
+        capability = torch.cuda.get_device_capability(x.device)
+        _chosen[key] = rule(weight.shape[0], weight.shape[1], capability) if x.dtype in FAST_DTYPES else None
     return _chosen[key]
 
 
