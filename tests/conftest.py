@@ -326,7 +326,11 @@ def async_frontend(request):
 
 SHARED_SERVERS = ("classic_server", "async_server", "batch4_server", "standalone_server", "hermes_server")
 FRONT_END_SERVERS = {"frontend": {"torchserve": "classic_server", "standalone": "standalone_server"},
-                     "async_frontend": {"torchserve": "async_server", "standalone": "standalone_server"}}
+                     "async_frontend": {"torchserve": "async_server", "standalone": "standalone_server"},
+                     # (its TorchServe is the module's own; asked for by name, the standalone server was
+                     # started a second time on the module's worker)
+                     "reliable_front_end": {"torchserve": "tests/test_reliability.py",
+                                            "standalone": "standalone_server"}}
 
 
 def xdist_group_of(item: pytest.Item) -> str:
@@ -348,7 +352,7 @@ def xdist_group_of(item: pytest.Item) -> str:
 LONG_GROUPS_FIRST = ("async_server",  # 575
                      "standalone_server",  # 475
                      "tests/engine/test_parity.py",  # 300 (525 before its Triton cases kept one family per kind)
-                     "tests/test_reliability.py",  # 220 (its load test runs 20 s per front end)
+                     "tests/test_reliability.py",  # 220 (then its load test ran 20 s per front end; now its TorchServe only)
                      "hermes_server",  # 205 (tests/test_server_structured.py, tests/test_hostile_tools.py)
                      "tests/test_packaging.py",  # 160
                      "classic_server",  # 140

@@ -47,12 +47,14 @@ def torchserve_reliable(start_server):
 
 
 @pytest.fixture(params=["torchserve", "standalone"])
-def server(request):
-    """TorchServe in the shipped async mode (its own), or the session's `llm_api serve` (also float32)."""
+def reliable_front_end(request):
+    """TorchServe in the shipped async mode (its own), or the session's `llm_api serve` (also float32; the
+    standalone case runs in that server's group: tests/conftest.py, FRONT_END_SERVERS)."""
     return request.getfixturevalue("torchserve_reliable" if request.param == "torchserve" else "standalone_server")
 
 
-def test_load_without_loss(server):
+def test_load_without_loss(reliable_front_end):
+    server = reliable_front_end
     report = run_load(server, LOAD_SECONDS, clients=32)
     print(f"load: {report.requests} requests in {LOAD_SECONDS:.0f} s, {report.completed} completed")
     assert not report.problems, "\n".join(report.problems[:10])
