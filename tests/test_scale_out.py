@@ -1,11 +1,12 @@
 """llm_api as a Ray Serve application (llm_api.scale_out; docs/scale-out.md).
 
 The index and the routing text alone first (no Ray), then one real local Ray cluster (a head on this
-machine, started by ``llm_api serve --ray --replicas 2``) with two replicas of the embedded model behind
-Ray's HTTP proxy: both replicas serve, with the key checked; a stream comes through token by token; 20
-chats sharing a 1,000-token system prompt, interleaved with unrelated ones, all land on one replica; a
-conversation continues with previous_response_id whichever replica answers; an adapter's requests go to
-the replica holding it; hostile bodies get their errors; a client leaving a stream aborts its request on
+machine, started by ``llm_api serve --ray --replicas 2 --max-replicas 3``) with two replicas of the embedded
+model behind Ray's HTTP proxy: both replicas serve, with the key checked; a stream comes through token by
+token; 20 chats sharing a 1,000-token system prompt, interleaved with unrelated ones, all land on one
+replica; a conversation continues with previous_response_id whichever replica answers; an adapter's
+requests go to the replica holding it; hostile bodies get their errors; load brings a third replica, and
+when it falls the replica Ray removes finishes its stream first; a client leaving a stream aborts its request on
 the replica (the replica's log line says so); a replica killed mid-stream ends only that
 stream, with the format's error, and the next request is answered; and last, a SIGKILL of the server
 leaves no Ray process behind. Which replica answered: the ``x-llm-api-replica`` header; its pid: the line
@@ -14,11 +15,15 @@ each replica logs at start. (The SIGTERM stop is what bench/scale_out.py ends wi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
+import threading
 import time
+from datetime import datetime
+from pathlib import Path
 
 import httpx
 import pytest
@@ -27,6 +32,9 @@ from llm_api.scale_out.affinity import BLOCK_CHARS, PrefixIndex, affinity_text, 
 
 KEY = "scale-out-key-123"
 REPLICA_HEADER = "x-llm-api-replica"
+MARKER = "<|endoftext|>"
+AUTOSCALING = {"target_ongoing_requests": 2, "metrics_interval_s": 1, "look_back_period_s": 2,
+               "upscale_delay_s": 1, "downscale_delay_s": 1}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -69,6 +77,26 @@ def test_the_index_is_bounded_per_replica_and_a_match_stops_at_the_first_evicted
     assert index.match(old, ["a"]) == {"a": 0}  # (its later blocks are held, but not its first)
 
 
+@pytest.mark.parametrize("flags, refusal", [
+    (["--autoscaling-config", '{"downscale_delay_s": 5}'], "needs --max-replicas"),
+    (["--max-replicas", "2", "--autoscaling-config", '{"downscale_delay": 5}'],
+     "downscale_delay: not a field of Ray Serve's AutoscalingConfig"),
+    (["--max-replicas", "2", "--autoscaling-config", '{"min_replicas": 0}'], "set by --replicas and --max-replicas"),
+    (["--max-replicas", "2", "--autoscaling-config", '{"upscale_delay_s": -1}'], "greater than or equal to 0"),
+    (["--max-replicas", "2", "--autoscaling-config", "[1]"], "is not a JSON object"),
+    (["--max-replicas", "2", "--autoscaling-config", "{"], "is not JSON"),
+])
+def test_a_bad_autoscaling_config_stops_the_command_before_a_cluster_starts(flags, refusal, capsys, monkeypatch):
+    from llm_api.scale_out import run
+    from llm_api.server import cli
+
+    monkeypatch.delenv("LLM_API_KEY", raising=False)
+    monkeypatch.setattr(run, "serve_on_ray", lambda *args: pytest.fail("accepted: a cluster would start"))
+    with pytest.raises(SystemExit) if "JSON" in refusal else contextlib.nullcontext():
+        assert cli.main(["serve", "--ray", *flags]) == 2
+    assert refusal in capsys.readouterr().err
+
+
 def test_ray_processes_are_told_apart_by_their_command_lines():
     from llm_api.scale_out.reaper import is_ray_process
 
@@ -107,9 +135,17 @@ def ray_app(tmp_path_factory, embedded_model_path):
     adapters = _adapters(tmp_path_factory.mktemp("ray-adapters"), embedded_model_path)
     # 96 MiB of KV per replica: ~2,000 float32 tokens of the embedded model, room for the shared prefix;
     # one adapter slot per replica (MAX_LORAS=1), so where an adapter's requests go matters.
-    server = StandaloneServer(tmp_path_factory.mktemp("ray-app"), args=["--ray", "--replicas", "2"], env={
+    # Autoscaling between 2 and 3 replicas at a target of 2 requests in flight each, quick to react (Ray's
+    # metrics pushed every second, not 10; 2 s averaged; 1 s before adding or removing one): the other
+    # tests send one request at a time beside at most one stream, which keeps 2. Half a CPU each, so that a
+    # third fits the 2-core host's Ray node (a replica that reserves a whole CPU waits to be scheduled).
+    server = StandaloneServer(tmp_path_factory.mktemp("ray-app"), args=[
+        "--ray", "--replicas", "2", "--max-replicas", "3", "--autoscaling-config", json.dumps(AUTOSCALING),
+        "--cpus-per-replica", "0.5"], env={
         "MODEL_PATH": str(embedded_model_path), "LLM_API_KEY": KEY, "DTYPE": "float32", "KV_CACHE_MEMORY_MIB": "96",
-        "MAX_NUM_SEQS": "8", "DRAIN_GRACE_S": "5", "LORA_ADAPTERS": adapters, "MAX_LORAS": "1"})
+        "MAX_NUM_SEQS": "8", "DRAIN_GRACE_S": "60", "LORA_ADAPTERS": adapters, "MAX_LORAS": "1",
+        "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+        "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"})
     try:
         server.start(timeout=420)  # (Ray's own start is a minute or more on a busy 2-core host)
         yield server
@@ -242,6 +278,123 @@ def test_hostile_requests_through_the_ingress_get_their_errors_and_harm_no_other
     assert httpx.request("PATCH", url, headers=_headers(), timeout=60).status_code == 405
     after = _chat(ray_app, [{"role": "user", "content": "Still there?"}])
     assert after.status_code == 200, after.text
+
+
+class Stream(threading.Thread):
+    """One native stream read to its end in a thread (or left once ``leave`` is set): which replica
+    answered, what came."""
+
+    def __init__(self, server, text: str, tokens: int):
+        super().__init__(daemon=True)
+        self.server, self.body = server, {"text": text, "max_new_tokens": tokens, "ignore_eos": True}
+        self.opened, self.leave = threading.Event(), threading.Event()
+        self.replica, self.status, self.pieces, self.ended_at = None, None, [], None  # (ended_at: wall clock, as Ray logs)
+
+    def run(self):
+        try:
+            with httpx.stream("POST", self.server.native_url, headers=_headers(), json=self.body,
+                              timeout=240) as answer:
+                self.status = answer.status_code
+                self.replica = answer.headers.get(REPLICA_HEADER) if answer.status_code == 200 else None
+                self.opened.set()
+                for piece in answer.iter_raw():
+                    self.pieces.append(piece)
+                    if self.leave.is_set():
+                        return
+        finally:
+            self.opened.set()
+            self.ended_at = time.time()
+
+    def text(self) -> str:
+        return b"".join(self.pieces).decode(errors="replace")
+
+
+def _model_replica_processes(server) -> set[int]:
+    """The pids of the model replicas' processes below the server (Ray names them ``ray::ServeReplica:...``;
+    a replica's own start line reaches the server's log only a while after, sometimes not before it ends)."""
+    from llm_api.scale_out.reaper import ray_processes_below
+
+    found = set()
+    for pid, _ in ray_processes_below(server.server_pid()):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if title.startswith(b"ray::ServeReplica:llm_api:ModelReplica"):
+            found.add(pid)
+    return found
+
+
+def _removals(server) -> list[float]:
+    """When Ray's controller decided to remove one model replica (its log lines, wall-clock time)."""
+    found = re.findall(r"INFO (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) controller \d+ -- Removing 1 replica from "
+                       r"Deployment\(name='ModelReplica'", server.model_log())
+    return [datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp() for stamp in found]
+
+
+def test_replicas_scale_up_under_load_and_a_removed_replica_finishes_its_streams(ray_app):
+    """--max-replicas 3 with the fixture's AUTOSCALING: 5 streams in flight (2.5 a replica against a target of
+    2) bring a third replica. Then with a stream on each of the three and the load's streams left, 3 requests
+    in flight call for 2 replicas: Ray removes one while its stream runs, and that stream still ends with
+    the marker (Ray's graceful shutdown, DRAIN_GRACE_S=60), as do the others; its process ends after."""
+    deadline = time.monotonic() + 60
+    while len(_model_replica_processes(ray_app)) != 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert len(_model_replica_processes(ray_app)) == 2
+    removals_before = len(_removals(ray_app))
+    load = [Stream(ray_app, f"Story {i}: tell a very long tale about the ship number {i * 37}.", 2000)
+            for i in range(5)]
+    for stream in load:
+        stream.start()
+    drained: list[Stream] = []
+    try:
+        deadline = time.monotonic() + 240
+        while len(_model_replica_processes(ray_app)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert len(_model_replica_processes(ray_app)) == 3, "no third replica within 240 s of 5 streams in flight"
+        old = {stream.replica for stream in load}
+        while len(old | {_chat(ray_app, [{"role": "user", "content": "Ready?"}]).headers[REPLICA_HEADER]}) < 3:
+            assert time.monotonic() < deadline, "the third replica answered nothing within 240 s"
+            time.sleep(0.5)
+        # A stream on each of the three (the router sends each to the less loaded of two)
+        while len({s.replica for s in drained}) < 3 and len(drained) < 15 and time.monotonic() < deadline:
+            # (long enough to outlast the removal's decision, a few seconds after the load leaves)
+            stream = Stream(ray_app, f"Essay {len(drained)}: describe the harbour at dawn, street by street.", 300)
+            stream.start()
+            stream.opened.wait(120)
+            drained.append(stream)
+            time.sleep(0.5)
+        replicas = {s.replica for s in drained}
+        assert len(replicas) == 3 and None not in replicas, [(s.status, s.replica, s.text()[:200]) for s in drained]
+    finally:
+        for stream in load:
+            stream.leave.set()
+    # One stream a replica stays: 3 in flight, which 2 replicas serve at the target
+    kept = {stream.replica: stream for stream in reversed(drained)}
+    for stream in drained:
+        if kept[stream.replica] is not stream:
+            stream.leave.set()
+    drained = list(kept.values())
+    deadline = time.monotonic() + 120
+    while len(_model_replica_processes(ray_app)) == 3 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    exited_at = time.time()
+    assert len(_model_replica_processes(ray_app)) == 2, "no replica removed within 120 s of 3 requests in flight"
+    for stream in drained:
+        stream.join(240)
+        assert stream.text().endswith(MARKER), (stream.replica, stream.text()[-300:])
+    while len(_removals(ray_app)) == removals_before and time.monotonic() < deadline + 30:
+        time.sleep(0.5)
+    decided = _removals(ray_app)[removals_before:]
+    assert len(decided) == 1, decided
+    after = {_chat(ray_app, [{"role": "user", "content": f"After {i}"}]).headers[REPLICA_HEADER] for i in range(10)}
+    assert len(after) == 2 and after < replicas, (after, replicas)
+    removed = (replicas - after).pop()
+    on_removed = [s for s in drained if s.replica == removed]
+    # Ray decided the removal while the removed replica's stream ran, and its process ended after the stream
+    # did: drained, not cut.
+    assert all(decided[0] < s.ended_at <= exited_at for s in on_removed), (
+        decided, [s.ended_at for s in on_removed], exited_at)
 
 
 def test_a_client_leaving_mid_stream_aborts_its_request_on_the_replica(ray_app):

@@ -98,6 +98,41 @@ class Scaling:
     max_replicas: int | None = None  # set: autoscale between ``replicas`` and this
     cpus_per_replica: float = 1.0
     routing: str = "prefix"  # "prefix": PrefixAffinityRouter's policy; "random": its fallback alone
+    # Fields of Ray Serve's AutoscalingConfig over autoscaling_config()'s defaults (``--autoscaling-config``)
+    autoscaling: dict[str, Any] = field(default_factory=dict)
+
+
+# Ours, not Ray's (its own: a target of 2 requests, 30 s up, 600 s down): a replica at its batch size is busy,
+# not overloaded, so the target is MAX_NUM_SEQS requests in flight; 10 s before adding a replica (a model
+# load costs more than a short burst), 120 s before removing one.
+UPSCALE_DELAY_S = 10
+DOWNSCALE_DELAY_S = 120
+BOUNDS_ARE_FLAGS = ("min_replicas", "max_replicas", "initial_replicas")
+
+
+def autoscaling_config(settings: Settings, scaling: Scaling) -> Any:
+    """Ray's ``AutoscalingConfig`` for ``scaling`` (None without ``max_replicas``): the defaults above, then
+    ``scaling.autoscaling`` over them. ValueError names a field Ray does not have, a bound given there (the
+    replica counts are the flags'), or a value Ray refuses."""
+    from ray.serve.config import AutoscalingConfig
+
+    if scaling.max_replicas is None:
+        if scaling.autoscaling:
+            raise ValueError("--autoscaling-config needs --max-replicas (autoscaling is off without it)")
+        return None
+    unknown = sorted(set(scaling.autoscaling) - set(AutoscalingConfig.model_fields))
+    if unknown:
+        raise ValueError(f"--autoscaling-config: {', '.join(unknown)}: not a field of Ray Serve's AutoscalingConfig")
+    bounds = sorted(set(scaling.autoscaling) & set(BOUNDS_ARE_FLAGS))
+    if bounds:
+        raise ValueError(f"--autoscaling-config: {', '.join(bounds)}: set by --replicas and --max-replicas")
+    fields = {"min_replicas": scaling.replicas, "max_replicas": scaling.max_replicas,
+              "target_ongoing_requests": max(1, settings.max_num_seqs), "upscale_delay_s": UPSCALE_DELAY_S,
+              "downscale_delay_s": DOWNSCALE_DELAY_S, **scaling.autoscaling}
+    try:
+        return AutoscalingConfig(**fields)
+    except Exception as err:  # (pydantic's ValidationError: a value Ray refuses)
+        raise ValueError(f"--autoscaling-config: {err}") from err
 
 
 class ModelReplica:
@@ -318,15 +353,12 @@ async def _payloads(stream: Any, error_tail: str, request_id: str) -> AsyncItera
 def application(settings: Settings, key: str | None, scaling: Scaling) -> Any:
     """The bound Ray Serve application (``serve.run`` it)."""
     from ray import serve
-    from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+    from ray.serve.config import RequestRouterConfig
 
     # A replica at its batch size is busy, not overloaded: Ray counts a replica's ongoing requests, and the
     # engine batches up to MAX_NUM_SEQS of them; twice that may wait there before Ray queues at the router.
     target = max(1, settings.max_num_seqs)
-    autoscaling = None
-    if scaling.max_replicas is not None:
-        autoscaling = AutoscalingConfig(min_replicas=scaling.replicas, max_replicas=scaling.max_replicas,
-                                        target_ongoing_requests=target, upscale_delay_s=10, downscale_delay_s=120)
+    autoscaling = autoscaling_config(settings, scaling)
     model = serve.deployment(
         ModelReplica, name="ModelReplica",
         num_replicas=None if autoscaling else scaling.replicas, autoscaling_config=autoscaling,

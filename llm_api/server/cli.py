@@ -4,7 +4,8 @@
 serves the model the environment's settings describe (the same variables as under TorchServe, see
 README), without TorchServe. A bad setting or flag stops it before anything loads, with a message naming
 it (exit 2); a model that fails to load exits 1; a stop by SIGTERM/SIGINT after the drain exits 0.
-``--ray [--replicas N] [--max-replicas M] [--cpus-per-replica C] [--routing prefix|random] [--ray-address A]``
+``--ray [--replicas N] [--max-replicas M [--autoscaling-config JSON]] [--cpus-per-replica C] [--routing prefix|random]
+[--ray-address A]``
 serves the same routes as a Ray Serve application instead (``llm_api.scale_out``; docs/scale-out.md).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
+import json
 import logging
 import sys
 from pathlib import Path
@@ -39,6 +41,16 @@ def _count(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a count (1 or more)")
     return int(text)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:100]!r} is not JSON") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text[:100]!r} is not a JSON object")
+    return value
 
 
 def _host(text: str) -> str:
@@ -74,6 +86,10 @@ def parser() -> argparse.ArgumentParser:
                                                                 "the fewest)")
     ray.add_argument("--max-replicas", type=_count, default=None,
                      help="autoscale up to this many replicas on requests in flight (default: no autoscaling)")
+    ray.add_argument("--autoscaling-config", type=_json_object, default={}, metavar="JSON",
+                     help="with --max-replicas: fields of Ray Serve's AutoscalingConfig over ours (a target of "
+                          "MAX_NUM_SEQS requests in flight per replica, 10 s up, 120 s down), e.g. "
+                          "'{\"downscale_delay_s\": 600}'")
     ray.add_argument("--cpus-per-replica", type=float, default=1.0,
                      help="CPUs each replica reserves (its torch threads; default 1)")
     ray.add_argument("--routing", choices=("prefix", "random"), default="prefix",
@@ -104,9 +120,15 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as err:
             print(f"llm_api: --ray needs Ray Serve (pip install 'llm_api[ray]'): {err}", file=sys.stderr)
             return 2
-        from llm_api.scale_out.deployments import Scaling
+        from llm_api.scale_out.deployments import Scaling, autoscaling_config
 
-        scaling = Scaling(args.replicas, args.max_replicas, args.cpus_per_replica, args.routing)
+        scaling = Scaling(args.replicas, args.max_replicas, args.cpus_per_replica, args.routing,
+                          args.autoscaling_config)
+        try:
+            autoscaling_config(settings, scaling)  # (refused here, before a cluster starts)
+        except ValueError as err:
+            print(f"llm_api: {err}", file=sys.stderr)
+            return 2
         return serve_on_ray(settings, args.host, args.port, args.key_file, not args.no_auth, scaling,
                             args.ray_address)
     from llm_api.server.server import ServeOptions, serve  # (imports torch: after the cheap checks)
