@@ -20,6 +20,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 from datetime import datetime
@@ -95,6 +96,28 @@ def test_a_bad_autoscaling_config_stops_the_command_before_a_cluster_starts(flag
     with pytest.raises(SystemExit) if "JSON" in refusal else contextlib.nullcontext():
         assert cli.main(["serve", "--ray", *flags]) == 2
     assert refusal in capsys.readouterr().err
+
+
+def test_the_processes_below_several_roots_are_found_at_once():
+    """What the reaper kills when the server has gone includes what the noted processes started since its
+    last scan (ray_processes_below with those processes as roots): here two parents, each with a child whose
+    command line is a Ray worker's, and an unrelated child that is not."""
+    from llm_api.scale_out.reaper import identity_of, ray_processes_below
+
+    script = 'exec -a "ray::FakeWorker" sleep 60 & exec -a "plain" sleep 60 & wait'
+    parents = [subprocess.Popen(["bash", "-c", script]) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 10
+        while len(found := ray_processes_below(*(p.pid for p in parents))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(found) == 2 and all(identity_of(pid) == (pid, at) for pid, at in found), found
+        assert len(ray_processes_below(parents[0].pid)) == 1
+    finally:
+        for parent in parents:
+            for pid in [int(p) for p in Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()]:
+                os.kill(pid, signal.SIGKILL)
+            parent.kill()
+            parent.wait()
 
 
 def test_ray_processes_are_told_apart_by_their_command_lines():

@@ -58,8 +58,9 @@ def main(argv: list[str]) -> int:
             while child.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.1)
             os.killpg(os.getpgrp(), signal.SIGKILL)  # (the guard too)
-    if status < 0:
-        signal.signal(-status, signal.SIG_DFL)
+    if status < 0:  # the same death for the guard (SIGKILL and SIGSTOP have no handler to reset)
+        if -status not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-status, signal.SIG_DFL)
         os.kill(os.getpid(), -status)
     return status
 

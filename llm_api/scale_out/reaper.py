@@ -9,8 +9,9 @@ test session, ``systemd --user``, some container inits) so were its workers: the
 proxy and every replica, holding their models, for as long as that subreaper lived (Ray 2.60.0, measured
 both ways). ``serve_on_ray`` starts this module as a small child before it starts a local cluster. Every
 ``SCAN_S`` it notes the Ray processes below its parent (pid and start time: a pid the kernel reuses later is
-not mistaken for one), and when its parent has gone it SIGKILLs those still running, and the Ray processes
-left in its own process group (the agents, which a scan may not yet have seen). After a normal stop
+not mistaken for one), and when its parent has gone it SIGKILLs those still running, the Ray processes they
+started since the last scan, and the Ray processes left in its own process group (the agents, which a scan
+may not yet have seen). After a normal stop
 (``ray.shutdown``) none is left, and the server kills the reaper itself. A cluster joined with
 ``--ray-address`` is not ours: no reaper then. Standard library only (it starts in milliseconds and holds a
 few MB); it reads ``/proc``, so it does nothing where there is none.
@@ -70,13 +71,13 @@ def _processes() -> list[tuple[int, list[str]]]:
     return [(pid, fields) for pid in pids if (fields := _stat(pid)) is not None]
 
 
-def ray_processes_below(root: int) -> set[tuple[int, str]]:
-    """The running Ray processes below ``root`` (every generation), by identity."""
+def ray_processes_below(*roots: int) -> set[tuple[int, str]]:
+    """The running Ray processes below any of ``roots`` (every generation), by identity."""
     processes = _processes()
     children: dict[int, list[tuple[int, list[str]]]] = {}
     for pid, fields in processes:
         children.setdefault(int(fields[1]), []).append((pid, fields))
-    found, stack = set(), list(children.get(root, []))
+    found, stack = set(), [child for root in roots for child in children.get(root, [])]
     while stack:
         pid, fields = stack.pop()
         stack.extend(children.get(pid, []))
@@ -107,6 +108,10 @@ def main(argv: list[str]) -> int:
             noted |= ray_processes_below(args.parent)
             scanned = time.monotonic()
         time.sleep(POLL_S)
+    # What the last scan noted, and what the noted processes started since (a worker the raylet was
+    # starting when the parent died: seen once, it would live on until its start-up noticed the raylet gone)
+    noted = {identity for identity in noted if identity_of(identity[0]) == identity}
+    noted |= ray_processes_below(*(pid for pid, _ in noted))
     for pid, started in noted | ray_processes_in_group(os.getpgrp()):
         if identity_of(pid) == (pid, started):
             try:
