@@ -103,11 +103,17 @@ class Scaling:
 
 
 # Ours, not Ray's (its own: a target of 2 requests, 30 s up, 600 s down): a replica at its batch size is busy,
-# not overloaded, so the target is MAX_NUM_SEQS requests in flight; 10 s before adding a replica (a model
-# load costs more than a short burst), 120 s before removing one.
+# not overloaded, so the target is MAX_NUM_SEQS requests in flight (target_ongoing); 10 s before adding a
+# replica (a model load costs more than a short burst), 120 s before removing one.
 UPSCALE_DELAY_S = 10
 DOWNSCALE_DELAY_S = 120
 BOUNDS_ARE_FLAGS = ("min_replicas", "max_replicas", "initial_replicas")
+
+
+def target_ongoing(settings: Settings) -> int:
+    """Requests in flight a replica is meant to hold: its batch, MAX_NUM_SEQS (Ray counts a replica's
+    ongoing requests; the engine batches up to that many of them)."""
+    return max(1, settings.max_num_seqs)
 
 
 def autoscaling_config(settings: Settings, scaling: Scaling) -> Any:
@@ -127,7 +133,7 @@ def autoscaling_config(settings: Settings, scaling: Scaling) -> Any:
     if bounds:
         raise ValueError(f"--autoscaling-config: {', '.join(bounds)}: set by --replicas and --max-replicas")
     fields = {"min_replicas": scaling.replicas, "max_replicas": scaling.max_replicas,
-              "target_ongoing_requests": max(1, settings.max_num_seqs), "upscale_delay_s": UPSCALE_DELAY_S,
+              "target_ongoing_requests": target_ongoing(settings), "upscale_delay_s": UPSCALE_DELAY_S,
               "downscale_delay_s": DOWNSCALE_DELAY_S, **scaling.autoscaling}
     try:
         return AutoscalingConfig(**fields)
@@ -355,9 +361,8 @@ def application(settings: Settings, key: str | None, scaling: Scaling) -> Any:
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    # A replica at its batch size is busy, not overloaded: Ray counts a replica's ongoing requests, and the
-    # engine batches up to MAX_NUM_SEQS of them; twice that may wait there before Ray queues at the router.
-    target = max(1, settings.max_num_seqs)
+    # Twice a replica's batch may wait there before Ray queues at the router.
+    target = target_ongoing(settings)
     autoscaling = autoscaling_config(settings, scaling)
     model = serve.deployment(
         ModelReplica, name="ModelReplica",

@@ -94,6 +94,10 @@ def ray_processes_in_group(group: int) -> set[tuple[int, str]]:
             and _is_ray(pid)}
 
 
+def _still_running(identities: set[tuple[int, str]]) -> set[tuple[int, str]]:
+    return {identity for identity in identities if identity_of(identity[0]) == identity}
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--parent", type=int, required=True)
@@ -104,13 +108,12 @@ def main(argv: list[str]) -> int:
     scanned = 0.0
     while os.getppid() == args.parent:
         if time.monotonic() - scanned >= SCAN_S:
-            noted = {identity for identity in noted if identity_of(identity[0]) == identity}
-            noted |= ray_processes_below(args.parent)
+            noted = _still_running(noted) | ray_processes_below(args.parent)
             scanned = time.monotonic()
         time.sleep(POLL_S)
     # What the last scan noted, and what the noted processes started since (a worker the raylet was
     # starting when the parent died: seen once, it would live on until its start-up noticed the raylet gone)
-    noted = {identity for identity in noted if identity_of(identity[0]) == identity}
+    noted = _still_running(noted)
     noted |= ray_processes_below(*(pid for pid, _ in noted))
     for pid, started in noted | ray_processes_in_group(os.getpgrp()):
         if identity_of(pid) == (pid, started):
