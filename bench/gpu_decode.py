@@ -475,6 +475,7 @@ def step_weights(model, merged: bool) -> list[torch.Tensor]:
                              (layer.mlp, (*fused_layers.GATE_UP, "down_proj"))):
             projection = fused_layers.merged_projection(owner) if merged else None
             if projection is not None:
+                assert projection.weight is not None  # (a GPU model's projections are float)
                 weights.append(projection.weight)
             weights.extend(getattr(owner, name).weight for name in names[len(projection.names) if projection else 0:])
     weights.append(model.get_output_embeddings().weight)

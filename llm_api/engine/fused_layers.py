@@ -85,6 +85,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llm_api.kernels.cpu.layers import check_step_tables
+from llm_api.layers.quantized import QuantizedLinear, embedding_dtype
 from llm_api.lora.context import current_step
 from llm_api.lora.layer import LoraLinear
 
@@ -196,48 +198,80 @@ def kernel_sets_in(model: nn.Module) -> list[str]:
 
 
 class MergedProjection:
-    """Several ``nn.Linear`` of one input as one product: ``weight`` [sum of outputs, in], ``bias`` or None;
-    the modules' parameters are views of them (``merge``)."""
+    """Several linears of one input as one product, their outputs side by side (``sizes``). Plain ``nn.Linear``:
+    ``weight`` [sum of outputs, in] and ``bias`` (or None), the modules' parameters views of them (``merge``).
+    ``QuantizedLinear`` (GGUF blocks, ``llm_api.layers.quantized``): the modules themselves (``quantized``), each
+    part kept in its own format (a Q4_K_M file's q/k and v differ), the product one C call over the parts;
+    ``bias`` their biases concatenated."""
 
-    def __init__(self, names: tuple[str, ...], weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]):
+    def __init__(self, names: tuple[str, ...], weight: torch.Tensor | None, bias: torch.Tensor | None,
+                 sizes: list[int], quantized: list[QuantizedLinear] | None = None):
         self.names = names
         self.weight = weight
         self.bias = bias
         self.sizes = sizes
+        self.quantized = quantized
+        self.kind = nn.Linear if quantized is None else QuantizedLinear
         self.pointers = self._pointers_expected()
+        self._product: Any = None
 
     def _pointers_expected(self) -> list[int]:
+        if self.quantized is not None:
+            return [m.blocks.data_ptr() for m in self.quantized]
+        assert self.weight is not None
         offsets = [0]
         for size in self.sizes[:-1]:
             offsets.append(offsets[-1] + size)
         row = self.weight.stride(0) * self.weight.element_size()
         return [self.weight.data_ptr() + offset * row for offset in offsets]
 
+    def _hold(self, modules: list) -> bool:
+        return (all(type(m) is self.kind for m in modules)
+                and [weight_tensor(m).data_ptr() for m in modules] == self.pointers
+                and all((m.bias is None) == (self.bias is None) for m in modules))
+
     def holds(self, owner: nn.Module) -> bool:
-        """The modules are still the plain linears whose weights are views of this tensor."""
-        modules = [getattr(owner, name, None) for name in self.names]
-        return (all(type(m) is nn.Linear for m in modules)
-                and [m.weight.data_ptr() for m in modules] == self.pointers  # type: ignore[union-attr]
-                and all((m.bias is None) == (self.bias is None) for m in modules))  # type: ignore[union-attr]
+        """The modules are still the linears this was made of (plain ones: whose weights are views of this tensor)."""
+        return self._hold([getattr(owner, name, None) for name in self.names])
 
     def holds_bases(self, owner: nn.Module) -> bool:
         """``holds``, where a module may also be a LoRA wrapper around such a linear (``base_linear``): what
         a kernel set's whole layer runs, adding the adapters' deltas itself."""
-        modules = [base_linear(getattr(owner, name, None)) for name in self.names]
-        return (all(m is not None for m in modules)
-                and [m.weight.data_ptr() for m in modules] == self.pointers  # type: ignore[union-attr]
-                and all((m.bias is None) == (self.bias is None) for m in modules))  # type: ignore[union-attr]
+        return self._hold([base_linear(getattr(owner, name, None)) for name in self.names])
+
+    def product(self, kernels: Any) -> Any:
+        """The kernel set's ``Product`` of this (the CPU set's: ``llm_api.kernels.cpu.quant``)."""
+        if self._product is None:
+            if self.quantized is not None:
+                self._product = kernels.Product([m.quantized for m in self.quantized], self.quantized[0].in_features)
+            else:
+                assert self.weight is not None
+                self._product = kernels.Product([self.weight], self.weight.shape[1])
+        return self._product
 
     def __call__(self, x: torch.Tensor, kernels: Any) -> torch.Tensor:
+        if self.quantized is not None:
+            from llm_api.kernels.cpu import quant
+
+            return quant.product(x, self.product(kernels), self.bias)
+        assert self.weight is not None
         return linear(x, self.weight, self.bias, kernels)
 
 
-def base_linear(module: Any) -> nn.Linear | None:
-    """``module`` if it is a plain ``nn.Linear``, the ``nn.Linear`` a LoRA wrapper (``llm_api.lora.layer``)
-    wraps, else None."""
+LINEAR_KINDS = (nn.Linear, QuantizedLinear)
+
+
+def base_linear(module: Any) -> nn.Linear | QuantizedLinear | None:
+    """``module`` if it is a plain ``nn.Linear`` or a ``QuantizedLinear``, the one a LoRA wrapper
+    (``llm_api.lora.layer``) wraps, else None."""
     if type(module) is LoraLinear:
         module = module.base
-    return module if type(module) is nn.Linear else None
+    return module if type(module) in LINEAR_KINDS else None
+
+
+def weight_tensor(linear: Any) -> torch.Tensor:
+    """Where a linear's weights are: an ``nn.Linear``'s weight, a ``QuantizedLinear``'s blocks."""
+    return linear.blocks if type(linear) is QuantizedLinear else linear.weight
 
 
 def lora_slots(module: Any) -> Any:
@@ -272,10 +306,21 @@ def merge(owner: nn.Module, names: tuple[str, ...], through_lora: bool = False) 
     """Concatenate the weights (and biases) of ``owner``'s linears ``names`` into one tensor and make the
     modules' parameters views of it; None (nothing changed) unless they are plain ``nn.Linear`` (with
     ``through_lora``, also LoRA wrappers of one: their base linears are merged, for a kernel set that adds
-    the deltas itself) of one input size, dtype and device, all with or all without a bias."""
-    modules = [base_linear(m) if through_lora else m if type(m) is nn.Linear else None
+    the deltas itself) of one input size, dtype and device, all with or all without a bias. ``QuantizedLinear``
+    modules are merged without a copy: the product runs over their blocks side by side (their biases are
+    concatenated)."""
+    modules = [base_linear(m) if through_lora else m if type(m) in LINEAR_KINDS else None
                for m in (getattr(owner, name, None) for name in names)]
     if not all(m is not None for m in modules):
+        return None
+    if all(type(m) is QuantizedLinear for m in modules):
+        parts: list[QuantizedLinear] = modules  # type: ignore[assignment]
+        if any(m.in_features != parts[0].in_features or (m.bias is None) != (parts[0].bias is None) for m in parts):
+            return None
+        with torch.no_grad():
+            bias = torch.cat([m.bias.detach() for m in parts if m.bias is not None]) if parts[0].bias is not None else None
+        return MergedProjection(names, None, bias, [m.out_features for m in parts], quantized=parts)
+    if not all(type(m) is nn.Linear for m in modules):
         return None
     linears: list[nn.Linear] = modules  # type: ignore[assignment]
     first = linears[0].weight
@@ -413,18 +458,23 @@ def _fused_layer(self: Any, hidden_states: torch.Tensor, attention_mask=None, po
 
 
 def _plan_key(layer: Any) -> tuple:
-    """The modules a whole-layer plan was made from: a plan holds while the layer still has these."""
-    attention, mlp = layer.self_attn._modules, layer.mlp._modules
-    return (layer.self_attn, layer.mlp, *(attention.get(name) for name in (*QKV, "o_proj")),
-            *(mlp.get(name) for name in (*GATE_UP, "down_proj")), layer._modules.get("input_layernorm"),
-            layer._modules.get("post_attention_layernorm"), layer.__dict__.get(_NEXT_NORM))
+    """The modules a whole-layer plan was made from: a plan holds while the layer still has these. (Read from the
+    modules' own dicts: this runs for every layer at every decode step, and ``nn.Module.__getattr__`` cost ~1 us a
+    read, most of a 30-layer model's 0.95 ms a step of plan checks.)"""
+    modules = layer._modules
+    self_attn, mlp = modules.get("self_attn"), modules.get("mlp")
+    attention, mlp_modules = self_attn._modules, mlp._modules
+    return (self_attn, mlp, attention.get("q_proj"), attention.get("k_proj"), attention.get("v_proj"),
+            attention.get("o_proj"), mlp_modules.get("gate_proj"), mlp_modules.get("up_proj"),
+            mlp_modules.get("down_proj"), modules.get("input_layernorm"), modules.get("post_attention_layernorm"),
+            layer.__dict__.get(_NEXT_NORM))
 
 
 def _make_plan(layer: Any, kernels: Any) -> Any:
     """The kernel set's ``LayerWeights`` for ``layer``, or None where it cannot run whole: its q/k/v and
-    gate/up merged (and still holding), plain o_proj and down, Llama's rotary, one dtype the set takes,
-    contiguous weights on its device. A projection may be LoRA-wrapped (``base_linear``): the plan keeps its
-    adapters' slots, and the set adds their deltas."""
+    gate/up merged (and still holding), o_proj and down plain or quantized linears, Llama's rotary, one dtype
+    the set takes, contiguous float weights on its device. A projection may be LoRA-wrapped (``base_linear``):
+    the plan keeps its adapters' slots, and the set adds their deltas."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv, gate_up = attn.__dict__.get(_MERGED), mlp.__dict__.get(_MERGED)
     if (qkv is None or gate_up is None or not qkv.holds_bases(attn) or not gate_up.holds_bases(mlp)
@@ -434,21 +484,38 @@ def _make_plan(layer: Any, kernels: Any) -> Any:
     norms = [layer.input_layernorm, layer.post_attention_layernorm, *([] if next_norm is None else [next_norm])]
     if o_proj is None or down is None or qkv.sizes[1] != qkv.sizes[2]:
         return None
-    dtype = qkv.weight.dtype
-    tensors = [qkv.weight, qkv.bias, o_proj.weight, o_proj.bias, gate_up.weight, gate_up.bias, down.weight,
-               down.bias, *(norm.weight for norm in norms)]
+    dtype = layer.input_layernorm.weight.dtype
+    floats = [qkv.weight, qkv.bias, o_proj.bias, gate_up.weight, gate_up.bias, down.bias,
+              *(norm.weight for norm in norms), *(m.weight for m in (o_proj, down) if type(m) is nn.Linear)]
     if kernels.max_rows(dtype) < 1 or not all(t is None or (t.dtype == dtype and t.is_contiguous()
-                                                            and kernels.takes(t)) for t in tensors):
+                                                            and kernels.takes(t)) for t in floats):
         return None
     adapted = tuple(lora_slots(getattr(attn, name)) for name in (*QKV, "o_proj")) + tuple(
         lora_slots(getattr(mlp, name)) for name in (*GATE_UP, "down_proj"))
-    return kernels.LayerWeights(layer.input_layernorm, layer.post_attention_layernorm, next_norm, qkv, attn.head_dim,
-                                o_proj, gate_up, down, adapted)
+    return kernels.LayerWeights(layer.input_layernorm, layer.post_attention_layernorm, next_norm, qkv.product(kernels),
+                                tuple(qkv.sizes), qkv.bias, attn.head_dim, _linear_product(o_proj, kernels), o_proj.bias,
+                                gate_up.product(kernels), gate_up.bias, _linear_product(down, kernels), down.bias, adapted)
 
 
-def _first_pointers(key: tuple) -> list[int]:
-    """Where the q and gate projections' weights (the merged tensors' first rows) are now."""
-    return [base_linear(key[2]).weight.data_ptr(), base_linear(key[6]).weight.data_ptr()]  # type: ignore[union-attr]
+def _linear_product(linear: nn.Linear | QuantizedLinear, kernels: Any) -> Any:
+    """The kernel set's ``Product`` of one linear (its float weight or its blocks)."""
+    if type(linear) is QuantizedLinear:
+        return linear.product
+    return kernels.Product([linear.weight], linear.in_features)
+
+
+def _first_pointers(key: tuple) -> tuple[int, int]:
+    """Where the q and gate projections' weights (the merged tensors' first rows, or their blocks) are now."""
+    return _weight_pointer(key[2]), _weight_pointer(key[6])
+
+
+def _weight_pointer(module: Any) -> int:
+    """``weight_tensor(base_linear(module)).data_ptr()``, read from the modules' own dicts (per layer and step)."""
+    if type(module) is LoraLinear:
+        module = module._modules["base"]
+    tensor = (module._buffers["blocks"] if type(module) is QuantizedLinear
+              else module._parameters["weight"] if type(module) is nn.Linear else None)
+    return 0 if tensor is None else tensor.data_ptr()
 
 
 def _layer_plan(layer: Any, kernels: Any) -> Any:
@@ -507,7 +574,8 @@ def _row_tables(metadata: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     CPU), made once a step for every layer. A decode row attends its sequence's whole context; a row of a
     sequence with several new tokens (speculation's drafts, a prompt chunk) attends its sequence's blocks up
     to and including its own position: ``paged_decode`` stores every row's K/V before any row attends, so
-    this is the causal attention of the step, one query row at a time."""
+    this is the causal attention of the step, one query row at a time. Checked against the pool once a step
+    (``check_step_tables``): the C side reads the pool through these indices."""
 
     def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         slots = metadata.slot_mapping.to("cpu", torch.int64).contiguous()
@@ -515,10 +583,14 @@ def _row_tables(metadata: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
         starts, ends = metadata.query_start_loc, metadata.context_lens_list
         counts = [b - a for a, b in zip(starts, starts[1:])]
         if all(count == 1 for count in counts):
-            return slots, tables.contiguous(), metadata.context_lens.to("cpu", torch.int64).contiguous()
-        lengths = [end - count + j + 1 for end, count in zip(ends, counts) for j in range(count)]
-        return (slots, tables.repeat_interleave(torch.tensor(counts), dim=0).contiguous(),
-                torch.tensor(lengths, dtype=torch.int64))
+            tables, lengths = tables.contiguous(), metadata.context_lens.to("cpu", torch.int64).contiguous()
+        else:
+            lengths = torch.tensor([end - count + j + 1 for end, count in zip(ends, counts) for j in range(count)],
+                                   dtype=torch.int64)
+            tables = tables.repeat_interleave(torch.tensor(counts), dim=0).contiguous()
+        pool = metadata.key_caches[0]
+        check_step_tables(slots, tables, lengths, blocks=pool.shape[0], block_size=pool.shape[1])
+        return slots, tables, lengths
 
     return metadata.cached("cpu-kernels", build)
 
@@ -617,7 +689,7 @@ def _stack_plan(decoder: Any, kernels: Any, layers: list) -> Any:
         weights = _layer_plan(layer, kernels) if swapped else None
         if weights is None:
             return None
-        following = layers[i + 1].input_layernorm if i + 1 < len(layers) else decoder.norm
+        following = layers[i + 1]._modules.get("input_layernorm") if i + 1 < len(layers) else decoder._modules.get("norm")
         next_norm = layer.__dict__.get(_NEXT_NORM)
         if next_norm is not None and next_norm is not following:
             return None
@@ -642,7 +714,7 @@ def _decoder_stack(decoder: Any, input_ids, position_ids, past_key_values, input
             or len(kwargs) != 1 or input_ids.dim() != 2 or input_ids.shape[0] != 1 or not kernels.takes(input_ids)):
         return None
     rows = input_ids.shape[1]
-    if rows > kernels.max_rows(decoder.embed_tokens.weight.dtype):  # (a prefill: no plan checks a step)
+    if rows > kernels.max_rows(embedding_dtype(decoder.embed_tokens)):  # (a prefill: no plan checks a step)
         return None
     metadata = _paged_step(decoder.config._attn_implementation, kernels, kwargs, rows)
     layers = list(decoder.layers._modules.values())[: decoder.config.num_hidden_layers]  # (a slice: a new ModuleList)

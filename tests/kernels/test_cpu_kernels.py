@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from llm_api.kernels import cpu
+from llm_api.kernels.cpu import library as cpu_library
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the CPU kernels are not built (transformers' code runs)")
@@ -25,7 +26,7 @@ BUILDS = ["native", "x86-64-v3", "x86-64"]
 
 
 def _host_runs(march: str) -> bool:
-    flags = cpu._real_cpu_flags().split()
+    flags = cpu_library.real_cpu_flags().split()
     return march != "x86-64-v3" or {"avx2", "fma"} <= set(flags)
 
 
@@ -40,7 +41,7 @@ def library(request, libraries, monkeypatch):
     """The kernels of one build, in place of the process's (restored after the test)."""
     if request.param not in libraries:
         pytest.skip(f"this CPU does not run {request.param} code")
-    monkeypatch.setattr(cpu, "_library", libraries[request.param])
+    monkeypatch.setattr(cpu_library, "_library", libraries[request.param])
     return request.param
 
 
@@ -93,9 +94,9 @@ def test_amx_tiles_where_the_cpu_has_them(libraries, monkeypatch):
     builds never do."""
     for march in ("x86-64-v3", "x86-64"):
         if march in libraries:
-            monkeypatch.setattr(cpu, "_library", libraries[march])
+            monkeypatch.setattr(cpu_library, "_library", libraries[march])
             assert cpu.use_amx(True) is False
-    monkeypatch.setattr(cpu, "_library", libraries["native"])
+    monkeypatch.setattr(cpu_library, "_library", libraries["native"])
     if not cpu.use_amx(True):
         pytest.skip("no AMX on this CPU (or the kernel refuses its tiles): the vector tiles run")
     generator = _generator("amx")
@@ -251,9 +252,9 @@ def test_the_library_is_built_once_per_host_and_reused(tmp_path):
 
 
 def test_no_compiler_means_no_kernels_and_a_reason(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(cpu, "_library", None)
-    monkeypatch.setattr(cpu, "_tried", {})
-    monkeypatch.setattr(cpu.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_library, "_library", None)
+    monkeypatch.setattr(cpu_library, "_tried", {})
+    monkeypatch.setattr(cpu_library.shutil, "which", lambda name: None)
     assert cpu.load(tmp_path) is False and not cpu.loaded()
     assert "no C compiler" in caplog.text
     assert not cpu.takes(torch.zeros(1))
@@ -261,5 +262,5 @@ def test_no_compiler_means_no_kernels_and_a_reason(tmp_path, monkeypatch, caplog
 
 def test_ctypes_signatures_cover_every_exported_kernel(libraries):
     for library in libraries.values():
-        for name in cpu._SIGNATURES:
+        for name in cpu_library.SIGNATURES:
             assert isinstance(getattr(library, name), ctypes._CFuncPtr)

@@ -9,37 +9,8 @@
  * ops round where transformers' code does (each torch op on a bfloat16 tensor computes in float32 and
  * rounds its result).
  */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <immintrin.h>
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float out;
-    memcpy(&out, &bits, 4);
-    return out;
-}
-
-static inline uint16_t f32_to_bf16(float v) {
-    uint32_t bits;
-    memcpy(&bits, &v, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* a NaN stays a NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
-
-/* A value of the tensor's dtype (dtype 0: float32, 1: bfloat16) as float, and a float rounded into one. */
-static inline float load_as_f32(const void *p, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-static inline void store_from_f32(void *p, int64_t i, float v, int bf16) {
-    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(v); else ((float *)p)[i] = v;
-}
-static inline float rounded(float v, int bf16) { return bf16 ? round_bf16(v) : v; }
+#include "common.h"
+#include "quant.h"
 
 /* ---------------------------------------------------------------------------------------------------
  * Products, tile by tile: up to MR input rows against 4 weight rows, MR x 4 float32 sums kept in vector
@@ -56,15 +27,6 @@ static inline float rounded(float v, int bf16) { return bf16 ? round_bf16(v) : v
 #define MR 4
 #else
 #define MR 2
-#endif
-
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-static inline float hsum256(__m256 v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
 #endif
 
 /* The weight's 4 rows are passed as 4 pointers: a block of fewer rows repeats its first (not written). */
@@ -382,13 +344,19 @@ int llm_rotary(const void *x, const int64_t *xs, void *out, const int64_t *os, c
  * the engine's paged-attention code): every product and elementwise op of the layer, with the same
  * rounding as the ops above one by one, and no tensor handed back to Python that Python does not use. */
 
-static int product(const void *x, int64_t ldx, const void *w, const void *bias, void *y, int64_t ldy, int64_t m,
+/* A product of the layer (quant.h: one weight of the activations' dtype, or 1..3 parts of any format); n its
+ * outputs, checked against its parts (2 where they differ). */
+static int product(const void *x, int64_t ldx, const llm_product_t *w, const void *bias, void *y, int64_t ldy, int64_t m,
                    int64_t n, int64_t k, int bf16, int threads) {
-    if (bf16) return llm_linear_bf16(x, ldx, w, bias, y, ldy, m, n, k, threads);
-    return llm_linear_f32(x, ldx, w, bias, y, ldy, m, n, k, threads);
+    int64_t rows = 0;
+    for (int64_t p = 0; p < w->parts && p < LLM_MAX_PARTS; p++) rows += w->part[p].rows;
+    if (w->parts < 1 || w->parts > LLM_MAX_PARTS || rows != n) return 2;
+    if (w->parts == 1 && w->part[0].type == LLM_DENSE) {
+        if (bf16) return llm_linear_bf16(x, ldx, w->part[0].data, bias, y, ldy, m, n, k, threads);
+        return llm_linear_f32(x, ldx, w->part[0].data, bias, y, ldy, m, n, k, threads);
+    }
+    return llm_q_product(x, ldx, w, bias, y, ldy, m, k, bf16, threads);
 }
-
-static size_t size_of(int bf16) { return bf16 ? 2 : 4; }
 
 static inline float dot_f32(const float *a, const void *b, int64_t n, int bf16);
 
@@ -467,7 +435,7 @@ static int lora_delta(const void *x, int64_t ldx, const llm_lora_t *lora, const 
 /* Before the attention: normed = input norm of hidden [m, d] (or normed_in, handed over by the layer before);
  * qkv [m, n_q + 2 n_kv] = normed x w_qkv (+ b_qkv) (+ with lora, lora[0..2]: q's, k's and v's deltas);
  * q_out [m, n_q] and k_out [m, n_kv] rotated by cos and sin [m, head_dim] (row stride cos_ld); v stays in qkv. */
-int llm_layer_in(const void *hidden, const void *normed_in, const void *norm_weight, float eps, const void *w_qkv,
+int llm_layer_in(const void *hidden, const void *normed_in, const void *norm_weight, float eps, const llm_product_t *w_qkv,
                  const void *b_qkv, int64_t n_q, int64_t n_kv, int64_t head_dim, const void *cos, const void *sin,
                  int64_t cos_ld, void *qkv, void *q_out, void *k_out, int64_t m, int64_t d,
                  const llm_lora_t *lora, const llm_lora_rows_t *lora_rows, int bf16, int threads) {
@@ -501,9 +469,9 @@ int llm_layer_in(const void *hidden, const void *normed_in, const void *norm_wei
  * post-norm(h): down(silu(gate) * up); hidden_out = h + mlp, and with next_weight, normed_out = the next
  * norm of hidden_out (the next layer's input norm, or the model's final norm). With lora, lora[0..3]: the
  * deltas of o, gate, up and down. */
-int llm_layer_out(const void *attn, int64_t lda, const void *hidden, const void *w_o, const void *b_o,
-                  const void *post_weight, float post_eps, const void *w_gate_up, const void *b_gate_up,
-                  const void *w_down, const void *b_down, const void *next_weight, float next_eps, void *hidden_out,
+int llm_layer_out(const void *attn, int64_t lda, const void *hidden, const llm_product_t *w_o, const void *b_o,
+                  const void *post_weight, float post_eps, const llm_product_t *w_gate_up, const void *b_gate_up,
+                  const llm_product_t *w_down, const void *b_down, const void *next_weight, float next_eps, void *hidden_out,
                   void *normed_out, int64_t m, int64_t d, int64_t n_attn, int64_t inter, const llm_lora_t *lora,
                   const llm_lora_rows_t *lora_rows, int bf16, int threads) {
     size_t es = size_of(bf16);
@@ -653,8 +621,8 @@ int llm_paged_decode(const void *q, int64_t ld_q, const void *k_new, int64_t ld_
  * the last layer has none). */
 
 typedef struct {
-    const void *input_norm, *post_norm, *next_norm, *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down,
-        *down_bias;
+    const void *input_norm, *post_norm, *next_norm, *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+    llm_product_t qkv, o, gate_up, down;
     void *key_cache, *value_cache;
     int64_t n_q, n_kv, head_dim, inter;
     float input_eps, post_eps, next_eps, scaling;
@@ -686,15 +654,15 @@ int llm_decode_layers(const llm_layer_t *layers, int64_t n_layers, const void *h
         int last = i == n_layers - 1;
         void *h_out = last ? hidden_out : pairs[i % 2][0];
         void *n_out = L->next_norm ? (last ? normed_out : pairs[i % 2][1]) : NULL;
-        failed |= llm_layer_in(hidden, normed, L->input_norm, L->input_eps, L->qkv, L->qkv_bias, L->n_q, L->n_kv,
+        failed |= llm_layer_in(hidden, normed, L->input_norm, L->input_eps, &L->qkv, L->qkv_bias, L->n_q, L->n_kv,
                                L->head_dim, cos, sin, cos_ld, qkv, q, k, m, d, lora ? lora + 7 * i : NULL, lora_rows,
                                bf16, threads);
         failed |= llm_paged_decode(q, L->n_q, k, L->n_kv, qkv + (L->n_q + L->n_kv) * es, width, L->key_cache,
                                    L->value_cache, slots, block_tables, ld_bt, context_lens, attn, m,
                                    L->n_q / L->head_dim, L->n_kv / L->head_dim, L->head_dim, block_size, L->scaling,
                                    bf16, threads);
-        failed |= llm_layer_out(attn, L->n_q, hidden, L->o, L->o_bias, L->post_norm, L->post_eps, L->gate_up,
-                                L->gate_up_bias, L->down, L->down_bias, L->next_norm, L->next_eps, h_out, n_out, m, d,
+        failed |= llm_layer_out(attn, L->n_q, hidden, &L->o, L->o_bias, L->post_norm, L->post_eps, &L->gate_up,
+                                L->gate_up_bias, &L->down, L->down_bias, L->next_norm, L->next_eps, h_out, n_out, m, d,
                                 L->n_q, L->inter, lora ? lora + 7 * i + 3 : NULL, lora_rows, bf16, threads);
         hidden = h_out;
         normed = n_out;

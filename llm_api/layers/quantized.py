@@ -1,0 +1,98 @@
+"""A linear layer and an embedding whose weights stay in a GGUF block format (``llm_api.kernels.cpu.quant``).
+
+``QuantizedLinear`` replaces an ``nn.Linear`` of a model on the CPU: ``forward(x)`` is ``x @ W.T (+ bias)`` for any
+number of rows, computed by the C product over the blocks (every row's input quantized to 8 bits per block of 32,
+integer dot products), in x's dtype (float32 or bfloat16: the model's). It has ``in_features`` and
+``out_features`` like the module it replaces, so LoRA wraps it as it wraps any linear (the adapters' delta in
+float over the quantized base: QLoRA's serving shape), and ``llm_api.engine.fused_layers`` hands its blocks to
+the whole-layer C calls. ``QuantizedEmbedding`` looks rows up by de-quantizing only those rows. A tied output
+head is a ``QuantizedLinear`` over the embedding's own blocks (one copy in memory).
+
+The blocks are a buffer (``blocks``: uint8 [rows, bytes a row], not saved in a state dict: the model's weights
+come from its file), so a module moved or copied keeps them; the ``Product`` the C calls read is remade when
+the blocks move. Both need the CPU kernels (``llm_api.kernels.cpu.library``): the loader checks they load
+before it builds a quantized model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llm_api.kernels.cpu import quant
+from llm_api.kernels.cpu.quant import BlockFormat, Product, QuantizedWeight
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` [out_features, in_features] in ``format``'s blocks (``weight``); ``bias``
+    (or None) in the model's dtype."""
+
+    blocks: torch.Tensor
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.in_features = weight.in_features
+        self.out_features = weight.rows
+        self.format: BlockFormat = weight.format
+        self.layout = weight.layout
+        self.register_buffer("blocks", weight.blocks, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().contiguous(), requires_grad=False)
+        self._product: Product | None = None
+
+    @property
+    def quantized(self) -> QuantizedWeight:
+        """The weight as the kernels take it (the blocks where they are now)."""
+        return QuantizedWeight(self.format, self.blocks, self.in_features, self.layout)
+
+    @property
+    def product(self) -> Product:
+        """This layer's product alone, remade where the blocks moved since it was made."""
+        product = self._product
+        first = None if product is None else product.parts[0]
+        if product is None or not isinstance(first, QuantizedWeight) or first.blocks.data_ptr() != self.blocks.data_ptr():
+            product = self._product = Product([self.quantized], self.in_features)
+        return product
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias: torch.Tensor | None = self.bias
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        return quant.product(x, self.product, bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.format.name}, "
+                f"layout={self.layout}, bias={self.bias is not None}")
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding table [num_embeddings, embedding_dim] in ``format``'s blocks: ``forward(ids)`` de-quantizes the
+    rows asked for into ``dtype`` (an id outside the table raises IndexError, as ``nn.Embedding`` does)."""
+
+    blocks: torch.Tensor
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype):
+        super().__init__()
+        self.num_embeddings = weight.rows
+        self.embedding_dim = weight.in_features
+        self.padding_idx = None
+        self.format: BlockFormat = weight.format
+        self.layout = weight.layout
+        self.dtype = dtype
+        self.register_buffer("blocks", weight.blocks, persistent=False)
+
+    @property
+    def quantized(self) -> QuantizedWeight:
+        return QuantizedWeight(self.format, self.blocks, self.embedding_dim, self.layout)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return quant.dequantize(self.quantized, ids, self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.format.name}, dtype={self.dtype}"
+
+
+def embedding_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype an input embedding module returns (a quantized table's, or its float weight's)."""
+    if isinstance(module, QuantizedEmbedding):
+        return module.dtype
+    return module.weight.dtype  # type: ignore[union-attr, return-value]
