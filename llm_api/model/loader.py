@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, cast
@@ -21,12 +22,15 @@ from typing import Any, Iterator, cast
 import torch
 
 from llm_api.kernels import interpreter_enabled
+from llm_api.kernels.cpu import library as cpu_kernels_library
 from llm_api.model import cpu
 from llm_api.model.host_memory import release_freed_heap
 from llm_api.model.packed_linear import pack_linear_weights, weight_layout
 from llm_api.model.split_linear import MAX_SPLIT_ROWS, split_linear_weights
-from llm_api.model.settings import ConfigError, Settings, parse_device_map
+from llm_api.model.settings import ConfigError, Settings, check_model_path, parse_device_map
+from llm_api.model.gguf_file import type_name
 from llm_api.model.placement import execution_device
+from llm_api.model.quantize import SCHEMES, quantize_model
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +80,9 @@ def check_cpu_dtype(dtype: torch.dtype) -> None:
 
 
 def quantization_config(settings: Settings, compute_dtype: torch.dtype, on_gpu: bool, device_map=None):
-    """QUANTIZATION -> a BitsAndBytesConfig (None for none); ConfigError for what bitsandbytes rejects."""
-    if settings.quantization == "none":
+    """QUANTIZATION -> a BitsAndBytesConfig (None for none and for the GGUF formats, ``llm_api.model.quantize``);
+    ConfigError for what bitsandbytes rejects."""
+    if settings.quantization not in ("8bit", "4bit"):
         return None
     try:
         import bitsandbytes  # noqa: F401
@@ -139,13 +144,33 @@ def _cpu_kernels_ahead(settings: Settings, on_gpu: bool) -> bool:
 
 
 def load(settings: Settings) -> LoadedModel:
+    gguf = check_model_path(settings.model_path)
     path = Path(settings.model_path)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"MODEL_PATH={settings.model_path!r} is not a Hugging Face checkpoint folder (no config.json)")
     device_map = parse_device_map(settings.device_map)
     cuda = torch.cuda.is_available()
     with _triton_hidden(not cuda and not interpreter_enabled()):
+        if gguf is not None:
+            return _load_gguf(settings, gguf, cuda and device_map != "cpu")
         return _load(settings, path, device_map, cuda)
+
+
+def _load_gguf(settings: Settings, path: Path, on_gpu: bool) -> LoadedModel:
+    """A GGUF file served as it is (``llm_api.model.gguf_model``): checked settings, then the file."""
+    from llm_api.model import gguf_model
+    from llm_api.model.gguf_file import GGUFFile
+
+    gguf_model.check_served(settings, on_gpu, path)
+    dtype = resolve_dtype(settings, None, on_gpu=False)
+    check_cpu_dtype(dtype)
+    with GGUFFile.open(path) as file:
+        config = gguf_model.gguf_config(file)
+        tokenizer = gguf_model.tokenizer_for(file, Path(settings.cache_dir))
+        model = gguf_model.build_model(file, config, dtype)
+        formats = Counter(type_name(info.type_id) for info in file.tensors.values())
+    _pad_left(tokenizer)
+    release_freed_heap()
+    logger.info("loaded %s: GGUF (%s), dtype=%s", path.name, ", ".join(f"{n} {t}" for t, n in formats.most_common()), dtype)
+    return _loaded(model, tokenizer)
 
 
 def _load(settings: Settings, path: Path, device_map, cuda: bool) -> LoadedModel:
@@ -166,14 +191,19 @@ def _load(settings: Settings, path: Path, device_map, cuda: bool) -> LoadedModel
     if quant is not None:
         kwargs["quantization_config"] = quant
 
+    if settings.quantization in SCHEMES and (on_gpu or not cpu_kernels_library.load(settings.cache_dir)):
+        raise ConfigError(f"QUANTIZATION={settings.quantization} runs on the CPU kernels: " + (
+            "set DEVICE_MAP=cpu (no GPU kernels for these formats yet)" if on_gpu else
+            "they did not build or load here (a C compiler, cc or gcc, is needed; the log says why)"))
     tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
+    _pad_left(tokenizer)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model.eval()
-    layout = "plain" if quant is not None else weight_layout(settings.cpu_packed_weights, dtype, on_cpu=not on_gpu,
-                                                             cpu_kernels=_cpu_kernels_ahead(settings, on_gpu))
+    if settings.quantization in SCHEMES:
+        counts = quantize_model(model, settings.quantization, dtype)
+        logger.info("QUANTIZATION=%s: %s", settings.quantization, ", ".join(f"{n} {f}" for f, n in sorted(counts.items())))
+    layout = "plain" if quant is not None or settings.quantization in SCHEMES else weight_layout(
+        settings.cpu_packed_weights, dtype, on_cpu=not on_gpu, cpu_kernels=_cpu_kernels_ahead(settings, on_gpu))
     if layout == "packed":
         packed = pack_linear_weights(model)
         if packed:
@@ -188,12 +218,23 @@ def _load(settings: Settings, path: Path, device_map, cuda: bool) -> LoadedModel
         "loaded %s: dtype=%s device_map=%s quantization=%s%s", path.name, dtype, settings.device_map,
         settings.quantization, f" ({settings.bnb_4bit_quant_type})" if settings.quantization == "4bit" else "",
     )
+    return _loaded(model, tokenizer)
+
+
+def _pad_left(tokenizer: Any) -> None:
+    """A pad token (EOS where the tokenizer has none) and left padding: what batched ``generate()`` needs."""
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+
+
+def _loaded(model: torch.nn.Module, tokenizer: Any) -> LoadedModel:
     return LoadedModel(
         tokenizer=tokenizer,
         model=model,
         eos_token_ids=eos_token_ids(model, tokenizer),
-        hidden_size=cast(int, model.get_input_embeddings().embedding_dim),
-        device=execution_device(model, model.get_input_embeddings()),
+        hidden_size=cast(int, model.get_input_embeddings().embedding_dim),  # type: ignore[operator, union-attr]
+        device=execution_device(model, model.get_input_embeddings()),  # type: ignore[operator, arg-type]
     )
 
 

@@ -49,6 +49,31 @@ def default_model_path(env: Mapping[str, str] | None = None) -> Path:
     return default_cache_dir(env) / "models" / DEFAULT_MODEL_DIR_NAME
 
 
+def find_gguf(path: Path) -> Path | None:
+    """The GGUF file MODEL_PATH names: the path itself (``*.gguf``), or the one ``*.gguf`` in a folder without a
+    ``config.json``; None for anything else (a Hugging Face checkpoint folder, or nothing). Several GGUF files in
+    the folder: a ``ConfigError`` naming them (which one is meant cannot be guessed)."""
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    files = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
+    if len(files) > 1:
+        names = ", ".join(repr(p.name) for p in files[:5])
+        raise ConfigError(f"MODEL_PATH={str(path)!r} holds several GGUF files ({names}): name the file itself")
+    return files[0] if files else None
+
+
+def check_model_path(raw: str) -> Path | None:
+    """MODEL_PATH names a Hugging Face checkpoint folder (None) or a GGUF file (its path); else a ConfigError."""
+    path = Path(raw)
+    gguf = find_gguf(path)
+    if gguf is None and not (path / "config.json").is_file():
+        raise ConfigError(f"MODEL_PATH={raw!r} is neither a Hugging Face checkpoint folder (no config.json) nor a "
+                          f"GGUF file (*.gguf, or a folder holding one)")
+    return gguf
+
+
 def _marker(raw: str) -> str:
     """END_OF_STREAM_TOKEN: at least 2 characters, starting with one that can only occur inside a JSON
     string of an error object (so an error can always be written without the marker in it, see
@@ -285,7 +310,8 @@ class Settings:
     model_name: str = setting("MODEL_NAME", "smollm2", "name of the archive and of the `/predictions/<name>` path",
                               parse=_model_name)
     model_path: str = setting(
-        "MODEL_PATH", "", "any local Hugging Face checkpoint folder", derive=_model_path,
+        "MODEL_PATH", "", "a local Hugging Face checkpoint folder, or a GGUF file (`*.gguf`, or a folder holding one: "
+        "Llama, Qwen2 and Qwen3 families; its quantized tensors are served as they are)", derive=_model_path,
         shown_default="the embedded model (`~/.cache/llm_api/models/SmolLM2-135M-Instruct`)")
     device_map: str = setting(
         "DEVICE_MAP", "auto", "`auto`, `cpu`, `cuda`, `cuda:N`, an integer, or a JSON map of module names to devices",
@@ -304,8 +330,13 @@ class Settings:
                       "`llm_api/model/cpu.py` says why)")
     dtype_from_env: bool = False  # derived: DTYPE was set, so it is always honoured (see DERIVED_FIELDS)
     quantization: str = setting(
-        "QUANTIZATION", "none", "`None`, `8bit`, `4bit` (bitsandbytes: `QUANTIZATION=8bit make serve` installs it)",
-        choices=("none", "8bit", "4bit"), aliases=("", "null", "no", "off"), shown_default="`None`")
+        "QUANTIZATION", "none",
+        "`None`; `q8_0`, `q4_0`, `q4_k`: a Hugging Face checkpoint's linear layers quantized at load into GGUF's block "
+        "formats, computed by the CPU kernels (docs/model-options.md: which tensors get which format); `8bit`, "
+        "`4bit`: bitsandbytes (`QUANTIZATION=8bit make serve` installs it). A GGUF file is served as it is, with "
+        "QUANTIZATION unset",
+        choices=("none", "q8_0", "q4_0", "q4_k", "8bit", "4bit"), aliases=("", "null", "no", "off"),
+        shown_default="`None`")
     bnb_4bit_quant_type: str = setting("BNB_4BIT_QUANT_TYPE", "nf4", "`nf4`, `fp4` (the 4-bit data type)",
                                        choices=("nf4", "fp4"))
     cpu_packed_weights: str = setting(  # llm_api.model.packed_linear
@@ -639,12 +670,13 @@ def main() -> int:
         settings = Settings.from_env()
         # Found, not imported: importing bitsandbytes (and the torch it loads) took 7-10 s of every quantized
         # `make serve` on a 2-core host, before TorchServe even starts; the worker imports it at load anyway.
-        if settings.quantization != "none" and importlib.util.find_spec("bitsandbytes") is None:
+        if settings.quantization in ("8bit", "4bit") and importlib.util.find_spec("bitsandbytes") is None:
             raise ConfigError(f"QUANTIZATION={settings.quantization} needs bitsandbytes: "
                               f"pip install 'llm_api[quant]' (make serve installs it when QUANTIZATION is set)")
-        if not (Path(settings.model_path) / "config.json").is_file():
-            raise ConfigError(f"MODEL_PATH={settings.model_path!r} is not a Hugging Face checkpoint folder "
-                              f"(no config.json)")
+        gguf = check_model_path(settings.model_path)
+        if gguf is not None and settings.quantization != "none":
+            raise ConfigError(f"MODEL_PATH={settings.model_path!r} is a GGUF file, whose weights are already quantized: "
+                              f"unset QUANTIZATION={settings.quantization}")
     except ConfigError as err:
         print(f"llm_api: {err}", file=sys.stderr)
         return 2
