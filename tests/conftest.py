@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_api.model.settings import default_model_path
-from llm_api.model.embedded import prepare
+from llm_api.model.settings import default_checkpoint_path, default_model_path
+from llm_api.model.embedded import prepare, prepare_gguf
 
 # Without a GPU the Triton kernels (tests/kernels) run in Triton's CPU interpreter, which Triton reads
 # when a kernel is decorated: set it here, before any test module imports llm_api.kernels.
@@ -73,7 +73,19 @@ def host_kind(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def embedded_model_path() -> Path:
-    return prepare(Path(os.environ["MODEL_PATH"]) if os.environ.get("MODEL_PATH") else default_model_path(os.environ))
+    """What the servers serve: MODEL_PATH where set, else the embedded model's GGUF file (the default)."""
+    if os.environ.get("MODEL_PATH"):
+        return Path(os.environ["MODEL_PATH"])
+    return prepare_gguf(default_model_path(os.environ))
+
+
+@pytest.fixture(scope="session")
+def embedded_checkpoint_path(embedded_model_path) -> Path:
+    """The served model as a Hugging Face checkpoint folder, for transformers' own loading (tokenizers, the
+    generate() and PEFT oracles): MODEL_PATH where it is one, else the embedded model's weights de-quantized."""
+    if (embedded_model_path / "config.json").is_file():
+        return embedded_model_path
+    return prepare(default_checkpoint_path(os.environ), embedded_model_path)
 
 
 @pytest.fixture(scope="session")
@@ -83,7 +95,7 @@ def tokenizer_folder(request) -> Path:
     else the embedded model's own folder."""
     if os.environ.get("GPU_MODEL_FILES"):
         return Path(os.environ["GPU_MODEL_FILES"])
-    return request.getfixturevalue("embedded_model_path")
+    return request.getfixturevalue("embedded_checkpoint_path")
 
 
 def _serve(tmp_path_factory, embedded_model_path, name: str, model_config: str | None, wait_ready: bool = True,
@@ -276,9 +288,9 @@ def hermes_model(tmp_path_factory, embedded_model_path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def hermes_model_path(tmp_path_factory, embedded_model_path) -> Path:
+def hermes_model_path(tmp_path_factory, embedded_checkpoint_path) -> Path:
     """``hermes_model`` as a fixture (a test module's own import of conftest may find another conftest)."""
-    return hermes_model(tmp_path_factory, embedded_model_path)
+    return hermes_model(tmp_path_factory, embedded_checkpoint_path)
 
 
 @pytest.fixture
@@ -290,7 +302,7 @@ def hermes_server(group_shared, tmp_path_factory, embedded_model_path):
     from bench.harness.torchserve_server import REPO
 
     def start():
-        model = hermes_model(tmp_path_factory, embedded_model_path)
+        model = hermes_model(tmp_path_factory, request.getfixturevalue("embedded_checkpoint_path"))
         return _grammar_compiler_built(_serve(
             tmp_path_factory, embedded_model_path, "hermes", (REPO / "model-config.yaml").read_text(),
             env={"MODEL_PATH": str(model), "KV_CACHE_MEMORY_MIB": "64", "GRPC_STREAMING": "true", "DTYPE": "float32"}))

@@ -51,7 +51,7 @@ def _evaluate(model: str, model_args: dict, task_folder):
     return results["results"][TASK]["acc,none"], [[r[0][0] for r in s["resps"]] for s in samples]
 
 
-def test_lm_eval_loglikelihood_through_local_completions_equals_hf(standalone_server, embedded_model_path,
+def test_lm_eval_loglikelihood_through_local_completions_equals_hf(standalone_server, embedded_checkpoint_path,
                                                                    task_folder, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -60,7 +60,7 @@ def test_lm_eval_loglikelihood_through_local_completions_equals_hf(standalone_se
         "base_url": f"{standalone_server.openai_base}/completions", "model": "smollm2", "batch_size": 4,
         "auth_token": standalone_server.key(), "max_retries": 1, "num_concurrent": 1,
     }, task_folder)
-    hf_acc, local = _evaluate("hf", {"pretrained": str(embedded_model_path), "dtype": "float32", "batch_size": 4,
+    hf_acc, local = _evaluate("hf", {"pretrained": str(embedded_checkpoint_path), "dtype": "float32", "batch_size": 4,
                                         "device": "cpu"},
                               task_folder)
     assert served_acc == hf_acc

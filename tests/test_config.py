@@ -36,7 +36,7 @@ def test_speculative_settings_reach_the_engine_config():
     "name, value, needle",
     [
         ("DTYPE", "float8", "allowed values: bfloat16, float16, float32, auto"),
-        ("QUANTIZATION", "3bit", "allowed values: None, 8bit, 4bit"),
+        ("QUANTIZATION", "3bit", "allowed values: None, q8_0, q4_0, q4_k, 8bit, 4bit"),
         ("MAX_INPUT_TOKENS", "many", "allowed values: integers >= 1"),
         ("MAX_NEW_TOKENS", "0", "allowed values: integers >= 1"),
         ("DEVICE_MAP", "gpu-please", "allowed values: auto, cpu, cuda, cuda:N"),

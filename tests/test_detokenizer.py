@@ -8,10 +8,10 @@ MARKER = "<|endoftext|>"
 
 
 @pytest.fixture(scope="module")
-def tokenizer(embedded_model_path):
+def tokenizer(embedded_checkpoint_path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(embedded_model_path)
+    return AutoTokenizer.from_pretrained(embedded_checkpoint_path)
 
 
 @pytest.mark.parametrize("text", ["Hello world, how are you?", "naïve café — 日本語のテキスト 🙂👍🏽 end", "  spaces\n\nand\ttabs  "])

@@ -59,11 +59,11 @@ def _tokenizer(path):
 
 
 @pytest.fixture(scope="module")
-def compiler(embedded_model_path):
+def compiler(embedded_checkpoint_path):
     pytest.importorskip("xgrammar")
     from llm_api.structured.compiler import GrammarCompiler
 
-    tokenizer = _tokenizer(embedded_model_path)
+    tokenizer = _tokenizer(embedded_checkpoint_path)
     return tokenizer, GrammarCompiler(tokenizer, 49152, stop_token_ids=[2])
 
 
@@ -306,10 +306,10 @@ def test_the_prompt_block_and_earlier_calls_in_the_turns():
     assert forced.apply(shown)[1:] == shown and user == {"role": "user", "content": "Hi"}
 
 
-def test_the_embedded_models_prompt_holds_the_tools_as_data(embedded_model_path):
+def test_the_embedded_models_prompt_holds_the_tools_as_data(embedded_checkpoint_path):
     from llm_api.api.prompt import PromptBuilder
 
-    tokenizer = _tokenizer(embedded_model_path)
+    tokenizer = _tokenizer(embedded_checkpoint_path)
     prompts = PromptBuilder(tokenizer, 4096)
     assert prompts.tool_format is None
     request, _ = parse_chat(chat_body(tools=TOOLS, tool_choice="required"), "m", LIMITS)

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_api.model.settings import default_model_path
+from llm_api.model.settings import default_checkpoint_path
 
 ON_CUDA = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.server,
@@ -43,7 +43,7 @@ def random_checkpoint(tmp_path_factory) -> Path:
     """The embedded model's config and tokenizer with random bf16 weights (seeded), as a checkpoint folder."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    source = Path(os.environ.get("GPU_MODEL_FILES") or default_model_path(os.environ))
+    source = Path(os.environ.get("GPU_MODEL_FILES") or default_checkpoint_path(os.environ))
     if not (source / "config.json").is_file():
         pytest.fail(f"{source} holds no config.json: run scripts/gpu_prepare.sh (GPU machine) or scripts/setup.sh")
     target = tmp_path_factory.mktemp("random-checkpoint")

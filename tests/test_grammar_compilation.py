@@ -21,10 +21,10 @@ SLOW = [{"type": "object", "properties": {"a": {"type": "string", "maxLength": 1
 
 
 @pytest.fixture(scope="module")
-def tokenizer(embedded_model_path):
+def tokenizer(embedded_checkpoint_path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(embedded_model_path)
+    return AutoTokenizer.from_pretrained(embedded_checkpoint_path)
 
 
 def compilation(tokenizer, **kw) -> GrammarCompilation:

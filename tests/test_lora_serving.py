@@ -36,9 +36,9 @@ PROMPT = "The three most useful kitchen tools are"
 
 
 @pytest.fixture(scope="module")
-def oracle(embedded_model_path):
-    return (AutoModelForCausalLM.from_pretrained(embedded_model_path, dtype=torch.float32).eval(),
-            AutoTokenizer.from_pretrained(embedded_model_path))
+def oracle(embedded_checkpoint_path):
+    return (AutoModelForCausalLM.from_pretrained(embedded_checkpoint_path, dtype=torch.float32).eval(),
+            AutoTokenizer.from_pretrained(embedded_checkpoint_path))
 
 
 @pytest.fixture(scope="module")

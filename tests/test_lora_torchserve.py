@@ -19,8 +19,8 @@ pytestmark = pytest.mark.server
 
 
 @pytest.fixture(scope="module")
-def lora_torchserve(start_server, tmp_path_factory, embedded_model_path):
-    model = AutoModelForCausalLM.from_pretrained(embedded_model_path, dtype=torch.float32)
+def lora_torchserve(start_server, tmp_path_factory, embedded_checkpoint_path):
+    model = AutoModelForCausalLM.from_pretrained(embedded_checkpoint_path, dtype=torch.float32)
     package = tmp_path_factory.mktemp("package")
     make_adapter(model, package / "lora" / "alpha", seed=21, r=8, scale=1.0)  # -> <archive>/lora/alpha
     root = tmp_path_factory.mktemp("ts-root")

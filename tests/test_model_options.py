@@ -78,21 +78,25 @@ def test_auto_dtype_is_the_checkpoints_but_float32_for_float16_on_cpu():
         ({"DEVICE_MAP": "cuda:0"}, "DEVICE_MAP='cuda:0' asks for CUDA"),
     ],
 )
-def test_combinations_that_cannot_work_here_name_the_variables(embedded_model_path, env, needle):
+def test_combinations_that_cannot_work_here_name_the_variables(embedded_checkpoint_path, env, needle):
     if torch.cuda.is_available():
         pytest.skip("these combinations are CPU-only failures")
     with pytest.raises(ConfigError, match=needle):
-        model_loader.load(Settings.from_env({"MODEL_PATH": str(embedded_model_path), **env}))
+        model_loader.load(Settings.from_env({"MODEL_PATH": str(embedded_checkpoint_path), **env}))
 
 
 # ------------------------------------------------------------------------------------------ quantized
 
 
-@pytest.mark.parametrize("quantization", ["8bit", "4bit"])
-def test_quantized_embedded_model_answers_paris(embedded_model_path, quantization):
-    env = {"MODEL_PATH": str(embedded_model_path), "QUANTIZATION": quantization, "KV_CACHE_MEMORY_MIB": "16"}
+@pytest.mark.parametrize("quantization", ["8bit", "4bit", "q8_0", "q4_k"])
+def test_quantized_embedded_model_answers_paris(embedded_checkpoint_path, quantization):
+    """bitsandbytes' 8bit and 4bit, and the GGUF formats quantized at load (llm_api.model.quantize)."""
+    env = {"MODEL_PATH": str(embedded_checkpoint_path), "QUANTIZATION": quantization, "KV_CACHE_MEMORY_MIB": "16"}
     lm = model_loader.load(Settings.from_env(env))
-    assert lm.model.is_quantized
+    if quantization in ("8bit", "4bit"):
+        assert lm.model.is_quantized
+    else:
+        assert type(lm.model.model.layers[0].mlp.down_proj).__name__ == "QuantizedLinear"
     answers = {}
     # The reference path first: building the engine switches the model's attention to the paged one.
     for engine in ("generate", "paged"):

@@ -85,25 +85,25 @@ def test_split_reasoning_and_events_stream_in_order():
 
 
 @pytest.fixture(scope="module")
-def tokenizer(embedded_model_path):
+def tokenizer(embedded_checkpoint_path):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(embedded_model_path)
+    tok = AutoTokenizer.from_pretrained(embedded_checkpoint_path)
     tok.add_tokens(["<think>", "</think>"])  # plain added tokens, as in Qwen3's tokenizer
     tok.chat_template = TEMPLATE.read_text()
     return tok
 
 
-def test_detection_from_the_chat_template(tokenizer, embedded_model_path):
+def test_detection_from_the_chat_template(tokenizer, embedded_checkpoint_path):
     from transformers import AutoTokenizer
 
-    plain = AutoTokenizer.from_pretrained(embedded_model_path)
+    plain = AutoTokenizer.from_pretrained(embedded_checkpoint_path)
     assert detect_reasoning_format(plain) is None  # SmolLM2's template has no think tags
     assert reasoning_format("auto", plain) is None
     assert detect_reasoning_format(tokenizer) is QWEN3
     assert reasoning_format("none", tokenizer) is None
     assert reasoning_format("deepseek_r1", plain) is DEEPSEEK_R1
-    r1 = AutoTokenizer.from_pretrained(embedded_model_path)
+    r1 = AutoTokenizer.from_pretrained(embedded_checkpoint_path)
     r1.chat_template = TEMPLATE.read_text().replace("{{- '<|im_start|>assistant\\n' }}\n    {%- if enable",
                                                     "{{- '<|im_start|>assistant\\n<think>\\n' }}\n    {%- if enable")
     assert r1.chat_template != TEMPLATE.read_text()

@@ -152,10 +152,10 @@ def _adapters(folder, embedded_model_path) -> str:
 
 
 @pytest.fixture(scope="module")
-def ray_app(tmp_path_factory, embedded_model_path):
+def ray_app(tmp_path_factory, embedded_model_path, embedded_checkpoint_path):
     from bench.harness.standalone_server import StandaloneServer
 
-    adapters = _adapters(tmp_path_factory.mktemp("ray-adapters"), embedded_model_path)
+    adapters = _adapters(tmp_path_factory.mktemp("ray-adapters"), embedded_checkpoint_path)
     # 96 MiB of KV per replica: ~2,000 float32 tokens of the embedded model, room for the shared prefix;
     # one adapter slot per replica (MAX_LORAS=1), so where an adapter's requests go matters.
     # Autoscaling between 2 and 3 replicas at a target of 2 requests in flight each, quick to react (Ray's

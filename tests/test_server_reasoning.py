@@ -34,11 +34,11 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 
 
 @pytest.fixture(scope="module")
-def reasoning_checkpoint(tmp_path_factory, embedded_model_path) -> Path:
+def reasoning_checkpoint(tmp_path_factory, embedded_checkpoint_path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
-    tokenizer = AutoTokenizer.from_pretrained(embedded_model_path)
+    tokenizer = AutoTokenizer.from_pretrained(embedded_checkpoint_path)
     tokenizer.add_tokens(["<think>", "</think>"])
     tokenizer.chat_template = TEMPLATE.read_text()
 

@@ -99,7 +99,7 @@ def test_n_choices(client):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
-def test_penalties_and_logit_bias_change_the_output(client, async_server, embedded_model_path):
+def test_penalties_and_logit_bias_change_the_output(client, async_server, embedded_checkpoint_path):
     from transformers import AutoTokenizer
 
     prompt = "Repeat the word 'hello' twenty times: hello hello hello"
@@ -118,9 +118,9 @@ def test_penalties_and_logit_bias_change_the_output(client, async_server, embedd
     first = lines[0]["logprobs"][0]
     assert first["token"] == plain.logprobs.tokens[0]
     assert complete(logit_bias={str(first["token_id"]): -100}).logprobs.tokens[0] != first["token"]
-    zebra = AutoTokenizer.from_pretrained(embedded_model_path).encode(" zebra")[0]
+    zebra = AutoTokenizer.from_pretrained(embedded_checkpoint_path).encode(" zebra")[0]
     boosted = complete(logit_bias={str(zebra): 100})
-    assert boosted.logprobs.tokens[0] == AutoTokenizer.from_pretrained(embedded_model_path).decode([zebra])
+    assert boosted.logprobs.tokens[0] == AutoTokenizer.from_pretrained(embedded_checkpoint_path).decode([zebra])
 
 
 @pytest.mark.parametrize("kwargs, param", [

@@ -118,10 +118,10 @@ def test_openai_encoding_stream_and_message_agree():
     assert choice["message"] == {"role": "assistant", "content": "Just text."} and choice["finish_reason"] == "stop"
 
 
-def test_detect_tool_format(embedded_model_path):
+def test_detect_tool_format(embedded_checkpoint_path):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(embedded_model_path)
+    tokenizer = AutoTokenizer.from_pretrained(embedded_checkpoint_path)
     assert detect_tool_format(tokenizer) is None  # SmolLM2's template renders no tools
     tokenizer.chat_template = (ASSETS / "hermes_tools.jinja").read_text()
     assert detect_tool_format(tokenizer) is HERMES
@@ -132,13 +132,13 @@ def test_detect_tool_format(embedded_model_path):
 
 
 @pytest.fixture(scope="module")
-def compiler(embedded_model_path):
+def compiler(embedded_checkpoint_path):
     pytest.importorskip("xgrammar")
     from transformers import AutoTokenizer
 
     from llm_api.structured.compiler import GrammarCompiler
 
-    tokenizer = AutoTokenizer.from_pretrained(embedded_model_path)
+    tokenizer = AutoTokenizer.from_pretrained(embedded_checkpoint_path)
     return tokenizer, GrammarCompiler(tokenizer, 49152, stop_token_ids=[2])
 
 

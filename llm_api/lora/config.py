@@ -144,8 +144,14 @@ def _check_options(name: str, config: dict, model_name: str | None) -> None:
         raise _refuse(name, f"it was trained on {base!r}, not on the loaded model {_last_part(model_name)!r}")
 
 
+_GGUF_SUFFIX = re.compile(r"([.-](i?q\d[\w]*|f16|f32|bf16))?\.gguf$", re.IGNORECASE)
+
+
 def _last_part(name: str) -> str:
-    return str(name).rstrip("/").rsplit("/", 1)[-1].lower()
+    """A model's name to compare: the last path component, lowercased; for a GGUF file, its name without
+    ``.gguf`` and the quantization tag before it (``SmolLM2-135M-Instruct.Q4_1.gguf``: the checkpoint
+    ``SmolLM2-135M-Instruct`` quantized, which PEFT adapters record)."""
+    return _GGUF_SUFFIX.sub("", str(name).rstrip("/").rsplit("/", 1)[-1]).lower()
 
 
 def load_adapter(name: str, path: str | Path, targets: Mapping[str, tuple[int, int]], max_rank: int,

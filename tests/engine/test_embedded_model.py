@@ -11,8 +11,8 @@ MAX_NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def fp32_models(embedded_model_path):
-    return embedded_models(embedded_model_path, torch.float32)
+def fp32_models(embedded_checkpoint_path):
+    return embedded_models(embedded_checkpoint_path, torch.float32)
 
 
 def test_chat_prompts_match_generate(fp32_models):

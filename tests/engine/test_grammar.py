@@ -45,10 +45,10 @@ name ::= [A-Z] [a-z]{1,8}
 
 
 @pytest.fixture(scope="module")
-def tokenizer(embedded_model_path):
+def tokenizer(embedded_checkpoint_path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(embedded_model_path)
+    return AutoTokenizer.from_pretrained(embedded_checkpoint_path)
 
 
 @pytest.fixture(scope="module")

@@ -29,10 +29,10 @@ MAX_NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def embedded(embedded_model_path):
+def embedded(embedded_checkpoint_path):
     """(tokenizer, model for PEFT's generate, {adapter name: folder}) of the embedded model in float32."""
-    oracle = AutoModelForCausalLM.from_pretrained(embedded_model_path, dtype=torch.float32).eval()
-    return AutoTokenizer.from_pretrained(embedded_model_path), oracle
+    oracle = AutoModelForCausalLM.from_pretrained(embedded_checkpoint_path, dtype=torch.float32).eval()
+    return AutoTokenizer.from_pretrained(embedded_checkpoint_path), oracle
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def peft_answers(embedded, adapters):
                                                                    (2, 0, True), (1, 0, True)],
                          ids=["all-resident", "swapped", "speculative", "all-resident-cpu-kernels",
                               "swapped-cpu-kernels"])
-def test_mixed_batch_matches_peft(peft_answers, adapters, embedded_model_path, max_loras, speculative_tokens, kernels,
+def test_mixed_batch_matches_peft(peft_answers, adapters, embedded_checkpoint_path, max_loras, speculative_tokens, kernels,
                                   request):
     """Base, alpha and beta requests in the same steps: each answer is PEFT's, token for token. With
     MAX_LORAS=1 the scheduler runs one adapter at a time beside the base and the slot is swapped; with
@@ -123,7 +123,7 @@ def test_mixed_batch_matches_peft(peft_answers, adapters, embedded_model_path, m
 
     prompts, expected = peft_answers
     cache = request.getfixturevalue("kernels_cache") if kernels else ""
-    engine, registry, ids = _served_engine(embedded_model_path, adapters, max_loras,
+    engine, registry, ids = _served_engine(embedded_checkpoint_path, adapters, max_loras,
                                            speculative_tokens=speculative_tokens, cpu_kernels_cache=cache)
     assert engine.runner.fused["stack"] == int(kernels)
     calls = []
@@ -169,9 +169,9 @@ def test_second_family_matches_peft(tmp_path):
     assert got == expected
 
 
-def test_prefix_cache_is_keyed_by_adapter(adapters, embedded_model_path, embedded):
+def test_prefix_cache_is_keyed_by_adapter(adapters, embedded_checkpoint_path, embedded):
     tokenizer, _ = embedded
-    engine, _, ids = _served_engine(embedded_model_path, adapters, 2, block_size=16)
+    engine, _, ids = _served_engine(embedded_checkpoint_path, adapters, 2, block_size=16)
     prompt = _prompt(tokenizer, "Tell me about the history of the printing press in a few sentences.")
     assert len(prompt) >= 32
 

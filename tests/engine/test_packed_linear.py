@@ -96,7 +96,7 @@ def test_engine_on_packed_or_split_float32_weights_matches_generate(arch, layout
         assert results[request_id][0] == reference_greedy(reference_model, prompt, params.max_new_tokens)
 
 
-def test_the_loader_lays_out_weights_as_the_setting_says(embedded_model_path):
+def test_the_loader_lays_out_weights_as_the_setting_says(embedded_checkpoint_path):
     """Through the loader (the servers' path): the weights as loaded where the CPU kernels will run (their
     products read them); else bfloat16 packed where this CPU can, float32 split on AMD CPUs; each when
     asked. (The packed embedded model's answers: tests/engine/test_bf16.py, against generate().)"""
@@ -108,7 +108,7 @@ def test_the_loader_lays_out_weights_as_the_setting_says(embedded_model_path):
             ("bfloat16", "auto", "true", nn.Linear if kernels else PackedLinear if _bf16_packs() else nn.Linear),
             ("bfloat16", "false", "true", nn.Linear), ("float32", "auto", "false", splits if amd else nn.Linear),
             ("float32", "true", "true", PackedLinear), ("float32", "split", "true", splits)]:
-        settings = Settings.from_env({"MODEL_PATH": str(embedded_model_path), "DTYPE": dtype,
+        settings = Settings.from_env({"MODEL_PATH": str(embedded_checkpoint_path), "DTYPE": dtype,
                                       "CPU_PACKED_WEIGHTS": mode, "FUSED_KERNELS": fused})
         model = load(settings).model
         assert type(model.lm_head) is expect, (dtype, mode, fused)

@@ -389,8 +389,8 @@ def test_sampled_tokens_follow_the_target_distribution(small_vocab_models, monke
 
 
 @pytest.fixture(scope="module")
-def fp32_embedded(embedded_model_path):
-    tokenizer, model, _ = embedded_models(embedded_model_path, torch.float32)
+def fp32_embedded(embedded_checkpoint_path):
+    tokenizer, model, _ = embedded_models(embedded_checkpoint_path, torch.float32)
     return tokenizer, model
 
 

@@ -53,10 +53,6 @@ def compiler(lm):
     return GrammarCompiler(lm.tokenizer, lm.model.config.vocab_size, lm.eos_token_ids)
 
 
-def lm_path(lm):
-    return lm.tokenizer.name_or_path
-
-
 def chat(lm, text: str) -> list[int]:
     return lm.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=True, return_dict=False)
@@ -148,14 +144,14 @@ def test_preempted_requests_keep_their_grammar_state(lm, compiler):
             assert reason is FinishReason.LENGTH and len(tokens) == 64
 
 
-def test_reference_core_gives_the_engine_tokens(lm, compiler):
+def test_reference_core_gives_the_engine_tokens(lm, compiler, embedded_model_path):
     specs = {"person": GrammarSpec.json_schema(PERSON), "date": GrammarSpec.regex(DATE), "free": None}
     prompts = {"person": chat(lm, "Describe a person as JSON."), "date": chat(lm, "A date please."),
                "free": chat(lm, "Say hello.")}
     engine = make_engine(lm.model, lm.eos_token_ids, block_size=16, num_blocks=64)
     expected = run_engine(engine, {0: [(rid, prompts[rid], params(compiler, specs[rid], max_new_tokens=40))
                                        for rid in specs]})
-    core = ReferenceCore(load_fp32(lm_path(lm)).model, lm.eos_token_ids, lm.tokenizer.pad_token_id)
+    core = ReferenceCore(load_fp32(embedded_model_path).model, lm.eos_token_ids, lm.tokenizer.pad_token_id)
     for rid in specs:
         core.add_request(rid, prompts[rid], params(compiler, specs[rid], max_new_tokens=40))
     got: dict[str, list] = {rid: [[], None] for rid in specs}

@@ -38,7 +38,7 @@ HERE = Path(__file__).parent
 SOURCES = (HERE / "kernels.c", HERE / "quant.c")
 HEADERS = (HERE / "common.h", HERE / "quant.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
-SANITIZER_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g")
+SANITIZER_FLAGS = ("-O1", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g")
 LIBRARY_NAME = "libllm_api_cpu_kernels.so"
 BUILD_TIMEOUT_S = 120
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -147,16 +147,33 @@ def build(cache_dir: Path, march: str = "native", sanitize: bool = False) -> Pat
     # half-written file.
     fd, partial = tempfile.mkstemp(prefix=".building-", suffix=".so", dir=folder)
     os.close(fd)
-    try:
-        done = subprocess.run([compiler, *_flags(march, sanitize), "-I", str(HERE), "-o", partial,
-                               *map(str, SOURCES), "-lm"], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
-        os.chmod(partial, 0o755)
-        os.replace(partial, library)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+    flags = _flags(march, sanitize)
+    compiles: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory(prefix=".objects-", dir=folder) as objects:
+        try:
+            # Each source compiled by its own process, side by side (quant.c alone takes ~9 s on a 2-core host),
+            # then linked.
+            outputs = [str(Path(objects) / f"{source.stem}.o") for source in SOURCES]
+            compiles = [subprocess.Popen([compiler, *flags, "-I", str(HERE), "-c", "-o", output, str(source)],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                        for source, output in zip(SOURCES, outputs)]
+            errors = [(c.communicate(timeout=BUILD_TIMEOUT_S)[1], c.returncode) for c in compiles]
+            failed = [f"{compiler} failed ({code}): {err.strip()[-2000:]}" for err, code in errors if code != 0]
+            if not failed:
+                done = subprocess.run([compiler, *flags, "-o", partial, *outputs, "-lm"], capture_output=True,
+                                      text=True, timeout=BUILD_TIMEOUT_S)
+                if done.returncode != 0:
+                    failed.append(f"{compiler} failed to link ({done.returncode}): {done.stderr.strip()[-2000:]}")
+            if failed:
+                raise RuntimeError("; ".join(failed))
+            os.chmod(partial, 0o755)
+            os.replace(partial, library)
+        finally:
+            for compile_process in compiles:
+                if compile_process.poll() is None:
+                    compile_process.kill()
+            if os.path.exists(partial):
+                os.unlink(partial)
     return library
 
 

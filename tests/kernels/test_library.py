@@ -1,0 +1,50 @@
+"""``llm_api.kernels.cpu.library``: a cached library is loaded only when it is this user's and no one else may
+write it (the process would run whatever code the file holds), and one that is ours but does not load is built
+again, once."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from llm_api.kernels.cpu import library
+
+pytestmark = pytest.mark.skipif(library._compiler() is None, reason="no C compiler: the CPU kernels are not built")
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """This process as if it had loaded no library yet (restored after the test)."""
+    monkeypatch.setattr(library, "_library", None)
+    monkeypatch.setattr(library, "_tried", {})
+
+
+def test_a_library_others_may_write_is_refused(tmp_path, fresh, caplog):
+    built = library.build(tmp_path)
+    os.chmod(built, 0o777)
+    with pytest.raises(RuntimeError, match="writable by other users"):
+        library.build(tmp_path)
+    assert library.load(tmp_path) is False and "writable by other users" in caplog.text
+
+
+def test_a_folder_others_may_write_is_made_private_before_anything_is_checked(tmp_path, fresh):
+    built = library.build(tmp_path)
+    os.chmod(built.parent, 0o777)
+    assert library.build(tmp_path) == built
+    assert built.parent.stat().st_mode & 0o022 == 0
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user needs root")
+def test_another_users_library_is_refused(tmp_path, fresh):
+    built = library.build(tmp_path)
+    os.chown(built, 12345, 12345)
+    with pytest.raises(RuntimeError, match="belongs to user 12345"):
+        library.build(tmp_path)
+
+
+def test_a_library_that_does_not_load_is_built_again_once(tmp_path, fresh, caplog):
+    built = library.build(tmp_path)
+    built.write_bytes(b"\x7fELF truncated")
+    assert library.load(tmp_path) is True and library.loaded()
+    assert "did not load" in caplog.text and built.stat().st_size > 10_000
