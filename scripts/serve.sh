@@ -5,8 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 . scripts/env.sh
-# A bad setting stops here with its message, before TorchServe would restart a failing worker forever.
-python -m llm_api.model.settings
+# A bad setting or model file stops here with its message, before TorchServe would restart a failing worker
+# forever (llm_api.model.preflight).
+python -m llm_api.model.preflight
 scripts/build_archive.sh
 cat <<MSG
 

@@ -294,7 +294,7 @@ def hermes_model_path(tmp_path_factory, embedded_checkpoint_path) -> Path:
 
 
 @pytest.fixture
-def hermes_server(group_shared, tmp_path_factory, embedded_model_path):
+def hermes_server(group_shared, tmp_path_factory, embedded_model_path, embedded_checkpoint_path):
     """TorchServe in the shipped async mode serving the embedded model with a tool format (the Hermes
     template above), a 64 MiB KV pool, gRPC streaming on. float32 on every host: the tool-call tests rely
     on what the model writes greedily, and a bfloat16 tie could turn a call into prose on one host kind
@@ -302,7 +302,7 @@ def hermes_server(group_shared, tmp_path_factory, embedded_model_path):
     from bench.harness.torchserve_server import REPO
 
     def start():
-        model = hermes_model(tmp_path_factory, request.getfixturevalue("embedded_checkpoint_path"))
+        model = hermes_model(tmp_path_factory, embedded_checkpoint_path)
         return _grammar_compiler_built(_serve(
             tmp_path_factory, embedded_model_path, "hermes", (REPO / "model-config.yaml").read_text(),
             env={"MODEL_PATH": str(model), "KV_CACHE_MEMORY_MIB": "64", "GRPC_STREAMING": "true", "DTYPE": "float32"}))

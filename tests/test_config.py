@@ -97,15 +97,18 @@ def test_request_work_limit():
 
 
 def test_settings_check_command(tmp_path, capsys, monkeypatch):
-    from llm_api.model import settings
+    from llm_api.model import preflight
 
     monkeypatch.setattr("os.environ", {"DTYPE": "float8"})
-    assert settings.main() == 2 and "DTYPE='float8' is not supported" in capsys.readouterr().err
+    assert preflight.main() == 2 and "DTYPE='float8' is not supported" in capsys.readouterr().err
     monkeypatch.setattr("os.environ", {"MODEL_PATH": str(tmp_path)})
-    assert settings.main() == 2 and "no config.json" in capsys.readouterr().err
+    assert preflight.main() == 2 and "no config.json" in capsys.readouterr().err
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
+    assert preflight.main() == 2 and "junk.gguf: " in capsys.readouterr().err
     (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "junk.gguf").unlink()
     monkeypatch.setattr("os.environ", {"MODEL_PATH": str(tmp_path), "QUANTIZATION": "8bit"})
-    assert settings.main() == 0 and "settings OK" in capsys.readouterr().out
+    assert preflight.main() == 0 and "settings OK" in capsys.readouterr().out
 
 
 def test_the_api_key_is_never_shown():
@@ -266,11 +269,11 @@ def test_sub_configs_default_to_the_settings_defaults():
 
 
 def test_settings_check_refuses_quantization_without_bitsandbytes(monkeypatch, capsys):
-    """`make serve`'s check (``python -m llm_api.model.settings``) looks bitsandbytes up (without importing it:
+    """`make serve`'s check (``python -m llm_api.model.preflight``) looks bitsandbytes up (without importing it:
     that took 7-10 s) and, absent, stops with the install hint."""
     import importlib.util
 
-    from llm_api.model import settings as settings_module
+    from llm_api.model import preflight as settings_module
 
     monkeypatch.setenv("QUANTIZATION", "8bit")
     find_spec = importlib.util.find_spec

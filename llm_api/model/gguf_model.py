@@ -182,6 +182,54 @@ def _linear(file: GGUFFile, info: TensorInfo, shape: tuple[int, int], dtype: tor
     return QuantizedLinear(_quantized(file, info, shape, rows), bias)
 
 
+def expected_tensors(file: GGUFFile, config: Any) -> dict[str, tuple[int, ...]]:
+    """Every tensor a model of ``config`` reads from the file, with its shape (torch order): the required ones,
+    and the optional ones (biases, ``output.weight``, ``rope_freqs.weight``) where the file has them."""
+    c = config
+    head_dim = c.head_dim
+    q_rows, kv_rows = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    shapes = {"attn_q": (q_rows, c.hidden_size), "attn_k": (kv_rows, c.hidden_size), "attn_v": (kv_rows, c.hidden_size),
+              "attn_output": (c.hidden_size, q_rows), "ffn_gate": (c.intermediate_size, c.hidden_size),
+              "ffn_up": (c.intermediate_size, c.hidden_size), "ffn_down": (c.hidden_size, c.intermediate_size)}
+    expected: dict[str, tuple[int, ...]] = {"token_embd.weight": (c.vocab_size, c.hidden_size),
+                                            "output_norm.weight": (c.hidden_size,)}
+    for i in range(c.num_hidden_layers):
+        for short, shape in shapes.items():
+            expected[f"blk.{i}.{short}.weight"] = shape
+            if f"blk.{i}.{short}.bias" in file.tensors:
+                expected[f"blk.{i}.{short}.bias"] = shape[:1]
+        expected[f"blk.{i}.attn_norm.weight"] = expected[f"blk.{i}.ffn_norm.weight"] = (c.hidden_size,)
+        if c.model_type == "qwen3":
+            expected[f"blk.{i}.attn_q_norm.weight"] = expected[f"blk.{i}.attn_k_norm.weight"] = (head_dim,)
+    if "output.weight" in file.tensors:
+        expected["output.weight"] = (c.vocab_size, c.hidden_size)
+    if "rope_freqs.weight" in file.tensors:
+        expected["rope_freqs.weight"] = (head_dim // 2,)
+    return expected
+
+
+def check_tensors(file: GGUFFile, config: Any) -> None:
+    """The file's tensor table against the model's (names, shapes, types we compute), before anything is read:
+    GGUFError naming the first tensor that is missing, extra, of another shape, or of a type not served."""
+    expected = expected_tensors(file, config)
+    for name, shape in expected.items():
+        info = file.tensors.get(name)
+        if info is None:
+            raise GGUFError(f"{file.path}: the file has no tensor {name!r}, which a {config.model_type} model of "
+                            f"this configuration needs")
+        if tuple(info.shape) != shape:
+            raise GGUFError(f"{file.path}: tensor {name!r} has shape {tuple(info.shape)}, the metadata says {shape}")
+        norm_or_bias = len(shape) == 1
+        if info.type_id not in FLOAT_TYPES and (norm_or_bias or info.type_id not in quant.BY_TYPE):
+            served = "F32, F16, BF16" if norm_or_bias else ", ".join([*sorted(quant.FORMATS), "F32", "F16", "BF16"])
+            raise GGUFError(f"{file.path}: tensor {name!r} is {type_name(info.type_id)}, a type not served for it "
+                            f"(served: {served})")
+    unused = [name for name in file.tensors if name not in expected]
+    if unused:
+        names = ", ".join(repr(n[:80]) for n in unused[:5])
+        raise GGUFError(f"{file.path}: {len(unused)} tensor(s) have no place in a {config.model_type} model: {names}")
+
+
 class _Placer:
     """Puts the file's tensors into the model's modules, noting which tensors found a place."""
 
@@ -285,6 +333,7 @@ def build_model(file: GGUFFile, config: Any, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     family = FAMILIES[file.metadata["general.architecture"]]
+    check_tensors(file, config)  # (all of it before a byte is copied)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     placer = _Placer(file, model, config, family, dtype)

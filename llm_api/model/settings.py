@@ -18,7 +18,6 @@ Contract:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -666,30 +665,3 @@ def parse_device_map(value: str) -> str | int | dict:
     if value.startswith("{"):
         return json.loads(value)
     return value
-
-
-def main() -> int:
-    """``python -m llm_api.model.settings``: check the environment's settings before a server starts, so
-    a bad value stops ``make serve`` with its message instead of a worker that fails to load forever."""
-    import sys
-
-    try:
-        settings = Settings.from_env()
-        # Found, not imported: importing bitsandbytes (and the torch it loads) took 7-10 s of every quantized
-        # `make serve` on a 2-core host, before TorchServe even starts; the worker imports it at load anyway.
-        if settings.quantization in ("8bit", "4bit") and importlib.util.find_spec("bitsandbytes") is None:
-            raise ConfigError(f"QUANTIZATION={settings.quantization} needs bitsandbytes: "
-                              f"pip install 'llm_api[quant]' (make serve installs it when QUANTIZATION is set)")
-        gguf = check_model_path(settings.model_path)
-        if gguf is not None and settings.quantization != "none":
-            raise ConfigError(f"MODEL_PATH={settings.model_path!r} is a GGUF file, whose weights are already quantized: "
-                              f"unset QUANTIZATION={settings.quantization}")
-    except ConfigError as err:
-        print(f"llm_api: {err}", file=sys.stderr)
-        return 2
-    print(f"llm_api: settings OK (model {settings.model_name} from {settings.model_path})")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -19,6 +19,7 @@ import logging
 import sys
 from pathlib import Path
 
+from llm_api.model import preflight
 from llm_api.model.settings import ConfigError, Settings
 from llm_api.server.log_format import LOG_FORMAT
 
@@ -125,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         scaling = Scaling(args.replicas, args.max_replicas, args.cpus_per_replica, args.routing,
                           args.autoscaling_config)
         try:
+            preflight.check(settings)  # (a bad model file or setting: refused before a cluster starts)
             autoscaling_config(settings, scaling)  # (refused here, before a cluster starts)
         except ValueError as err:
             print(f"llm_api: {err}", file=sys.stderr)

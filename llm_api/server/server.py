@@ -23,6 +23,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from llm_api.model import preflight
 from llm_api.model.settings import ConfigError, Settings
 from llm_api.protocols.table import open_api_states
 from llm_api.server.connections import ConnectionGuard
@@ -54,6 +55,7 @@ async def serve(settings: Settings, options: ServeOptions) -> int:
         logger.warning("bearer-key auth is OFF (--no-auth): anyone who reaches %s:%d can use the model",
                        options.host, options.port)
     try:
+        preflight.check(settings)  # (a bad model file or setting stops the start here, before a port opens)
         apis = open_api_states(settings)  # (an unusable RESPONSES_STORE_PATH stops the start here)
     except ConfigError as err:
         logger.error("llm_api serve: %s", err)

@@ -564,7 +564,11 @@ int llm_paged_decode(const void *q, int64_t ld_q, const void *k_new, int64_t ld_
                 continue;
             }
             float *scratch = (float *)malloc(((size_t)length * group + (size_t)dim * 2 * group) * sizeof(float));
-            if (!scratch) { failed = 1; continue; }
+            if (!scratch) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
             float *scores = scratch, *query = scratch + length * group, *acc = query + dim * group;
             for (int64_t g = 0; g < group; g++)
                 for (int64_t i = 0; i < dim; i++) {
@@ -574,6 +578,14 @@ int llm_paged_decode(const void *q, int64_t ld_q, const void *k_new, int64_t ld_
             float top[64], total[64];
             float *maxima = group <= 64 ? top : (float *)malloc(group * sizeof(float));
             float *sums = group <= 64 ? total : (float *)malloc(group * sizeof(float));
+            if (!maxima || !sums) { /* (out of memory: this row's heads are left unwritten, the call fails) */
+                if (maxima != top) free(maxima);
+                if (sums != total) free(sums);
+                free(scratch);
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
             for (int64_t g = 0; g < group; g++) maxima[g] = -INFINITY, sums[g] = 0.0f;
             for (int64_t p = 0; p < length; p++) {
                 int64_t row = block_tables[s * ld_bt + p / block_size] * block_size + p % block_size;
