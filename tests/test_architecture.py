@@ -2,7 +2,7 @@
 
 Layers, top to bottom (docs/architecture.md): the edges (``torchserve``, ``server``, ``scale_out``, ``client``) ->
 ``protocols`` (one folder per API and the route table) -> ``service`` -> ``api`` -> ``engine`` -> ``structured`` ->
-``lora`` -> ``model`` -> ``kernels`` (and the generated ``proto`` stubs). A module may import its own layer and
+``lora`` -> ``model`` -> ``layers`` -> ``kernels`` (and the generated ``proto`` stubs). A module may import its own layer and
 the layers below. Besides: no import circle anywhere in the package (every import statement counts: module
 level, ``TYPE_CHECKING`` blocks and inside functions); only ``llm_api.torchserve`` imports TorchServe (``ts``),
 only ``llm_api.scale_out`` imports Ray (an optional extra);

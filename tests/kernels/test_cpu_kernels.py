@@ -25,22 +25,18 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc
 BUILDS = ["native", "x86-64-v3", "x86-64"]
 
 
-def _host_runs(march: str) -> bool:
-    flags = cpu_library.real_cpu_flags().split()
-    return march != "x86-64-v3" or {"avx2", "fma"} <= set(flags)
-
-
 @pytest.fixture(scope="module")
-def libraries(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cpu-kernels")
-    return {march: cpu.bind(cpu.build(cache, march)) for march in BUILDS if _host_runs(march)}
+def libraries(kernel_libraries):
+    """The builds this CPU runs, by march (tests/kernels/conftest.py: built once a session; sanitized where
+    ``LLM_API_CPU_KERNELS_SANITIZED=1``, tests/kernels/test_sanitized.py)."""
+    return kernel_libraries
 
 
 @pytest.fixture(params=BUILDS)
 def library(request, libraries, monkeypatch):
     """The kernels of one build, in place of the process's (restored after the test)."""
     if request.param not in libraries:
-        pytest.skip(f"this CPU does not run {request.param} code")
+        pytest.skip(f"no {request.param} build here: this CPU does not run its code, or LLM_API_CPU_KERNELS_BUILDS leaves it out")
     monkeypatch.setattr(cpu_library, "_library", libraries[request.param])
     return request.param
 

@@ -5,6 +5,7 @@ again, once."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -18,6 +19,20 @@ def fresh(monkeypatch):
     """This process as if it had loaded no library yet (restored after the test)."""
     monkeypatch.setattr(library, "_library", None)
     monkeypatch.setattr(library, "_tried", {})
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """One build for the module (~12 s); each test works on a copy of its cache folder."""
+    cache = tmp_path_factory.mktemp("built")
+    library.build(cache)
+    return cache
+
+
+@pytest.fixture
+def tmp_path(tmp_path, built):  # (a cache holding the library already: build() finds it there)
+    shutil.copytree(built, tmp_path, dirs_exist_ok=True)
+    return tmp_path
 
 
 def test_a_library_others_may_write_is_refused(tmp_path, fresh, caplog):

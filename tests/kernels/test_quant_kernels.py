@@ -29,17 +29,16 @@ pytestmark = pytest.mark.skipif(cpu_library._compiler() is None, reason="no C co
 
 
 @pytest.fixture(scope="module")
-def libraries(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cpu-kernels")
-    flags = set(cpu_library.real_cpu_flags().split())
-    return {march: cpu_library.bind(cpu_library.build(cache, march)) for march in BUILDS
-            if march != "x86-64-v3" or {"avx2", "fma"} <= flags}
+def libraries(kernel_libraries):
+    """The builds this CPU runs, by march (tests/kernels/conftest.py: built once a session; sanitized where
+    ``LLM_API_CPU_KERNELS_SANITIZED=1``, tests/kernels/test_sanitized.py)."""
+    return kernel_libraries
 
 
 @pytest.fixture(params=BUILDS)
 def build(request, libraries, monkeypatch):
     if request.param not in libraries:
-        pytest.skip(f"this CPU does not run {request.param} code")
+        pytest.skip(f"no {request.param} build here: this CPU does not run its code, or LLM_API_CPU_KERNELS_BUILDS leaves it out")
     monkeypatch.setattr(cpu_library, "_library", libraries[request.param])
     return request.param
 
