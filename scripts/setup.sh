@@ -95,7 +95,8 @@ fi
 if [ -z "${MODEL_PATH:-}" ]; then
   python -m llm_api.model.embedded >/dev/null
 fi
-if [[ ",$extras," == *,test,* ]]; then
-  python -m llm_api.model.embedded --checkpoint >/dev/null
+quantizing="$(echo "${QUANTIZATION:-}" | tr '[:upper:]' '[:lower:]')"
+if [[ ",$extras," == *,test,* ]] || { [ -z "${MODEL_PATH:-}" ] && [[ ! "$quantizing" =~ ^(|none|null|no|off)$ ]]; }; then
+  python -m llm_api.model.embedded --checkpoint >/dev/null  # (QUANTIZATION quantizes the checkpoint at load)
 fi
 echo "setup: ready"

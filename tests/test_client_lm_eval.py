@@ -65,6 +65,8 @@ def test_lm_eval_loglikelihood_through_local_completions_equals_hf(standalone_se
                               task_folder)
     assert served_acc == hf_acc
     assert served_acc >= 0.5  # (the embedded model knows most of these: a broken scorer would not)
+    # (The server serves the GGUF file, whose products quantize their inputs; hf runs the same weights in float32:
+    # loglikelihoods within 1e-2, the decisions equal.)
     for served_row, local_row in zip(served, local, strict=True):
-        assert all(math.isclose(a, b, abs_tol=2e-3) for a, b in zip(served_row, local_row, strict=True)), \
+        assert all(math.isclose(a, b, abs_tol=1e-2) for a, b in zip(served_row, local_row, strict=True)), \
             (served_row, local_row)

@@ -88,9 +88,12 @@ def test_combinations_that_cannot_work_here_name_the_variables(embedded_checkpoi
 # ------------------------------------------------------------------------------------------ quantized
 
 
-@pytest.mark.parametrize("quantization", ["8bit", "4bit", "q8_0", "q4_k"])
+@pytest.mark.parametrize("quantization", ["8bit", "4bit", "q8_0", "q4_0"])
 def test_quantized_embedded_model_answers_paris(embedded_checkpoint_path, quantization):
-    """bitsandbytes' 8bit and 4bit, and the GGUF formats quantized at load (llm_api.model.quantize)."""
+    """bitsandbytes' 8bit and 4bit, and the GGUF formats quantized at load (llm_api.model.quantize). (Not q4_k:
+    at 4.5 bits this 135M model no longer names Paris, "L'Étoile de la Cité, also known as the City of the City,
+    is the capital of France"; llama.cpp's own llama-quantize Q4_K_M file of it answers "La femme de France, le
+    Grand Croix...": docs/model-options.md.)"""
     env = {"MODEL_PATH": str(embedded_checkpoint_path), "QUANTIZATION": quantization, "KV_CACHE_MEMORY_MIB": "16"}
     lm = model_loader.load(Settings.from_env(env))
     if quantization in ("8bit", "4bit"):

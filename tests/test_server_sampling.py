@@ -47,9 +47,10 @@ def test_chat_logprobs_streamed_and_whole(client):
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == choice.message.content
-    # (The second call reads the prompt from the prefix cache: the same numbers up to float rounding.)
+    # (The second call reads the prompt from the prefix cache: the same numbers up to float rounding, which the
+    # embedded model's quantized inputs can turn into ~1e-3 of a logprob: docs/model-options.md.)
     assert [e.token for e in streamed] == [e.token for e in choice.logprobs.content]
-    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in choice.logprobs.content], abs=1e-3)
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in choice.logprobs.content], abs=5e-3)
     # Each chunk carries the logprobs of the text it brings.
     for c in chunks:
         if c.choices and c.choices[0].delta.content:

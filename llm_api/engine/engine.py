@@ -50,6 +50,7 @@ from llm_api.engine.request import FinishReason, Request, RequestOutput
 from llm_api.engine.scheduler import PromptTooLongError, Scheduler, SchedulerConfig
 from llm_api.engine.speculative.drafter import Drafter, SpeculativeConfig
 from llm_api.engine.speculative.verify import split_drafted_rows, verify
+from llm_api.layers.quantized import embedding_dtype
 from llm_api.engine.step_budget import CUDA_TOKEN_BUDGET, BudgetCache, CpuStepBudget
 from llm_api.engine.support import check_supported
 from llm_api.engine.sampler import Sampler, SamplerBatch, SamplingState, greedy_pick
@@ -262,7 +263,7 @@ class LLMEngine:
             if prompt_embeds.ndim != 2 or prompt_embeds.shape[1] != self.hidden_size:
                 raise ValueError(f"prompt_embeds must be [num_tokens, {self.hidden_size}], "
                                  f"got {list(prompt_embeds.shape)}")
-            dtype = self.runner.input_embeddings.weight.dtype  # (an offloaded weight on "meta" keeps its dtype)
+            dtype = embedding_dtype(self.runner.input_embeddings)  # (an offloaded weight on "meta" keeps its dtype)
             prompt_embeds = prompt_embeds.detach().to(self.runner.input_device, dtype)
             # Placeholder ids: only their count matters; such requests never use the prefix cache.
             prompt_token_ids = [0] * prompt_embeds.shape[0]

@@ -38,6 +38,7 @@ from llm_api.engine.sampler import Sampler, SamplerBatch, SamplingState
 from llm_api.engine.sampling_params import SamplingParams
 from llm_api.model.placement import execution_device
 from llm_api.structured.matcher import GrammarMatcher, advance, step_mask
+from llm_api.layers.quantized import embedding_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ class ReferenceCore:
                 ids[row, max_len - request.prompt_len :] = torch.tensor(request.prompt_token_ids, device=self._device)
             return {"input_ids": ids, "attention_mask": mask}
         embed = self._model.get_input_embeddings()
-        embeds = torch.zeros(len(batch), max_len, embed.embedding_dim, dtype=embed.weight.dtype, device=self._device)
+        embeds = torch.zeros(len(batch), max_len, embed.embedding_dim, dtype=embedding_dtype(embed), device=self._device)
         for row, request in enumerate(batch):
             if request.prompt_embeds is not None:
                 row_embeds = request.prompt_embeds

@@ -296,7 +296,12 @@ def _model_name(raw: str) -> str:
 
 
 def _model_path(env: Mapping[str, str], earlier: Mapping[str, Any]) -> str:
-    return env.get("MODEL_PATH", "") or str(default_model_path(env))
+    """MODEL_PATH, else the embedded model: its GGUF file, or where QUANTIZATION asks to quantize a checkpoint at
+    load, its float32 checkpoint (a GGUF file's weights are quantized already)."""
+    if env.get("MODEL_PATH", ""):
+        return env["MODEL_PATH"]
+    quantizing = env.get("QUANTIZATION", "").strip().lower() not in ("", "none", "null", "no", "off")
+    return str(default_checkpoint_path(env) if quantizing else default_model_path(env))
 
 
 def _cache_dir(env: Mapping[str, str], earlier: Mapping[str, Any]) -> str:
@@ -318,7 +323,8 @@ class Settings:
     model_path: str = setting(
         "MODEL_PATH", "", "a local Hugging Face checkpoint folder, or a GGUF file (`*.gguf`, or a folder holding one: "
         "Llama, Qwen2 and Qwen3 families; its quantized tensors are served as they are)", derive=_model_path,
-        shown_default="the embedded model's GGUF file (`~/.cache/llm_api/models/SmolLM2-135M-Instruct.Q4_1.gguf`)")
+        shown_default="the embedded model's GGUF file (`~/.cache/llm_api/models/SmolLM2-135M-Instruct.Q4_1.gguf`; "
+                      "with QUANTIZATION set, its float32 checkpoint, `~/.cache/llm_api/models/float32/SmolLM2-135M-Instruct`)")
     device_map: str = setting(
         "DEVICE_MAP", "auto", "`auto`, `cpu`, `cuda`, `cuda:N`, an integer, or a JSON map of module names to devices",
         parse=_device_map)
