@@ -58,6 +58,9 @@ class FairShare:
             del self._num_sequences[owner]
 
     def charge(self, owner: str, num_prefill_tokens: int, num_decode_tokens: int) -> None:
+        """Count service given to ``owner``. The scheduler charges only while several owners are active: alone,
+        an owner's counter orders nothing, and an owner that joins it is lifted to its counter whatever that
+        is, so skipping the count costs nothing and saves a step's bookkeeping."""
         self.served[owner] = (self.served.get(owner, 0.0) + PREFILL_WEIGHT * num_prefill_tokens
                               + DECODE_WEIGHT * num_decode_tokens)
 

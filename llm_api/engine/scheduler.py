@@ -212,7 +212,11 @@ class Scheduler:
         fair = self.fair
         # The least-served owner's sequences first, each owner's in priority order (stable: admission order
         # within a priority), so the last one belongs to the most-served owner and is preempted first.
-        self.running.sort(key=lambda r: (fair.served_of(r.owner), r.priority))
+        # (One owner: its counter orders nothing, and is neither read nor kept: fair_share.FairShare.charge.)
+        if fair.num_active > 1:
+            self.running.sort(key=lambda r: (fair.served_of(r.owner), r.priority))
+        else:
+            self.running.sort(key=lambda r: r.priority)
         self._preempt_for_priority(output)
         self._preempt_for_share(output)
 
@@ -413,7 +417,8 @@ class Scheduler:
         num_prompt_positions = max(0, min(end, request.num_prompt_tokens) - start)
         self.counters.num_prefill_tokens_computed += num_prompt_positions
         self.counters.num_decode_tokens_computed += num_new_tokens - num_prompt_positions
-        self.fair.charge(request.owner, num_prompt_positions, num_new_tokens - num_prompt_positions)
+        if self.fair.num_active > 1:
+            self.fair.charge(request.owner, num_prompt_positions, num_new_tokens - num_prompt_positions)
 
     def _speculates(self) -> bool:
         """Drafts this step: speculation is on and at most ``max_batch`` sequences are decoding."""

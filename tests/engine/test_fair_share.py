@@ -79,12 +79,15 @@ def test_counters_weigh_prefill_and_decode_and_a_newcomer_is_lifted_to_the_least
     fair.leave("B")
     fair.join("B", 1)  # nobody was active: the past is forgotten
     assert fair.served == {"B": 0.0}
-    # Through the scheduler: each computed prompt position and decoded token is charged to its owner.
+    # Through the scheduler, with two owners active: each computed prompt position and decoded token is charged
+    # to its owner. (One owner alone is not charged: its counter orders nothing.)
     scheduler = _scheduler()
     scheduler.add(_request("a", "A", prompt_len=12, max_new_tokens=5))
+    scheduler.add(_request("b", "B", prompt_len=8, max_new_tokens=5, token=2))
     for _ in range(3):
         _step(scheduler)
     assert scheduler.fair.served_of("A") == 12 * PREFILL_WEIGHT + 2 * DECODE_WEIGHT
+    assert scheduler.fair.served_of("B") == 8 * PREFILL_WEIGHT + 2 * DECODE_WEIGHT
 
 
 def test_an_owner_is_capped_at_its_share_of_sequences_while_another_waits():
