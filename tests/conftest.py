@@ -365,9 +365,11 @@ LONG_GROUPS_FIRST = ("async_server",  # 575
                      "standalone_server",  # 475
                      "tests/engine/test_parity.py",  # 300 (525 before its Triton cases kept one family per kind)
                      "tests/test_reliability.py",  # 220 (then its load test ran 20 s per front end; now its TorchServe only)
+                     "tests/kernels/test_sanitized.py",  # 180 (two sanitized builds, then the kernel tests over them)
                      "hermes_server",  # 205 (tests/test_server_structured.py, tests/test_hostile_tools.py)
                      "tests/test_packaging.py",  # 160
                      "classic_server",  # 140
+                     "tests/test_fair_share_serving.py",  # 100
                      "tests/engine/test_bf16.py",  # 95
                      "tests/engine/test_lora.py",  # 90
                      "tests/test_reliability_flood.py",  # 85

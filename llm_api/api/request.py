@@ -7,10 +7,11 @@ accepts, from the settings and the loaded model.
 ``request_work`` is the one measure of what a request may cost (MAX_REQUEST_WORK bounds it; the service
 refuses a request over it before anything runs, ``work_refusal``). In units of one generated token:
 
-    work = prompt tokens x (1 + prompt logprob entries per token) + n x max_new_tokens x (1 + logprob entries per token)
+    work = prompt tokens x (1 + prompt logprob entries per token) x (n with echo, else 1)
+           + n x max_new_tokens x (1 + logprob entries per token)
 
 * the prompt is prefilled once, whatever ``n`` (the choices share its KV blocks): it adds, it does not
-  multiply;
+  multiply, unless the answer echoes it (``echo``: every choice renders the prompt and its logprobs);
 * every choice may decode ``max_new_tokens`` tokens, each detokenized, encoded and sent: n x max_new_tokens;
 * with logprobs k, each of those tokens also renders k + 1 entries (the token's own and k alternatives:
   text, bytes, a number) into the answer; an entry is counted as a whole token although it costs less
@@ -22,6 +23,10 @@ only this bounds their product: 64 choices x 2,048 tokens x 21 entries (2.9 mill
 hundreds of MB rendered on the event loop) is refused, a chat of 2,048 tokens with top_logprobs 20 (47,104
 units with a full prompt) is not. The measure uses what the request may ask for, not what it will use, so
 it is known before anything runs.
+
+A call with several prompts (``/v1/completions``' prompt list) is one request: the work of its prompts is
+summed against the same limit (``llm_api.service.answer.admit``, ``list_work_refusal``), so a list of 64
+prompts each just under the limit is refused, naming the sum.
 """
 
 from __future__ import annotations
@@ -120,10 +125,10 @@ def logprob_entries(logprobs: int | None) -> int:
     return 0 if logprobs is None else logprobs + 1
 
 
-def request_work(num_prompt_tokens: int, params: SamplingParams) -> int:
-    """The module docstring's measure: prompt tokens x (1 + prompt logprob entries) + n x max_new_tokens x
-    (1 + logprob entries)."""
-    return (num_prompt_tokens * (1 + logprob_entries(params.prompt_logprobs))
+def request_work(num_prompt_tokens: int, params: SamplingParams, echo: bool = False) -> int:
+    """The module docstring's measure: prompt tokens x (1 + prompt logprob entries) x (n when echoed) + n x
+    max_new_tokens x (1 + logprob entries)."""
+    return (num_prompt_tokens * (1 + logprob_entries(params.prompt_logprobs)) * (params.n if echo else 1)
             + params.n * params.max_new_tokens * (1 + logprob_entries(params.logprobs)))
 
 
@@ -131,7 +136,7 @@ def work_refusal(request: GenerateRequest, num_prompt_tokens: int, limit: int | 
     """The 400 of a request whose work is over ``limit`` (MAX_REQUEST_WORK), else None. Before the prompt
     is tokenized, ``num_prompt_tokens`` = 0 refuses what is over the limit whatever the prompt."""
     params, names = request.params, request.work_fields
-    work = request_work(num_prompt_tokens, params)
+    work = request_work(num_prompt_tokens, params, request.echo)
     if limit is None or work <= limit:
         return None
     entries = logprob_entries(params.logprobs)
@@ -140,11 +145,27 @@ def work_refusal(request: GenerateRequest, num_prompt_tokens: int, limit: int | 
         product += (f" x (1 + {entries} logprob entries per token: {names.logprobs}={params.logprobs} "
                     f"alternatives and the token's own)")
     prompt = f" + {num_prompt_tokens} prompt tokens" if num_prompt_tokens else ""
+    if num_prompt_tokens and request.echo and params.n > 1:
+        prompt += f" echoed in each of the {params.n} choices"
     # The field to change first: what multiplies the most.
     param = names.logprobs if entries else names.n if params.n > 1 else names.max_new_tokens
     return ApiError(400, "work_limit_exceeded", f"this request asks for {product}{prompt} = {work:,} units of work; "
                     f"the limit is MAX_REQUEST_WORK={limit:,} per request: ask for fewer choices, tokens or logprobs",
                     param)
+
+
+def list_work_refusal(works: list[int], num_prompts: int, limit: int | None,
+                      prompt_param: str = "prompt") -> ApiError | None:
+    """The 400 of a call of ``num_prompts`` prompts whose first ones' work together (``works``: each prompt's
+    ``request_work``, in order, as they are tokenized) is already over ``limit``, else None."""
+    total = sum(works)
+    if limit is None or total <= limit:
+        return None
+    which = f"{num_prompts} prompts" if len(works) == num_prompts else f"first {len(works)} of {num_prompts} prompts"
+    return ApiError(400, "work_limit_exceeded", f"this request's {which} ask for {total:,} units of work "
+                    f"together (each prompt's prompt tokens and choices counted as for one request); the limit is "
+                    f"MAX_REQUEST_WORK={limit:,} per request: send fewer prompts, or fewer choices, tokens or "
+                    f"logprobs", prompt_param)
 
 
 @dataclass(frozen=True)

@@ -237,19 +237,22 @@ class LLMEngine:
     # ----------------------------------------------------------------- requests
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None, params: SamplingParams,
-                    prompt_embeds: torch.Tensor | None = None, lora_id: int = 0, priority: int = 0) -> None:
-        """Queue a request (its n sequences); ``priority``: lower is served first (the scheduler)."""
+                    prompt_embeds: torch.Tensor | None = None, lora_id: int = 0, priority: int = 0,
+                    owner: str = "") -> None:
+        """Queue a request (its n sequences); ``priority``: lower is served first among ``owner``'s requests,
+        and owners share the engine fairly (the scheduler, llm_api.engine.fair_share)."""
         if lora_id and self.lora is None:
             raise ValueError("this engine serves no LoRA adapters")
         request = self._build_request(request_id, prompt_token_ids, params, prompt_embeds)
-        request.lora_id, request.priority = lora_id, priority
+        request.lora_id, request.priority, request.owner = lora_id, priority, owner
         if params.n < 1:
             raise ValueError(f"n must be >= 1, got {params.n}")
         siblings = [Request(request_id=request_id, prompt_token_ids=request.prompt_token_ids, params=params,
                             sampling_state=SamplingState.for_params(params, self.runner.logits_device, index),
                             # each choice follows the grammar on its own (a matcher holds one sequence's state)
                             grammar_matcher=GrammarMatcher(params.grammar) if params.grammar is not None else None,
-                            prompt_embeds=request.prompt_embeds, index=index, lora_id=lora_id, priority=priority)
+                            prompt_embeds=request.prompt_embeds, index=index, lora_id=lora_id, priority=priority,
+                            owner=owner)
                     for index in range(1, params.n)]
         self.scheduler.add(request, siblings)
         logger.debug("request %s added: %d prompt tokens, n=%d", request_id, request.num_prompt_tokens, params.n)

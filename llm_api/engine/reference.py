@@ -73,9 +73,10 @@ class ReferenceCore:
         self._reporter: StepReporter | None = None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None, params: SamplingParams,
-                    prompt_embeds: torch.Tensor | None = None, lora_id: int = 0, priority: int = 0) -> None:
-        """Queue a request's n rows for the next batch (``priority`` changes nothing: every waiting row runs
-        in that batch)."""
+                    prompt_embeds: torch.Tensor | None = None, lora_id: int = 0, priority: int = 0,
+                    owner: str = "") -> None:
+        """Queue a request's n rows for the next batch (``priority`` and ``owner`` change nothing: every
+        waiting row runs in that batch)."""
         if lora_id:
             raise ValueError("the generate() reference path serves no LoRA adapters")
         if (prompt_token_ids is None) == (prompt_embeds is None):

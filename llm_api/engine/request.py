@@ -97,6 +97,9 @@ class Request:
     seq_id: str = ""  # unique among live sequences: request_id for index 0, set in __post_init__
     lora_id: int = 0  # the LoRA adapter's load id (llm_api.lora.registry); 0: the base model
     priority: int = 0  # vLLM's: a lower value is served first; equal values in arrival order (the scheduler)
+    # Whose share of the engine it runs in (llm_api.engine.fair_share; "" where no key is checked): priorities
+    # compare only between one owner's requests.
+    owner: str = ""
     # params.prompt_logprobs: the prompt's logprobs computed so far (entry i scores prompt token i + 1); a
     # recompute after preemption does not compute them twice.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)

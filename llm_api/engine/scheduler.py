@@ -19,6 +19,15 @@ request that cannot be admitted for want of blocks or sequence slots preempts ru
 worse priority (worst and newest first) until it can. With every priority equal (the default, 0) all of
 this is exactly the plain first-come order above.
 
+Owners (``Request.owner``: the key that sent it; llm_api.engine.fair_share says how service is counted and
+what a share is): with several owners active, the running set is ordered least-served owner first (each
+owner's in the priority order above), waiting requests are admitted least-served owner first (each owner's
+queue in its own order), an owner is capped at its share of the sequences and blocks while another owner
+waits, a waiting owner within its share that lacks room preempts the owner furthest over its share (its
+newest sequences), memory short preempts from the owner furthest over its share, and a running prefill
+chunk leaves up to half the budget to the first chunks of less-served owners waiting. Priorities compare
+only within an owner. With one owner (every request's owner "", the default) none of this changes anything.
+
 ``schedule()`` returns a ``SchedulerOutput``: per scheduled request, its new tokens, whether it samples,
 and the block ids it got this step (``new_block_ids``; all of its blocks when ``is_new``, i.e. admitted or
 resumed after preemption), plus the ids of requests that finished or were preempted since the last
@@ -53,11 +62,12 @@ prefix cache registers only blocks that are full of accepted tokens.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from llm_api.engine.block_pool import BlockPool, hash_block
+from llm_api.engine.fair_share import FairShare
 from llm_api.engine.request import FinishReason, Request, RequestOutput, RequestStatus, TokenLogprob
 from llm_api.engine.speculative.drafter import Drafter
 
@@ -128,6 +138,7 @@ class Scheduler:
         self._ended_request_ids: list[str] = []  # reported by the next schedule()
         self._unforked: dict[str, list[Request]] = {}  # seq id of a choice 0 -> siblings waiting for its prompt
         self._untold: set[str] = set()  # forked sequences whose block table the runner has not seen yet
+        self.fair = FairShare(config.max_num_seqs, block_pool.num_blocks)
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -154,6 +165,7 @@ class Scheduler:
         self.groups[request.request_id] = sequences
         if siblings:
             self._unforked[request.seq_id] = list(siblings)
+        self.fair.join(request.owner, len(sequences))
         # Behind every waiting request of its own or a better priority (equal priorities: appended).
         position = len(self.waiting)
         while position > 0 and self.waiting[position - 1].priority > request.priority:
@@ -197,24 +209,40 @@ class Scheduler:
         output = SchedulerOutput(ended_request_ids=self._ended_request_ids)
         self._ended_request_ids = []
         budget = self.config.max_num_batched_tokens
-        # Priority order (stable: admission order within a priority), so the last one is the one to preempt.
-        self.running.sort(key=lambda r: r.priority)
+        fair = self.fair
+        # The least-served owner's sequences first, each owner's in priority order (stable: admission order
+        # within a priority), so the last one belongs to the most-served owner and is preempted first.
+        # (One owner: its counter orders nothing, and is neither read nor kept: fair_share.FairShare.charge.)
+        if fair.num_active > 1:
+            self.running.sort(key=lambda r: (fair.served_of(r.owner), r.priority))
+        else:
+            self.running.sort(key=lambda r: r.priority)
         self._preempt_for_priority(output)
+        self._preempt_for_share(output)
 
-        # Running requests first: decodes and unfinished chunked prefills.
+        # Running requests first: decodes and unfinished chunked prefills. A prefill chunk leaves room for the
+        # first chunks of the owners served less that wait (reserved_for: a step's admission of another owner
+        # is never crowded out by an owner's long prompts).
+        reserved_for = self._reservations()
         memory_short = False
         speculate = self._speculates()
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new_tokens > 1 and reserved_for:
+                num_new_tokens = min(num_new_tokens, budget - reserved_for.get(request.owner, 0))
+                if num_new_tokens <= 0:
+                    index += 1
+                    continue
             num_blocks_before = len(request.block_ids)
             num_copies_before = len(output.block_copies)
             draft = (self._draft(request, budget, len(self.running) - 1 - index, output.block_copies)
                      if speculate else [])
             num_new_tokens += len(draft)
             while not self._allocate_slots(request, num_new_tokens, copies=output.block_copies):
-                victim = self.running.pop()
+                victim = self._victim(index)
+                self.running.remove(victim)
                 self._preempt(victim, output)
                 memory_short = True
                 if victim is request:
@@ -230,27 +258,45 @@ class Scheduler:
                 budget -= num_new_tokens
                 index += 1
                 continue
-            break  # the request preempted itself: nothing behind it is left to schedule
+            # The request preempted itself: the one at ``index`` is now the next (none: the loop ends).
 
-        # Then admit waiting requests, unless memory was just short enough to preempt. A running choice 0
-        # still prefilling keeps room for the siblings it will fork.
+        # Then admit waiting requests, unless memory was just short enough to preempt: the least-served
+        # owner's next request first. A running choice 0 still prefilling keeps room for the siblings it will
+        # fork. Requests of an adapter that cannot join (MAX_LORAS others run) wait; the owner's next may go.
         num_seqs = self._num_running_seqs()
         running_loras = {r.lora_id for r in self.running if r.lora_id}
-        position = 0  # requests of an adapter that cannot join (MAX_LORAS others run) wait; the next may go
-        while position < len(self.waiting) and budget > 0 and not memory_short:
-            request = self.waiting[position]
+        queues: dict[str, list[Request]] = {}
+        for waiting in self.waiting:
+            queues.setdefault(waiting.owner, []).append(waiting)
+        waiting_owners = set(queues)  # (an owner capped below still waits: the others stay capped too)
+        usage = self._usage() if len(waiting_owners) > 1 else None
+        while queues and budget > 0 and not memory_short:
+            owner = min(queues, key=fair.served_of)  # (charged as it is admitted: owners alternate)
+            queue = queues[owner]
+            request = queue[0]
             if request.lora_id and request.lora_id not in running_loras and len(running_loras) >= self.config.max_loras:
-                position += 1
+                self._drop_head(queues, owner)
                 continue
             num_siblings = len(self._unforked.get(request.seq_id, ()))
-            if num_seqs + 1 + num_siblings > self.config.max_num_seqs:
-                break  # its n sequences will run together: wait until they fit
             hit_block_ids = self._find_cached_blocks(request)
             num_hit_tokens = len(hit_block_ids) * self.block_size
             num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
+            if usage is not None:  # another owner waits: this one stays within its share
+                held_seqs, held_blocks = usage.get(owner, (0, 0))
+                if not fair.within_share(held_seqs + 1 + num_siblings,
+                                         held_blocks + sum(self._blocks_to_take(request, num_new_tokens, hit_block_ids))):
+                    del queues[owner]
+                    continue
+            if num_seqs + 1 + num_siblings > self.config.max_num_seqs:
+                break  # its n sequences will run together: wait until they fit
+            num_blocks_before = len(request.block_ids)
             if not self._allocate_slots(request, num_new_tokens, hit_block_ids):
                 break
-            del self.waiting[position]
+            self._drop_head(queues, owner)
+            self.waiting.remove(request)
+            if usage is not None:
+                held_seqs, held_blocks = usage.get(owner, (0, 0))
+                usage[owner] = (held_seqs + 1 + num_siblings, held_blocks + len(request.block_ids) - num_blocks_before)
             if request.lora_id:
                 running_loras.add(request.lora_id)
             if request.uses_prefix_cache:
@@ -266,6 +312,13 @@ class Scheduler:
             budget -= num_new_tokens
             num_seqs += 1 + num_siblings
         return output
+
+    @staticmethod
+    def _drop_head(queues: dict[str, list[Request]], owner: str) -> None:
+        queue = queues[owner]
+        del queue[0]
+        if not queue:
+            del queues[owner]
 
     def update(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, Any],
                sampled_logprobs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
@@ -364,6 +417,8 @@ class Scheduler:
         num_prompt_positions = max(0, min(end, request.num_prompt_tokens) - start)
         self.counters.num_prefill_tokens_computed += num_prompt_positions
         self.counters.num_decode_tokens_computed += num_new_tokens - num_prompt_positions
+        if self.fair.num_active > 1:
+            self.fair.charge(request.owner, num_prompt_positions, num_new_tokens - num_prompt_positions)
 
     def _speculates(self) -> bool:
         """Drafts this step: speculation is on and at most ``max_batch`` sequences are decoding."""
@@ -474,24 +529,115 @@ class Scheduler:
         return None
 
     def _preempt_for_priority(self, output: SchedulerOutput) -> None:
-        """Preempt running sequences of a worse priority than the first waiting request (worst and newest
-        first) while it lacks a sequence slot or the blocks for its first chunk; nothing when no running
-        sequence has a worse priority. (A request held back by MAX_LORAS is left to wait.)"""
-        if not self.waiting or not self.running or self.running[-1].priority <= self.waiting[0].priority:
+        """Preempt running sequences of the first waiting request's owner with a worse priority than it (worst
+        and newest first) while it lacks a sequence slot or the blocks for its first chunk; nothing when none
+        of that owner's running sequences has a worse priority. Priorities compare only within an owner: a
+        key's priority never preempts another key's sequences. (A request held back by MAX_LORAS is left to
+        wait.)"""
+        if not self.waiting or not self.running:
             return
         head = self.waiting[0]
+        worse = [r for r in self.running if r.owner == head.owner and r.priority > head.priority]
+        if not worse:
+            return
         if head.lora_id and head.lora_id not in {r.lora_id for r in self.running} and \
                 len({r.lora_id for r in self.running if r.lora_id}) >= self.config.max_loras:
             return
-        hit_block_ids = self._find_cached_blocks(head)
-        num_new_tokens = min(head.num_tokens - len(hit_block_ids) * self.block_size, self.config.max_num_batched_tokens)
-        num_blocks = sum(self._blocks_to_take(head, num_new_tokens, hit_block_ids))
-        num_seqs = 1 + len(self._unforked.get(head.seq_id, ()))
-        while self.running and self.running[-1].priority > head.priority:
+        num_blocks, num_seqs = self._needs(head)
+        while worse:  # (running is in priority order within an owner: the last is the worst and newest)
             if (self._num_running_seqs() + num_seqs <= self.config.max_num_seqs
                     and num_blocks <= self.block_pool.num_free_blocks):
                 return
-            self._preempt(self.running.pop(), output)
+            victim = worse.pop()
+            self.running.remove(victim)
+            self._preempt(victim, output)
+
+    def _preempt_for_share(self, output: SchedulerOutput) -> None:
+        """With several owners active: the least-served waiting owner whose next request would leave it
+        within its share, but which lacks a sequence slot or the blocks for its first chunk, gets them from
+        the owner furthest over its share (that owner's newest sequences first), never from an owner within
+        its share."""
+        fair = self.fair
+        if fair.num_active < 2 or not self.waiting or not self.running:
+            return
+        heads: dict[str, Request] = {}
+        for waiting in self.waiting:
+            heads.setdefault(waiting.owner, waiting)
+        running_loras = {r.lora_id for r in self.running if r.lora_id}
+        usage = self._usage()
+        for owner in sorted(heads, key=fair.served_of):
+            head = heads[owner]
+            if head.lora_id and head.lora_id not in running_loras and len(running_loras) >= self.config.max_loras:
+                continue
+            num_blocks, num_seqs = self._needs(head)
+            held_seqs, held_blocks = usage.get(owner, (0, 0))
+            if not fair.within_share(held_seqs + num_seqs, held_blocks + num_blocks):
+                continue
+            while not (self._num_running_seqs() + num_seqs <= self.config.max_num_seqs
+                       and num_blocks <= self.block_pool.num_free_blocks):
+                over = [(fair.overshoot(*held), o) for o, held in usage.items() if o != owner]
+                worst, victim_owner = max(over, default=(0.0, ""))
+                if worst <= 1:
+                    return  # nobody is over its share: the owner waits like anyone
+                victim = next(r for r in reversed(self.running) if r.owner == victim_owner)
+                self.running.remove(victim)
+                victim_seqs = 1 + len(self._unforked.get(victim.seq_id, ()))
+                held = usage[victim_owner]
+                usage[victim_owner] = (held[0] - victim_seqs, held[1] - len(victim.block_ids))
+                self._preempt(victim, output)
+            return
+
+    def _needs(self, request: Request) -> tuple[int, int]:
+        """(blocks, sequence slots) a waiting request needs to be admitted with its first chunk."""
+        hit_block_ids = self._find_cached_blocks(request)
+        num_new_tokens = min(request.num_tokens - len(hit_block_ids) * self.block_size,
+                             self.config.max_num_batched_tokens)
+        return (sum(self._blocks_to_take(request, num_new_tokens, hit_block_ids)),
+                1 + len(self._unforked.get(request.seq_id, ())))
+
+    def _usage(self) -> dict[str, tuple[int, int]]:
+        """Each owner's running sequences (with the siblings its choice 0s will fork) and the blocks they hold."""
+        seqs: Counter[str] = Counter()
+        blocks: Counter[str] = Counter()
+        for request in self.running:
+            seqs[request.owner] += 1 + len(self._unforked.get(request.seq_id, ()))
+            blocks[request.owner] += len(request.block_ids)
+        return {owner: (seqs[owner], blocks[owner]) for owner in seqs}
+
+    def _victim(self, index: int) -> Request:
+        """The sequence to preempt when memory is short while ``running[index]`` is being scheduled: among those
+        not yet scheduled this step (``running[index:]``), the newest of the owner furthest over its share;
+        with one owner, the last one (the newest of the worst priority)."""
+        if self.fair.num_active < 2:
+            return self.running[-1]
+        candidates = self.running[index:]
+        usage = self._usage()
+        owner = max({r.owner for r in candidates}, key=lambda o: self.fair.overshoot(*usage[o]))
+        return next(r for r in reversed(candidates) if r.owner == owner)
+
+    def _reservations(self) -> dict[str, int]:
+        """With several owners active: per owner, the tokens its prefill chunks leave this step to the first
+        chunks of other owners' waiting requests, those of owners served no more than it and within their
+        share (at most half the budget). Empty when nobody waits or one owner is active."""
+        fair = self.fair
+        if fair.num_active < 2 or not self.waiting:
+            return {}
+        heads: dict[str, Request] = {}
+        for waiting in self.waiting:
+            heads.setdefault(waiting.owner, waiting)
+        usage = self._usage()
+        wanted: list[tuple[float, str, int]] = []
+        for owner, head in heads.items():
+            held_seqs, held_blocks = usage.get(owner, (0, 0))
+            num_blocks, num_seqs = self._needs(head)
+            if fair.within_share(held_seqs + num_seqs, held_blocks + num_blocks):
+                wanted.append((fair.served_of(owner), owner, head.num_tokens))
+        half = self.config.max_num_batched_tokens // 2
+        reserved = {}
+        for owner in {r.owner for r in self.running}:
+            served = fair.served_of(owner)
+            reserved[owner] = min(half, sum(tokens for s, o, tokens in wanted if o != owner and s <= served))
+        return {owner: tokens for owner, tokens in reserved.items() if tokens}
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         self._release_blocks(request)
@@ -516,6 +662,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.seq_id]
+        self.fair.leave(request.owner)
         self._unforked.pop(request.seq_id, None)
         self._untold.discard(request.seq_id)
         group = self.groups[request.request_id]

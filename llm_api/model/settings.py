@@ -444,13 +444,13 @@ class Settings:
         "no drafts on a step with more decoding sequences than this (a big batch gains less than verifying drafts "
         "costs; measured, docs/benchmarks.md \"Speculative decoding\")", minimum=0)
     max_num_seqs: int = setting("MAX_NUM_SEQS", 64, "requests decoded together at most", minimum=1)
-    # Off by default: with it, any key holder can put its requests ahead of everyone's and preempt them.
+    # Off by default: with it, a key holder can put its own requests ahead of its other ones and preempt them.
     scheduling_policy: str = setting(
         "SCHEDULING_POLICY", "fcfs",
         "`fcfs`: requests are served in arrival order, and a request's `priority` other than 0 gets a 400; "
         "`priority`: a request's `priority` (an integer, lower first, vLLM's field) orders the queue and a better "
-        "priority preempts worse running requests when memory or `MAX_NUM_SEQS` is short. Any key holder may then "
-        "use it", choices=("fcfs", "priority"))
+        "priority preempts worse running requests when memory or `MAX_NUM_SEQS` is short. Priorities compare only "
+        "between one key's requests (keys share the engine fairly: docs/reliability.md)", choices=("fcfs", "priority"))
     max_num_batched_tokens: int = setting(
         "MAX_NUM_BATCHED_TOKENS", 0,
         "tokens per engine step, at least `MAX_NUM_SEQS`; long prompts are prefilled in chunks of it, so it bounds "
@@ -480,9 +480,10 @@ class Settings:
     # (llm_api.api.request.request_work).
     max_request_work: int = setting(
         "MAX_REQUEST_WORK", 262_144,
-        "one request's work: prompt tokens + `n` x `max_new_tokens` x (1 + logprob entries per token: the "
-        "alternatives asked for and the token's own); above it 400 `work_limit_exceeded` naming the limit and the "
-        "request's fields, on every generate route (formula: `llm_api/api/request.py`)", minimum=1)
+        "one request's work: prompt tokens (x `n` when echoed) + `n` x `max_new_tokens` x (1 + logprob entries per "
+        "token: the alternatives asked for and the token's own), a prompt list's prompts summed; above it 400 "
+        "`work_limit_exceeded` naming the limit and the request's fields, on every generate route (formula: "
+        "`llm_api/api/request.py`)", minimum=1)
     # The standalone server (llm_api serve). Its bearer keys (see api_keys), or one generated per start.
     api_key: str = setting(
         "LLM_API_KEY", "",

@@ -44,6 +44,9 @@ class Call:
     row: Mapping[str, Any] = field(default_factory=dict)
     headers: Mapping[str, str] = field(default_factory=dict)  # lower-case names
     owner: str = ""  # who sent it: derived once by the edge from the credential auth checked (service.owners)
+    # Whose share of the engine it runs in (llm_api.engine.fair_share): the owner where the edge checked a key,
+    # else "" (everyone one tenant: an unchecked header must not buy a share of its own).
+    tenant: str = ""
     grpc: bool = False
     grpc_stream: bool = False  # (gRPC) the client reads a stream: StreamPredictions where that is known
 

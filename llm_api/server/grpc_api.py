@@ -80,7 +80,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
                                                                  "'authorization: Bearer <key>')")
         request_id = new_request_id()
         route = BY_NAME["generate"]  # every call is the native route (the input map is its form fields)
-        call = Call(request_id, "POST", dict(request.input), grpc=True, grpc_stream=streaming_call, owner=owner or "")
+        call = Call(request_id, "POST", dict(request.input), grpc=True, grpc_stream=streaming_call, owner=owner or "",
+                    tenant=(owner or "") if state.auth.enabled else "")
         ctx = RouteContext(state.marker, state.service, state.lifecycle.draining)
         await context.send_initial_metadata((("x-request-id", request_id),))
         try:

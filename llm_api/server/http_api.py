@@ -203,7 +203,9 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
         route, params = find(request.method, request.path, "server")
         shape = route.errors
         headers = {name.lower(): value for name, value in request.headers.items()}
-        call = Call(request_id, request.method, await _row(request), headers, owner=request.get("owner", ""))
+        owner = request.get("owner", "")
+        call = Call(request_id, request.method, await _row(request), headers, owner=owner,
+                    tenant=owner if state.auth.enabled else "")
         ctx = RouteContext(state.marker, state.service, state.lifecycle.draining,
                            lambda: (state.metrics.render(), METRICS_CONTENT_TYPE), apis=state.apis)
         result = await answer(route, params, ctx, call)

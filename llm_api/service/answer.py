@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable, Sequence, TypeVar, cast
 
 from llm_api.api.encoding import AnswerEncoder
-from llm_api.api.request import GenerateRequest
+from llm_api.api.request import GenerateRequest, list_work_refusal
 from llm_api.service.events import ChoiceFinished, Event, Finished, TextDelta
 
 if TYPE_CHECKING:  # (annotations only: the route table imports this module, and an edge that only routes,
@@ -86,17 +86,22 @@ async def parse_sized(service: ModelService, size: int, parse: Callable[..., T],
 
 
 async def admit(service: ModelService, request: GenerateRequest | Sequence[GenerateRequest], request_id: str,
-                marker: str = "", owner: str = "") -> list[Generation]:
+                marker: str = "", owner: str = "", tenant: str = "") -> list[Generation]:
     """``request`` (or each request of a call with several prompts: ids ``<request_id>.<p>``) admitted, or
     the first refusal raised with the ones admitted before it released. ``marker``: text the detokenizer
-    keeps out of the answer (the native end-of-stream marker); ``owner``: who sent it (``Call.owner``)."""
+    keeps out of the answer (the native end-of-stream marker); ``owner``: who sent it (``Call.owner``);
+    ``tenant``: whose share of the engine it runs in (``Call.tenant``). The prompts of one call are one
+    request's work: their sum over MAX_REQUEST_WORK is refused (``list_work_refusal``)."""
     requests = [request] if isinstance(request, GenerateRequest) else list(request)
     if len(requests) == 1:  # (its own id: what a cancel names)
-        return [await service.admit(requests[0], request_id, marker, owner)]
+        return [await service.admit(requests[0], request_id, marker, owner, tenant)]
     admitted: list[Generation] = []
     try:
         for p, one in enumerate(requests):
-            admitted.append(await service.admit(one, f"{request_id}.{p}", marker, owner))
+            admitted.append(await service.admit(one, f"{request_id}.{p}", marker, owner, tenant))
+            refusal = list_work_refusal([g.work for g in admitted], len(requests), service.limits.max_request_work)
+            if refusal is not None:
+                raise refusal
     except BaseException:
         for generation in admitted:
             generation.release()

@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 
 class EngineCore(Protocol):
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None, params: SamplingParams,
-                    prompt_embeds: torch.Tensor | None = None, lora_id: int = 0, priority: int = 0) -> None: ...
+                    prompt_embeds: torch.Tensor | None = None, lora_id: int = 0, priority: int = 0,
+                    owner: str = "") -> None: ...
 
     def abort_request(self, request_id: str, index: int | None = None) -> None: ...
 
@@ -89,6 +90,7 @@ class _Add:
     added: asyncio.Future  # resolved (or failed) once add_request ran on the engine thread
     lora_id: int = 0  # the LoRA adapter it runs under (0: the base model)
     priority: int = 0  # lower first (SCHEDULING_POLICY=priority)
+    owner: str = ""  # whose share of the engine it runs in (llm_api.engine.fair_share)
 
 
 class EngineLoop:
@@ -112,11 +114,11 @@ class EngineLoop:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int] | None, params: SamplingParams,
                        prompt_embeds: torch.Tensor | None = None, lora_id: int = 0,
-                       priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+                       priority: int = 0, owner: str = "") -> AsyncGenerator[RequestOutput, None]:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), params.n)
         added = loop.create_future()
-        self._submit(_Add(request_id, prompt_token_ids, params, prompt_embeds, stream, added, lora_id, priority))
+        self._submit(_Add(request_id, prompt_token_ids, params, prompt_embeds, stream, added, lora_id, priority, owner))
         finished = False
         num_unfinished = params.n
         try:
@@ -211,9 +213,11 @@ class EngineLoop:
                 self.core.abort_request(command.request_id, command.index)
             return
         try:
-            # (lora_id and priority only when set: a core without adapters or priorities need not take them)
+            # (lora_id, priority and owner only when set: a core without adapters, priorities or owners need not
+            # take them)
             extra: dict = {"lora_id": command.lora_id} if command.lora_id else {}
             extra |= {"priority": command.priority} if command.priority else {}
+            extra |= {"owner": command.owner} if command.owner else {}
             self.core.add_request(command.request_id, command.prompt_token_ids, command.params,
                                   command.prompt_embeds, **extra)
         except Exception as error:  # bad input: this caller's problem only

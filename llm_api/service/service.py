@@ -59,7 +59,7 @@ from typing import AsyncGenerator
 from llm_api.api.errors import ApiError, echo, internal_error, model_not_found
 from llm_api.api.logprobs import TokenTexts
 from llm_api.api.reasoning import reasoning_format
-from llm_api.api.request import GenerateRequest, Limits
+from llm_api.api.request import GenerateRequest, Limits, request_work
 from llm_api.api.tools import detect_tool_format
 from llm_api.engine.engine import EngineConfig, LLMEngine
 from llm_api.engine.reference import ReferenceCore
@@ -233,10 +233,12 @@ class ModelService:
         finally:
             generation.release()  # (events() releases too; this covers a consumer that left before it ran)
 
-    async def admit(self, request: GenerateRequest, request_id: str, marker: str = "", owner: str = "") -> "Generation":
+    async def admit(self, request: GenerateRequest, request_id: str, marker: str = "", owner: str = "",
+                    tenant: str = "") -> "Generation":
         """The request admitted (in the live table, holding its share of the capacity) or ApiError raised.
         ``marker``: text the detokenizer keeps out of the answer (the native format's end-of-stream marker);
-        ``owner``: who sent it (its edge's ``Call.owner``: grammar compiles are shared out by it). The
+        ``owner``: who sent it (its edge's ``Call.owner``: grammar compiles are shared out by it); ``tenant``:
+        whose share of the engine it runs in (``Call.tenant``). The
         caller reads ``events()`` or calls ``release()``: an admitted request nobody reads holds its share."""
         arrival = time.monotonic()
         label = request.client_request_id
@@ -250,7 +252,7 @@ class ModelService:
             raise ApiError(409, "duplicate_request_id", f"a request with request_id {echo(label)} is still running")
         lora_id = self._lora_id(request)  # (again: it may have been unloaded while the prompt was tokenized)
         self._admit(prepared.cost)
-        generation = Generation(self, request_id, request, prepared, marker, arrival, lora_id)
+        generation = Generation(self, request_id, request, prepared, marker, arrival, lora_id, tenant)
         if lora_id and request.adapter is not None:
             self.lora_requests[request.adapter] += 1
             self._lora_live[request.adapter] += 1
@@ -320,7 +322,7 @@ class Generation:
     life: the engine's outputs through its ``RequestState``, within its deadline."""
 
     def __init__(self, service: ModelService, request_id: str, request: GenerateRequest, prepared: Prepared,
-                 marker: str, arrival: float, lora_id: int):
+                 marker: str, arrival: float, lora_id: int, tenant: str = ""):
         self.service = service
         self.request_id = request_id
         self.label = request.client_request_id
@@ -332,6 +334,8 @@ class Generation:
         self._prepared = prepared
         self._arrival = arrival
         self._priority = request.priority
+        self._tenant = tenant
+        self.work = request_work(prepared.num_prompt_tokens, request.params, request.echo)
         self.state = RequestState(service.lm.tokenizer, request.params, marker, prepared.num_prompt_tokens,
                                   prepared.prompt_ids, Echo(request.text, request.echo_only) if request.echo else None,
                                   lambda: service.token_texts, functools.partial(service.loop.abort, request_id),
@@ -356,7 +360,7 @@ class Generation:
         timer = service.metrics.start(self.num_prompt_tokens, self._arrival)
         try:
             outputs = service.loop.generate(self.request_id, prepared.prompt_ids, self.params, prepared.prompt_embeds,
-                                            self.lora_id, self._priority)
+                                            self.lora_id, self._priority, self._tenant)
             async with aclosing(outputs):
                 while state.end is None:
                     # The deadline bounds each wait on the engine, never the consumer's own awaits.

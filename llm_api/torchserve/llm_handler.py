@@ -107,9 +107,12 @@ class LLMHandler(BaseHandler):
         try:
             route, params = find(None, path, "torchserve", reply.headers)
             shape = route.errors
-            owner = torchserve_owner(reply.headers.get("authorization"), None if reply.is_grpc else _inference_key())
+            key = None if reply.is_grpc else _inference_key()
+            owner = torchserve_owner(reply.headers.get("authorization"), key)
+            # (a tenant only where the frontend checked the key: an unchecked header names no share of its own)
             call = Call(reply.request_id, None, row, reply.headers, grpc=reply.is_grpc,
-                        grpc_stream=reply.is_grpc and self.grpc_streaming, owner=owner)
+                        grpc_stream=reply.is_grpc and self.grpc_streaming, owner=owner,
+                        tenant=owner if key is not None else "")
             ctx = RouteContext(self.marker, self._service, management_key=_management_key, apis=self.apis)
             result = await answer(route, params, ctx, call)
             if isinstance(result, Whole):

@@ -162,8 +162,9 @@ def test_eos_max_new_tokens_and_abort_finish_and_free():
     assert scheduler.block_pool.num_free_blocks == scheduler.block_pool.num_blocks
 
 
-def _request(request_id: str, prompt: list[int], max_new_tokens: int, arrival: int = 0, priority: int = 0) -> Request:
-    return Request(request_id, prompt, SamplingParams(max_new_tokens=max_new_tokens), priority=priority)
+def _request(request_id: str, prompt: list[int], max_new_tokens: int, arrival: int = 0, priority: int = 0,
+             owner: str = "") -> Request:
+    return Request(request_id, prompt, SamplingParams(max_new_tokens=max_new_tokens), priority=priority, owner=owner)
 
 
 def _waiting(scheduler):
@@ -220,10 +221,12 @@ def test_a_better_priority_preempts_worse_running_sequences_to_be_admitted():
     assert not _step(scheduler).preempted_request_ids and _waiting(scheduler) == ["c"]
 
 
-@pytest.mark.parametrize("seed, priorities", [(0, False), (1, False), (2, True), (3, True)])
-def test_random_scheduler_operations_keep_invariants(seed, priorities):
+@pytest.mark.parametrize("seed, priorities, owners", [(0, False, 1), (1, False, 1), (2, True, 1), (3, True, 1),
+                                                      (4, False, 3), (5, True, 2)])
+def test_random_scheduler_operations_keep_invariants(seed, priorities, owners):
     """Scheduler + pool with fake sampled tokens: adds, aborts, steps, preemptions, prefix hits (and with
-    ``priorities`` each request of a random priority, so priority preemptions too)."""
+    ``priorities`` each request of a random priority, so priority preemptions too; with several ``owners``
+    each request of a random one, so fair-share preemptions, caps and reservations too)."""
     rng = random.Random(seed)
     pool = BlockPool(num_blocks=40, block_size=BLOCK_SIZE)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, max_model_len=120),
@@ -240,7 +243,7 @@ def test_random_scheduler_operations_keep_invariants(seed, priorities):
             request_id = f"r{step}"
             max_new_tokens = rng.randrange(1, 40)
             scheduler.add(_request(request_id, prompt, max_new_tokens, step,
-                                   rng.choice((-1, 0, 0, 1)) if priorities else 0))
+                                   rng.choice((-1, 0, 0, 1)) if priorities else 0, f"owner{rng.randrange(owners)}"))
             tokens_out[request_id] = []
             limits[request_id] = (len(prompt), max_new_tokens)
         elif op < 0.2 and scheduler.requests:

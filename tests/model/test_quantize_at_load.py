@@ -76,3 +76,15 @@ def test_quantization_needs_the_cpu(checkpoints, tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_library, "load", lambda cache_dir: False)
     with pytest.raises(ConfigError, match="QUANTIZATION=q4_k runs on the CPU kernels"):
         _load(checkpoints[True], tmp_path, "q4_k")
+
+
+def test_a_quantized_model_counts_its_products_in_the_step_budgets_floor(checkpoints, tmp_path):
+    """The step budget's analytic floor (llm_api.engine.step_budget) counts a quantized linear's in x out
+    products: its weights are blocks in a buffer, not parameters, and left out the floor of a GGUF model was
+    its norms' alone (the embedded Q4_1 model's step budget went to 2,048 tokens: 10 s steps on 2 cores)."""
+    from llm_api.engine.step_budget import analytic_floor
+
+    quantized = analytic_floor(_load(checkpoints[False], tmp_path, "q8_0").model, 2).per_token_s
+    plain = analytic_floor(tiny_model("llama", tied=False, seed=4), 2).per_token_s
+    # (the float model counts its embedding as parameters too; the quantized one's is a buffer)
+    assert 0.7 * plain <= quantized <= plain, (quantized, plain)

@@ -61,5 +61,5 @@ async def generate(ctx: RouteContext, call: Call, params: dict[str, str]) -> Ans
         request.stream = False  # a second message to a unary call kills TorchServe's worker
     # A unary gRPC answer is one message, which gRPC clients refuse above 4 MiB by default.
     encoder = native_encoder(request, ctx.marker, GRPC_MAX_MESSAGE_BYTES if call.grpc else None)
-    generations = await admit(service, request, call.request_id, ctx.marker, call.owner)
+    generations = await admit(service, request, call.request_id, ctx.marker, call.owner, call.tenant)
     return Streamed(encoded_parts(generations, encoder), encoder)

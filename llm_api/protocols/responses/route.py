@@ -74,18 +74,19 @@ async def create(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answe
     if encoder.background:
         entry = InFlightResponse(owner, call.request_id, encoder)
         responses.in_flight[encoder.id] = entry  # (before the answer: a poll right after it finds it)
-        responses.run_in_background(_background(service, responses, request, encoder, call.request_id, owner, entry))
+        responses.run_in_background(_background(service, responses, request, encoder, call.request_id, owner, entry,
+                                                call.tenant))
         return Whole(200, json.dumps({**encoder.response_json(), "status": "queued"}))
-    generations = await admit(service, request, call.request_id, owner=owner)
+    generations = await admit(service, request, call.request_id, owner=owner, tenant=call.tenant)
     return Streamed(encoded_parts(generations, encoder, _tracked(responses, encoder, call.request_id, owner)), encoder)
 
 
 async def _background(service: ModelService, responses: Responses, request: GenerateRequest, encoder: ResponsesCall,
-                      request_id: str, owner: str, entry: InFlightResponse) -> None:
+                      request_id: str, owner: str, entry: InFlightResponse, tenant: str) -> None:
     """A background response to its end; a refusal or an error ends it ``failed`` (stored all the same)."""
     error: ApiError | None = None
     try:
-        generations = await admit(service, request, request_id, owner=owner)
+        generations = await admit(service, request, request_id, owner=owner, tenant=tenant)
         parts = encoded_parts(generations, encoder, _tracked(responses, encoder, request_id, owner, entry))
         async with aclosing(parts):
             async for part in parts:
