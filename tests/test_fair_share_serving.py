@@ -192,4 +192,4 @@ def test_the_best_priority_orders_only_its_own_keys_requests(two_keys):
         for thread in loops:
             thread.join(120)
     # keyA's loop requests were answered: the priority is served, for its own key's order
-    assert sent and all(load.status == 200 and load.error is None for load in sent), [(l.status, l.error) for l in sent]
+    assert sent and all(load.status == 200 and load.error is None for load in sent), [(load.status, load.error) for load in sent]

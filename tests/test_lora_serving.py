@@ -18,7 +18,6 @@ import concurrent.futures
 import json
 import re
 import time
-import urllib.request
 
 import pytest
 import torch
@@ -197,8 +196,7 @@ def test_runtime_load_serve_unload(lora_server):
 
 def test_lora_metrics(lora_server):
     _client(lora_server).completions.create(model="alpha", prompt="hi", max_tokens=2)
-    with urllib.request.urlopen(lora_server.metrics_url, timeout=30) as response:
-        text = response.read().decode()
+    text = lora_server.metrics_text()
     info = [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{")]
     assert len(info) == 1 and 'max_lora="2"' in info[0], info
     assert re.search(r'running_lora_adapters="[^"]*"', info[0]) and re.search(r'waiting_lora_adapters="[^"]*"', info[0])
@@ -231,8 +229,7 @@ def test_grpc_adapter_field(lora_server):
 
 
 def _metrics(server) -> str:
-    with urllib.request.urlopen(server.metrics_url, timeout=30) as response:
-        return response.read().decode()
+    return server.metrics_text()
 
 
 def test_unload_refuses_while_in_use_and_the_gauge_shows_it(lora_server):

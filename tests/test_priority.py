@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.request
 
 import pytest
 
@@ -85,8 +84,7 @@ def test_a_better_priority_preempts_and_finishes_first(start_standalone):
         assert high_at < low_at, "the better priority did not finish first"
         # preempted and recomputed, the low-priority answer is the one it gets alone (greedy, float32)
         assert low_answer.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
-        with urllib.request.urlopen(server.metrics_url, timeout=30) as response:
-            metrics = response.read().decode()
+        metrics = server.metrics_text()
         preemptions = [line for line in metrics.splitlines() if line.startswith("vllm:num_preemptions_total")]
         assert preemptions and float(preemptions[0].split()[-1]) >= 1, preemptions
     finally:

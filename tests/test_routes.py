@@ -57,8 +57,9 @@ def test_the_error_shape_follows_the_path():
     assert '"error"' in error_body("openai", error, "<|end|>") and '"error"' not in error_body("native", error, "")
 
 
-def test_only_probes_and_metrics_are_public():
-    assert all(table.is_public(p) for p in ("/health", "/ready", "/metrics", "/v1/health"))
+def test_only_probes_are_public_and_metrics_where_opened():
+    assert all(table.is_public(p) for p in ("/health", "/ready", "/v1/health"))
+    assert not table.is_public("/metrics") and table.is_public("/metrics", metrics_public=True)  # (METRICS_PUBLIC)
     assert not any(table.is_public(p) for p in ("/v1/models", "/predictions/x", "/tokenize", "/nothing"))
 
 

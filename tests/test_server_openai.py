@@ -108,8 +108,7 @@ def test_health_is_ready_while_tokens_flow(async_frontend):
 
 
 def scrape(async_frontend) -> dict[str, float]:
-    with urllib.request.urlopen(async_frontend.metrics_url, timeout=30) as resp:
-        text = resp.read().decode()
+    text = async_frontend.metrics_text()
     values = {}
     for line in text.splitlines():
         m = re.match(r"^(llm_\w+?)(\{[^}]*\})? ([-+0-9.eE]+|NaN)$", line)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import time
-import urllib.request
 
 import openai
 import pytest
@@ -26,8 +25,7 @@ def client(async_frontend):
 
 def _counter(server, name: str) -> float:
     """The series' value summed over its label sets (0 while TorchServe has not seen it yet)."""
-    with urllib.request.urlopen(server.metrics_url, timeout=30) as resp:
-        text = resp.read().decode()
+    text = server.metrics_text()
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([-+0-9.eE]+)$", text, re.M))
 
 

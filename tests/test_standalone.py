@@ -4,7 +4,7 @@
   deadline) has its request aborted and every KV block free within one second, read from /metrics;
 * SIGTERM: readiness false at once, new requests 503, the stream in flight ends with its marker, exit 0;
   with a short grace period the stream left ends with its error line (never cut), exit 0;
-* bearer auth on every route but /health, /ready and /metrics, over HTTP and gRPC;
+* bearer auth on every route but /health and /ready (/metrics too unless METRICS_PUBLIC), over HTTP and gRPC;
 * /metrics parses with prometheus_client's parser and carries vLLM's series and long-stream buckets;
 * /tokenize and /detokenize in vLLM's shapes; the request ids in x-request-id cancel HTTP and gRPC calls;
 * bad settings and flags stop the command before anything loads, naming the value.
@@ -57,7 +57,7 @@ def post(url, body, key=None, timeout=120):
 def engine_state(server) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    _, _, text = get(server.metrics_url)
+    _, _, text = get(server.metrics_url, server.key())
     return {sample.name: sample.value for family in text_string_to_metric_families(text)
             for sample in family.samples if sample.name.startswith("vllm:")}
 
@@ -154,7 +154,7 @@ def test_grpc_client_that_goes_away_frees_its_blocks_within_a_second(standalone_
 
 def test_every_route_but_the_probes_needs_the_key(standalone_server):
     server = standalone_server
-    for path in ("/health", "/ready", "/metrics"):
+    for path in ("/health", "/ready"):
         assert get(server.http + path)[0] == 200, path
     for key in (None, "wrong-key-123", server.key() + "x"):
         status, _, body = post(server.native_url, {"text": "hi"}, key)
@@ -193,7 +193,8 @@ def test_metrics_parse_and_carry_the_router_series(standalone_server):
     from llm_api.client import HTTPClient
 
     HTTPClient(server.http, "smollm2", server.key()).generate({"text": "Hello there", "max_new_tokens": 4})
-    status, headers, text = get(server.metrics_url)
+    assert get(server.metrics_url)[0] == 401  # (behind the key by default: METRICS_PUBLIC)
+    status, headers, text = get(server.metrics_url, server.key())
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name, kind in (("vllm:num_requests_waiting", "gauge"), ("vllm:num_requests_running", "gauge"),

@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from abc import ABC, abstractmethod
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
@@ -106,6 +107,7 @@ class ServerProcess(ABC):
     openai_path: ClassVar[str]  # the OpenAI-compatible routes' base ("{model}": the model's name)
     ready_path: ClassVar[str]  # 200 once the model serves requests
     metrics_port: ClassVar[str]  # the one that serves /metrics
+    metrics_need_key: ClassVar[bool] = False  # /metrics answers only with the key (llm_api serve's default)
     out_name: ClassVar[str]  # the file in workdir that takes the process's stdout and stderr
     model_log_name: ClassVar[str]  # the file in workdir with the model's log lines (``request ... ended``)
     stop_grace: ClassVar[float]  # how long stop() waits after SIGTERM before SIGKILL
@@ -158,6 +160,17 @@ class ServerProcess(ABC):
     @property
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.ports[self.metrics_port]}/metrics"
+
+    def metrics_text(self, timeout: float = 30) -> str:
+        """``/metrics`` as text: with the key where the server needs one for it (``llm_api serve``'s default,
+        METRICS_PUBLIC unset), without on TorchServe's metrics port."""
+        try:
+            headers = {"Authorization": f"Bearer {self.key()}"} if self.metrics_need_key else {}
+        except OSError:  # (no key file: auth off)
+            headers = {}
+        request = urllib.request.Request(self.metrics_url, headers=headers)
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.read().decode()
 
     @property
     def out_path(self) -> Path:

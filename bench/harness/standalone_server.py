@@ -33,6 +33,7 @@ class StandaloneServer(ServerProcess):
     openai_path = "/v1"
     ready_path = "/ready"
     metrics_port = "http"
+    metrics_need_key = True  # (METRICS_PUBLIC unset)
     out_name = "server.log"
     model_log_name = "server.log"  # the service logs to the process's output
     stop_grace = 30  # the server drains its requests on SIGTERM (DRAIN_GRACE_S)

@@ -461,6 +461,11 @@ class Settings:
         "never lowered, and never below what the model's arithmetic allows a slow core (see [Memory and "
         "start-up](#memory-and-start-up); logged with its source; set it to pin a benchmark)",
         minimum=0, default_note="(sized to the device)")
+    # Behind the key by default: the series name the adapters served and count every key's requests.
+    metrics_public: bool = setting(
+        "METRICS_PUBLIC", False,
+        "`llm_api serve` (and `--ray`) only: `true` answers `/metrics` without the key, for a scraper that cannot "
+        "send one (Prometheus can: `authorization: {credentials: <key>}` in its scrape config)")
     # TorchServe's backend cannot tell a unary Predictions call from StreamPredictions, and a second message
     # to a unary call kills the worker, so this is off unless every gRPC client is trusted (docs/reliability.md).
     grpc_streaming: bool = setting(

@@ -121,7 +121,7 @@ class Route:
     paths: tuple[str, ...] = ()  # below the standalone server's root
     model_paths: tuple[str, ...] = ()  # below TorchServe's /predictions/<model>/<version>/
     errors: str = "openai"  # "openai" | "native": the shape of its error bodies
-    public: bool = False  # no key needed (probes, metrics)
+    public: bool = False  # no key needed (probes; metrics with METRICS_PUBLIC: table.is_public)
     needs_model: bool = True  # 503 loading until the model is loaded
 
 

@@ -102,10 +102,12 @@ def error_shape(path: str, edge: str) -> str:
     return "native" if native else "openai"
 
 
-def is_public(path: str) -> bool:
-    """Whether the standalone server answers ``path`` without a key (only the probes and metrics)."""
+def is_public(path: str, metrics_public: bool = False) -> bool:
+    """Whether the standalone server answers ``path`` without a key: the probes, and the metrics only where
+    ``metrics_public`` (METRICS_PUBLIC: they name adapters and count every key's requests)."""
     segments = _segments(path)
-    return any(route.public and _match(pattern, segments) is not None for route, pattern in _patterns(ROUTES, "server"))
+    return any(route.public and (metrics_public or route.name != "metrics") and _match(pattern, segments) is not None
+               for route, pattern in _patterns(ROUTES, "server"))
 
 
 def find(method: str | None, path: str, edge: str, headers: dict[str, str] | None = None,

@@ -240,6 +240,7 @@ class Ingress:
         self.auth = BearerAuth(key)
         self.marker = settings.end_of_stream_token
         self.max_request_bytes = settings.max_request_bytes
+        self.metrics_public = settings.metrics_public
         self.adapters = frozenset(name for name, _ in settings.lora_adapters)
 
     async def __call__(self, request: Any) -> Any:
@@ -272,7 +273,7 @@ class Ingress:
         ``LORA_ADAPTERS`` it names ('' for none: the base model, or a name the replica will judge)."""
         path = request.url.path
         owner = ""
-        if not is_public(path):
+        if not is_public(path, self.metrics_public):
             known = self.auth.owner(single_authorization(request.headers.getlist("authorization")))
             if known is None:
                 raise ApiError(401, "unauthorized", "missing or wrong bearer key (header 'Authorization: Bearer <key>')")

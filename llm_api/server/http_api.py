@@ -73,6 +73,7 @@ class ServerState:
     lifecycle: Lifecycle
     metrics: ServerMetrics
     max_request_bytes: int
+    metrics_public: bool = False  # METRICS_PUBLIC: /metrics answered without the key
     limits: TransportLimits = field(default_factory=lambda: TransportLimits.from_settings(Settings()))
     connections: ConnectionGuard | None = None  # installed on the server once it listens
     service: ModelService | None = None
@@ -123,7 +124,7 @@ async def _edge(request: web.Request, handler: Callable[[web.Request], Awaitable
     request_id = new_request_id()
     request["request_id"] = request_id
     path = request.path
-    public = is_public(path)
+    public = is_public(path, state.metrics_public)
     guard, connection = state.connections, request.protocol
     if guard is not None:
         guard.request_started(connection)

@@ -62,7 +62,8 @@ async def serve(settings: Settings, options: ServeOptions) -> int:
         return 2
     state = ServerState(marker=settings.end_of_stream_token, auth=BearerAuth(key), lifecycle=lifecycle,
                         metrics=ServerMetrics(settings.model_name), max_request_bytes=settings.max_request_bytes,
-                        limits=TransportLimits.from_settings(settings), apis=apis)
+                        limits=TransportLimits.from_settings(settings), apis=apis,
+                        metrics_public=settings.metrics_public)
     # handler_cancellation: aiohttp cancels a handler whose client disconnected (http_api's docstring);
     # the transport limits: llm_api.server.transport.
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None,
