@@ -20,6 +20,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -167,6 +168,7 @@ def ray_app(tmp_path_factory, embedded_model_path, embedded_checkpoint_path):
         "--cpus-per-replica", "0.5"], env={
         "MODEL_PATH": str(embedded_model_path), "LLM_API_KEY": KEY, "DTYPE": "float32", "KV_CACHE_MEMORY_MIB": "96",
         "MAX_NUM_SEQS": "8", "DRAIN_GRACE_S": "60", "LORA_ADAPTERS": adapters, "MAX_LORAS": "1",
+        "KEEPALIVE_TIMEOUT_S": str(KEEPALIVE_S),
         "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
         "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"})
     try:
@@ -189,6 +191,29 @@ def _replica_pid(server, replica: str) -> int:
     found = re.findall(rf"llm_api replica {re.escape(replica)}: pid (\d+)", server.model_log())
     assert found, f"no start line for replica {replica}"
     return int(found[-1])
+
+
+KEEPALIVE_S = 4  # (the fixture's KEEPALIVE_TIMEOUT_S: Ray's proxy takes it as its keep-alive timeout)
+
+
+def test_an_idle_keep_alive_connection_is_closed_and_metrics_need_the_key(ray_app):
+    """Ray's proxy closes a connection idle for KEEPALIVE_TIMEOUT_S after its answer, as `llm_api serve` does
+    (its other transport guards have no option in Ray: docs/scale-out.md); /metrics answers only with the key
+    (METRICS_PUBLIC unset)."""
+    port = int(ray_app.http.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as conn:
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        answered = b""
+        while b"\r\n\r\n" not in answered:
+            answered += conn.recv(4096)
+        assert answered.startswith(b"HTTP/1.1 200"), answered[:200]
+        idle_from = time.monotonic()
+        while conn.recv(4096):  # (the rest of the answer, then the close)
+            pass
+        idle = time.monotonic() - idle_from
+    assert idle < KEEPALIVE_S + 5, f"the idle connection stayed open {idle:.1f} s"
+    assert httpx.get(f"{ray_app.http}/metrics", timeout=60).status_code == 401
+    assert httpx.get(f"{ray_app.http}/metrics", headers=_headers(), timeout=60).status_code == 200
 
 
 def test_both_replicas_serve_behind_the_proxy_and_the_key_is_checked(ray_app):

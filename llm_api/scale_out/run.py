@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import shutil
 import signal
@@ -140,7 +141,12 @@ def serve_on_ray(settings: Settings, host: str, port: int, key_file: Path, auth:
         except Exception:
             _log_start_failure(ray_root or Path(_default_ray_root()))
             raise
-        serve.start(http_options={"host": host, "port": port}, detached=False)
+        # KEEPALIVE_TIMEOUT_S as Ray's proxy can take it (whole seconds, at least 1): an idle keep-alive
+        # connection is closed as on `llm_api serve`. Its other transport guards have no option in Ray's
+        # proxy (docs/scale-out.md, "Not done").
+        serve.start(http_options={"host": host, "port": port,
+                                  "keep_alive_timeout_s": max(1, math.ceil(settings.keepalive_timeout_s))},
+                    detached=False)
         stop = threading.Event()  # (after ray.init, which installs a SIGTERM handler of its own)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
