@@ -274,7 +274,7 @@ class Scheduler:
             owner = min(queues, key=fair.served_of)  # (charged as it is admitted: owners alternate)
             queue = queues[owner]
             request = queue[0]
-            if request.lora_id and request.lora_id not in running_loras and len(running_loras) >= self.config.max_loras:
+            if self._lora_blocked(request, running_loras):
                 self._drop_head(queues, owner)
                 continue
             num_siblings = len(self._unforked.get(request.seq_id, ()))
@@ -540,8 +540,7 @@ class Scheduler:
         worse = [r for r in self.running if r.owner == head.owner and r.priority > head.priority]
         if not worse:
             return
-        if head.lora_id and head.lora_id not in {r.lora_id for r in self.running} and \
-                len({r.lora_id for r in self.running if r.lora_id}) >= self.config.max_loras:
+        if self._lora_blocked(head, {r.lora_id for r in self.running if r.lora_id}):
             return
         num_blocks, num_seqs = self._needs(head)
         while worse:  # (running is in priority order within an owner: the last is the worst and newest)
@@ -560,14 +559,12 @@ class Scheduler:
         fair = self.fair
         if fair.num_active < 2 or not self.waiting or not self.running:
             return
-        heads: dict[str, Request] = {}
-        for waiting in self.waiting:
-            heads.setdefault(waiting.owner, waiting)
+        heads = self._waiting_heads()
         running_loras = {r.lora_id for r in self.running if r.lora_id}
         usage = self._usage()
         for owner in sorted(heads, key=fair.served_of):
             head = heads[owner]
-            if head.lora_id and head.lora_id not in running_loras and len(running_loras) >= self.config.max_loras:
+            if self._lora_blocked(head, running_loras):
                 continue
             num_blocks, num_seqs = self._needs(head)
             held_seqs, held_blocks = usage.get(owner, (0, 0))
@@ -586,6 +583,18 @@ class Scheduler:
                 usage[victim_owner] = (held[0] - victim_seqs, held[1] - len(victim.block_ids))
                 self._preempt(victim, output)
             return
+
+    def _waiting_heads(self) -> dict[str, Request]:
+        """Each owner's first waiting request (the queue is in each owner's own order)."""
+        heads: dict[str, Request] = {}
+        for waiting in self.waiting:
+            heads.setdefault(waiting.owner, waiting)
+        return heads
+
+    def _lora_blocked(self, request: Request, running_loras: set[int]) -> bool:
+        """The request's adapter cannot join: MAX_LORAS other adapters run (``running_loras``: their ids)."""
+        return bool(request.lora_id) and request.lora_id not in running_loras and \
+            len(running_loras) >= self.config.max_loras
 
     def _needs(self, request: Request) -> tuple[int, int]:
         """(blocks, sequence slots) a waiting request needs to be admitted with its first chunk."""
@@ -622,9 +631,7 @@ class Scheduler:
         fair = self.fair
         if fair.num_active < 2 or not self.waiting:
             return {}
-        heads: dict[str, Request] = {}
-        for waiting in self.waiting:
-            heads.setdefault(waiting.owner, waiting)
+        heads = self._waiting_heads()
         usage = self._usage()
         wanted: list[tuple[float, str, int]] = []
         for owner, head in heads.items():

@@ -143,28 +143,24 @@ def test_an_owner_within_its_share_preempts_the_owner_furthest_over_it():
     assert sorted(_running(scheduler, "A")) == ["a0", "a1"] and sorted(_running(scheduler, "B")) == ["b0", "b1"]
 
 
+def _first_preempted_when_memory_runs_short(owner_a: str, owner_b: str) -> list[str]:
+    """12 blocks: a0 and a1 (``owner_a``) came first, b0 (``owner_b``) last; decode until blocks run out."""
+    scheduler = _scheduler(num_blocks=12, max_num_seqs=4, budget=64)
+    scheduler.add(_request("a0", owner_a, prompt_len=12, max_new_tokens=200))
+    scheduler.add(_request("a1", owner_a, prompt_len=12, max_new_tokens=200, token=2))
+    _step(scheduler)
+    scheduler.add(_request("b0", owner_b, prompt_len=4, max_new_tokens=200, token=3))
+    preempted = []
+    while not preempted:
+        preempted = _step(scheduler).preempted_request_ids
+    return preempted
+
+
 def test_memory_short_preempts_the_owner_furthest_over_its_share():
-    # 12 blocks. B's one long stream came last; A's two streams came first. When blocks run out, the newest
-    # sequence overall is B's, but A holds more than its share (6 blocks), so A's newest goes.
-    scheduler = _scheduler(num_blocks=12, max_num_seqs=4, budget=64)
-    scheduler.add(_request("a0", "A", prompt_len=12, max_new_tokens=200))
-    scheduler.add(_request("a1", "A", prompt_len=12, max_new_tokens=200, token=2))
-    _step(scheduler)
-    scheduler.add(_request("b0", "B", prompt_len=4, max_new_tokens=200, token=3))
-    preempted = []
-    while not preempted:
-        preempted = _step(scheduler).preempted_request_ids
-    assert preempted == ["a1"], preempted
+    # The newest sequence overall is B's, but A holds more than its share (6 blocks), so A's newest goes.
+    assert _first_preempted_when_memory_runs_short("A", "B") == ["a1"]
     # One owner: the newest running request goes, as before fair share.
-    scheduler = _scheduler(num_blocks=12, max_num_seqs=4, budget=64)
-    scheduler.add(_request("a0", "", prompt_len=12, max_new_tokens=200))
-    scheduler.add(_request("a1", "", prompt_len=12, max_new_tokens=200, token=2))
-    _step(scheduler)
-    scheduler.add(_request("b0", "", prompt_len=4, max_new_tokens=200, token=3))
-    preempted = []
-    while not preempted:
-        preempted = _step(scheduler).preempted_request_ids
-    assert preempted == ["b0"], preempted
+    assert _first_preempted_when_memory_runs_short("", "") == ["b0"]
 
 
 def test_a_long_prompt_leaves_room_for_another_owners_first_chunk():
