@@ -95,8 +95,12 @@ fi
 if [ -z "${MODEL_PATH:-}" ]; then
   python -m llm_api.model.embedded >/dev/null
 fi
-quantizing="$(echo "${QUANTIZATION:-}" | tr '[:upper:]' '[:lower:]')"
-if [[ ",$extras," == *,test,* ]] || { [ -z "${MODEL_PATH:-}" ] && [[ ! "$quantizing" =~ ^(|none|null|no|off)$ ]]; }; then
+# (MODEL_PATH unset with QUANTIZATION set serves the checkpoint: settings.served_default_path says which)
+serves_checkpoint() {
+  [ -z "${MODEL_PATH:-}" ] && python -c 'from llm_api.model.settings import default_checkpoint_path as c, served_default_path as s
+raise SystemExit(s() != c())'
+}
+if [[ ",$extras," == *,test,* ]] || serves_checkpoint; then
   python -m llm_api.model.embedded --checkpoint >/dev/null  # (QUANTIZATION quantizes the checkpoint at load)
 fi
 echo "setup: ready"

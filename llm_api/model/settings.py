@@ -49,6 +49,19 @@ def default_model_path(env: Mapping[str, str] | None = None) -> Path:
     return default_cache_dir(env) / "models" / f"{DEFAULT_MODEL_DIR_NAME}.Q4_1.gguf"
 
 
+# Raw QUANTIZATION values read as its first choice, "none" (the setting's aliases, and served_default_path's).
+QUANTIZATION_OFF_ALIASES = ("", "null", "no", "off")
+
+
+def served_default_path(env: Mapping[str, str] | None = None) -> Path:
+    """What MODEL_PATH unset serves: the embedded model's GGUF file, or where QUANTIZATION asks to quantize a
+    checkpoint at load, its float32 checkpoint (a GGUF file's weights are quantized already). scripts/setup.sh
+    asks it which of the two to prepare."""
+    env = os.environ if env is None else env
+    quantizing = env.get("QUANTIZATION", "").strip().lower() not in ("none", *QUANTIZATION_OFF_ALIASES)
+    return default_checkpoint_path(env) if quantizing else default_model_path(env)
+
+
 def default_checkpoint_path(env: Mapping[str, str] | None = None) -> Path:
     """The embedded model as a Hugging Face checkpoint folder (its weights de-quantized into float32), for what
     needs transformers' own loading (``llm_api.model.embedded.prepare``)."""
@@ -296,12 +309,8 @@ def _model_name(raw: str) -> str:
 
 
 def _model_path(env: Mapping[str, str], earlier: Mapping[str, Any]) -> str:
-    """MODEL_PATH, else the embedded model: its GGUF file, or where QUANTIZATION asks to quantize a checkpoint at
-    load, its float32 checkpoint (a GGUF file's weights are quantized already)."""
-    if env.get("MODEL_PATH", ""):
-        return env["MODEL_PATH"]
-    quantizing = env.get("QUANTIZATION", "").strip().lower() not in ("", "none", "null", "no", "off")
-    return str(default_checkpoint_path(env) if quantizing else default_model_path(env))
+    """MODEL_PATH, else the embedded model as ``served_default_path`` says."""
+    return env.get("MODEL_PATH", "") or str(served_default_path(env))
 
 
 def _cache_dir(env: Mapping[str, str], earlier: Mapping[str, Any]) -> str:
@@ -347,7 +356,7 @@ class Settings:
         "formats, computed by the CPU kernels (docs/model-options.md: which tensors get which format); `8bit`, "
         "`4bit`: bitsandbytes (`QUANTIZATION=8bit make serve` installs it). A GGUF file is served as it is, with "
         "QUANTIZATION unset",
-        choices=("none", "q8_0", "q4_0", "q4_k", "8bit", "4bit"), aliases=("", "null", "no", "off"),
+        choices=("none", "q8_0", "q4_0", "q4_k", "8bit", "4bit"), aliases=QUANTIZATION_OFF_ALIASES,
         shown_default="`None`")
     bnb_4bit_quant_type: str = setting("BNB_4BIT_QUANT_TYPE", "nf4", "`nf4`, `fp4` (the 4-bit data type)",
                                        choices=("nf4", "fp4"))
