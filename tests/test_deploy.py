@@ -22,7 +22,9 @@ def test_openapi_spec_is_valid():
     assert {"/predictions/{model_name}", "/predictions/{model_name}/{model_version}/v1/chat/completions",
             "/predictions/{model_name}/{model_version}/v1/completions", "/predictions/{model_name}/{model_version}/v1/models",
             "/predictions/{model_name}/{model_version}/v1/health", "/predictions/{model_name}/{model_version}/v1/responses",
-            "/predictions/{model_name}/{model_version}/v1/responses/{response_id}"} <= paths
+            "/predictions/{model_name}/{model_version}/v1/responses/{response_id}",
+            "/predictions/{model_name}/{model_version}/v1/messages",
+            "/predictions/{model_name}/{model_version}/v1/messages/count_tokens"} <= paths
 
 
 def test_dockerfile_passes_hadolint():

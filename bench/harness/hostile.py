@@ -93,10 +93,12 @@ def tokenizer_path(server, route: str) -> str:
 # what every refusal must be
 
 
-def refusal_problems(name: str, answer: Answer, *, openai: bool, statuses=range(400, 500)) -> list[str]:
+def refusal_problems(name: str, answer: Answer, *, openai: bool, statuses=range(400, 500),
+                     anthropic: bool = False) -> list[str]:
     """Why ``answer`` is not a proper refusal (empty when it is): a status in ``statuses``, the route's
-    error shape (OpenAI's ``{"error": {message, type, param, code}}`` or the native ``{code, type,
-    message}``), no end-of-stream marker, a bounded size, no header made from request data, and
+    error shape (OpenAI's ``{"error": {message, type, param, code}}``, the native ``{code, type,
+    message}``, or with ``anthropic`` Anthropic's ``{"type": "error", "error": {type, message}}``), no
+    end-of-stream marker, a bounded size, no header made from request data, and
     ``Retry-After`` on a 503."""
     problems = []
     if answer.status not in statuses:
@@ -113,14 +115,17 @@ def refusal_problems(name: str, answer: Answer, *, openai: bool, statuses=range(
         problems.append(f"{name}: 503 without Retry-After")
     try:
         error = json.loads(answer.body)
-        if openai:
+        if anthropic:
+            ok = error["type"] == "error" and {"type", "message"} <= set(error["error"])
+        elif openai:
             ok = set(error) == {"error"} and {"message", "type", "param", "code"} <= set(error["error"])
         else:
             ok = set(error) == NATIVE_SHAPE and error["code"] == answer.status
     except (ValueError, TypeError):
         ok = False
     if not ok:
-        problems.append(f"{name}: {answer.status} without the {'OpenAI' if openai else 'native'} error shape: "
+        shape = "Anthropic" if anthropic else "OpenAI" if openai else "native"
+        problems.append(f"{name}: {answer.status} without the {shape} error shape: "
                         f"{answer.body[:300]!r}")
     return problems
 

@@ -79,6 +79,7 @@ class TextStream:
         self._marker = end_marker
         self._pending = ""  # text decoded but held back because it may start a stop or marker
         self._stopped = False
+        self.matched_stop: str | None = None  # the stop string that ended the text (Anthropic's stop_sequence)
         self.text = ""  # everything released so far
         self.marker_removed = False  # the model spelled the marker out and it was taken from the answer
 
@@ -104,11 +105,12 @@ class TextStream:
         stripped = _strip_marker(buf, self._marker)
         self.marker_removed = self.marker_removed or len(stripped) != len(buf)
         buf = stripped
-        cut = _first_match(buf, self._stop)
+        cut, matched = _first_match(buf, self._stop)
         if cut is None and spelled_end >= 0:
-            cut = len(buf)
+            cut, matched = len(buf), self._marker
         if cut is not None:
             self._stopped = True
+            self.matched_stop = matched
             out = buf[:cut]
             self._pending = ""
             self.text += out
@@ -119,9 +121,14 @@ class TextStream:
         return TextDelta(out, False)
 
 
-def _first_match(text: str, stops: Sequence[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
+def _first_match(text: str, stops: Sequence[str]) -> tuple[int | None, str | None]:
+    """Where the first stop string in ``text`` starts, and which it is (the first listed of those that
+    start there); (None, None) when none is in it."""
+    hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+    if not hits:
+        return None, None
+    first = min(i for i, _ in hits)
+    return first, next(s for i, s in hits if i == first)
 
 
 def _strip_marker(text: str, marker: str) -> str:

@@ -11,7 +11,8 @@ due: a non-streamed answer holds everything for ``finish``):
 
 * ``delta(text, index, logprobs, num_tokens)``: new text of choice ``index`` (``num_tokens``: the generated
   tokens it completes, 0 when not known);
-* ``choice_finish(index, reason, num_generated_tokens)``: choice ``index`` ended;
+* ``choice_finish(index, reason, num_generated_tokens, stop_sequence)``: choice ``index`` ended
+  (``stop_sequence``: the stop string that ended it, if one did);
 * ``finish(reason, num_prompt_tokens, num_generated_tokens, num_cached_tokens)``: the request is
   complete (choice 0's reason; ``num_cached_tokens``: the prompt tokens the engine found in its prefix
   cache); the last payload of a 200 answer (the whole answer when nothing was streamed);
@@ -37,7 +38,8 @@ class AnswerEncoder(Protocol):
 
     def delta(self, text: str, index: int = 0, logprobs: tuple[LogprobItem, ...] = (), num_tokens: int = 0) -> str: ...
 
-    def choice_finish(self, index: int, reason: FinishReason, num_generated_tokens: int = 0) -> str: ...
+    def choice_finish(self, index: int, reason: FinishReason, num_generated_tokens: int = 0,
+                      stop_sequence: str | None = None) -> str: ...
 
     def finish(self, reason: FinishReason, num_prompt_tokens: int, num_generated_tokens: int,
                num_cached_tokens: int = 0) -> str: ...

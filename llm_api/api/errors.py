@@ -7,7 +7,10 @@ there is one. Two renderings:
 
 * native (``/predictions/<model>``, gRPC): ``{"code": <status>, "type": <code>, "message": ...}``;
 * OpenAI (``/v1/...``): ``{"error": {"message", "type", "param", "code"}}`` with OpenAI's ``type``
-  (``invalid_request_error`` for 4xx, ``server_error`` for 5xx).
+  (``invalid_request_error`` for 4xx, ``server_error`` for 5xx);
+* Anthropic (``/v1/messages``): ``{"type": "error", "error": {"type", "message", "code"}}`` with Anthropic's
+  ``type`` for the status (``ANTHROPIC_ERROR_TYPES``: what the ``anthropic`` SDK and Claude Code read;
+  ``code`` is ours, an extra field its clients ignore).
 
 Whatever a request sent may end up in a message, so every echoed value goes through ``echo()``: shown as
 an ASCII-only Python literal (control characters, CR/LF and non-ASCII escaped) and cut to a short length,
@@ -32,6 +35,11 @@ SAFE_PARAM = re.compile(r"[A-Za-z0-9_.\[\]]{1,100}")  # a field path such as mes
 # A full queue or pool frees within about an engine step or a compile: one second is long enough for a
 # retry to find room and short enough that a client does not sit idle on a server with capacity.
 DEFAULT_RETRY_AFTER_S = 1
+# Anthropic's error types by HTTP status (its API reference, "Errors"); any other 4xx is
+# invalid_request_error, any other 5xx api_error.
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         500: "api_error", 503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
 
 
 def echo(value: object, limit: int = MAX_ECHO_CHARS) -> str:
@@ -87,6 +95,13 @@ class ApiError(Exception):
 
     def openai_text(self, marker: str = "") -> str:
         return hide_marker(json.dumps(self.openai_json()), marker)
+
+    def anthropic_json(self) -> dict:
+        kind = ANTHROPIC_ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message, "code": self.code}}
+
+    def anthropic_text(self, marker: str = "") -> str:
+        return hide_marker(json.dumps(self.anthropic_json()), marker)
 
     def __repr__(self) -> str:
         return f"ApiError({self.status}, {self.code!r}, {self.message!r})"

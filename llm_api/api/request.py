@@ -101,6 +101,9 @@ class GenerateRequest:
     # token the engine samples after it is dropped.
     echo: bool = False
     echo_only: bool = False
+    # The token limit is a ceiling (Anthropic's max_tokens): cut to what the KV cache holds after the prompt
+    # rather than refused with prompt_too_long (InputProcessor.prepare).
+    max_tokens_fits: bool = False
 
     @property
     def input_kind(self) -> str:

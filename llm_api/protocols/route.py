@@ -120,11 +120,13 @@ class Route:
     answer: AnswerFunction
     paths: tuple[str, ...] = ()  # below the standalone server's root
     model_paths: tuple[str, ...] = ()  # below TorchServe's /predictions/<model>/<version>/
-    errors: str = "openai"  # "openai" | "native": the shape of its error bodies
+    errors: str = "openai"  # "openai" | "native" | "anthropic": the shape of its error bodies
     public: bool = False  # no key needed (probes; metrics with METRICS_PUBLIC: table.is_public)
     needs_model: bool = True  # 503 loading until the model is loaded
 
 
 def error_body(shape: str, error: ApiError, marker: str) -> str:
-    """An error in a route's shape (the native marker kept out of both)."""
-    return error.native_text(marker) if shape == "native" else error.openai_text(marker)
+    """An error in a route's shape (the native marker kept out of every one)."""
+    if shape == "native":
+        return error.native_text(marker)
+    return error.anthropic_text(marker) if shape == "anthropic" else error.openai_text(marker)

@@ -25,6 +25,7 @@ from llm_api.api.errors import ApiError, echo
 from llm_api.protocols.chat import route as chat
 from llm_api.protocols.completions import route as completions
 from llm_api.protocols.lora import route as lora
+from llm_api.protocols.messages import route as messages
 from llm_api.protocols.native import route as native
 from llm_api.protocols.probes import route as probes
 from llm_api.protocols.responses import route as responses
@@ -54,6 +55,10 @@ ROUTES: tuple[Route, ...] = (
           model_paths=("v1/responses/{id}",)),
     Route("cancel_response", "POST", responses.cancel, paths=("v1/responses/{id}/cancel",),
           model_paths=("v1/responses/{id}/cancel",)),
+    Route("messages", "POST", messages.messages, paths=("v1/messages",), model_paths=("v1/messages",),
+          errors="anthropic"),
+    Route("count_tokens", "POST", messages.count_tokens, paths=("v1/messages/count_tokens",),
+          model_paths=("v1/messages/count_tokens",), errors="anthropic"),
     Route("tokenize", "POST", tokenizer.tokenize, paths=("tokenize",), model_paths=("tokenize",)),
     Route("detokenize", "POST", tokenizer.detokenize, paths=("detokenize",), model_paths=("detokenize",)),
     Route("tokenizer_info", "GET", tokenizer.tokenizer_info, paths=("tokenizer_info",),
@@ -96,10 +101,13 @@ def _patterns(routes: tuple[Route, ...], edge: str) -> tuple[tuple[Route, tuple[
 
 def error_shape(path: str, edge: str) -> str:
     """The error shape of a path before (or without) a route: the native one for the native route's paths
-    (``predictions/...`` on the standalone server, the model's own path on TorchServe), else OpenAI's."""
+    (``predictions/...`` on the standalone server, the model's own path on TorchServe), Anthropic's below
+    ``v1/messages``, else OpenAI's."""
     segments = _segments(path)
     native = not segments if edge == "torchserve" else segments[:1] == ["predictions"]
-    return "native" if native else "openai"
+    if native:
+        return "native"
+    return "anthropic" if segments[:2] == ["v1", "messages"] else "openai"
 
 
 def is_public(path: str, metrics_public: bool = False) -> bool:

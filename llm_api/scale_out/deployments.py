@@ -58,7 +58,7 @@ from llm_api.server.log_format import LOG_FORMAT
 from llm_api.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from llm_api.server.metrics import ServerMetrics
 from llm_api.service.answer import Chunk, Refusal
-from llm_api.service.owners import single_authorization
+from llm_api.service.owners import MISSING_KEY, request_credential
 
 logger = logging.getLogger(__name__)
 
@@ -274,9 +274,10 @@ class Ingress:
         path = request.url.path
         owner = ""
         if not is_public(path, self.metrics_public):
-            known = self.auth.owner(single_authorization(request.headers.getlist("authorization")))
+            known = self.auth.owner(request_credential(request.headers.getlist("authorization"),
+                                                       request.headers.getlist("x-api-key")))
             if known is None:
-                raise ApiError(401, "unauthorized", "missing or wrong bearer key (header 'Authorization: Bearer <key>')")
+                raise ApiError(401, "unauthorized", MISSING_KEY)
             owner = known
         route, params = find(request.method, path, "server")
         body = await _bounded_body(request, self.max_request_bytes)

@@ -49,7 +49,7 @@ from llm_api.server.transport import (
     write,
 )
 from llm_api.service.answer import Chunk, Refusal
-from llm_api.service.owners import single_authorization
+from llm_api.service.owners import MISSING_KEY, request_credential
 from llm_api.protocols.route import ApiStates, Call, RouteContext, Whole, error_body
 from llm_api.protocols.table import answer, error_shape, find, is_public
 
@@ -131,13 +131,12 @@ async def _edge(request: web.Request, handler: Callable[[web.Request], Awaitable
     try:
         if not public:
             try:  # one identity per request, derived here once (llm_api.service.owners)
-                owner = state.auth.owner(single_authorization(request.headers.getall("Authorization", [])))
+                owner = state.auth.owner(request_credential(request.headers.getall("Authorization", []),
+                                                            request.headers.getall("x-api-key", [])))
             except ApiError as error:
                 return _error_response(path, error, state.marker, request_id)
             if owner is None:
-                return _error_response(path, ApiError(401, "unauthorized", "missing or wrong bearer key (header "
-                                                                           "'Authorization: Bearer <key>')"),
-                                       state.marker, request_id)
+                return _error_response(path, ApiError(401, "unauthorized", MISSING_KEY), state.marker, request_id)
             request["owner"] = owner
             if guard is not None and not guard.trusted(connection):  # (llm_api.server.connections)
                 return _closing(_error_response(path, too_many_connections(state.limits), state.marker,

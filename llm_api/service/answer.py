@@ -149,7 +149,8 @@ async def _encoded_parts(generations: list[Generation], encoder: AnswerEncoder) 
             if isinstance(event, TextDelta):
                 chunk = encoder.delta(event.text, event.index, event.logprobs, num_tokens=event.num_tokens)
             elif isinstance(event, ChoiceFinished):
-                chunk = encoder.choice_finish(event.index, event.reason, event.num_generated_tokens)
+                chunk = encoder.choice_finish(event.index, event.reason, event.num_generated_tokens,
+                                              stop_sequence=event.stop_sequence)
             elif event.error is None:
                 assert event.reason is not None  # a Finished without an error has its reason
                 yield Final(encoder.finish(event.reason, event.num_prompt_tokens, event.num_generated_tokens,

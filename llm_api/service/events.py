@@ -26,6 +26,7 @@ class ChoiceFinished:
     index: int
     reason: FinishReason
     num_generated_tokens: int
+    stop_sequence: str | None = None  # the stop string that ended it (reason STOP), None for EOS and the rest
 
 
 @dataclass(frozen=True)

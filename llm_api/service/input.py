@@ -8,7 +8,8 @@ against what all live requests share (capacity, labels, adapters). In the order 
   (``llm_api.api.request.work_refusal``), a prompt whose length in characters cannot fit MAX_INPUT_TOKENS,
   the prompt's logprobs on the ``generate()`` reference path (the paged engine computes them);
 * ``prepare(request, owner, arrival)``: the token ids (or the embeddings tensor), then a prompt that became
-  no tokens (400 ``empty_prompt``), the work with its tokens, prompt + ``max_new_tokens`` over what the KV
+  no tokens (400 ``empty_prompt``), a token limit that is a ceiling (``max_tokens_fits``) cut to what the
+  KV cache holds after the prompt, the work with its tokens, prompt + ``max_new_tokens`` over what the KV
   cache holds for one request (400 ``prompt_too_long``), the grammar (compiled on its own pool, by owner:
   ``llm_api.service.grammars``; 400 naming the field when the library rejects it), and the request's
   deadline (its ``timeout_s``, never beyond REQUEST_TIMEOUT_S) and cost in tokens for admission.
@@ -101,6 +102,9 @@ class InputProcessor:
         if num_prompt_tokens == 0:  # (the engine has nothing to prefill: an answer needs one token to follow)
             raise ApiError(400, "empty_prompt", "the prompt becomes no tokens (it holds only characters the "
                            "tokenizer drops); send text the model can read")
+        room = None if self._kv_max_model_len is None else self._kv_max_model_len - num_prompt_tokens
+        if request.max_tokens_fits and room is not None and 1 <= room < request.params.max_new_tokens:
+            request.params = dataclasses.replace(request.params, max_new_tokens=room)
         refusal = work_refusal(request, num_prompt_tokens, self.limits.max_request_work)
         if refusal is not None:
             raise refusal
@@ -151,6 +155,16 @@ class InputProcessor:
         if as_generate.num_input_chars() < OFF_LOOP_MIN_SIZE:
             return work()
         return await asyncio.get_running_loop().run_in_executor(self._pool, work)
+
+    async def count_prompt_tokens(self, request: GenerateRequest) -> int:
+        """How many tokens ``request``'s prompt is, exactly as ``prepare`` would tokenize it (Anthropic's
+        count_tokens), with the same refusals (over MAX_INPUT_TOKENS, a template error)."""
+        refusal = self.prompts.too_long(request)
+        if refusal is not None:
+            raise refusal
+        if request.num_input_chars() < OFF_LOOP_MIN_SIZE:
+            return len(self.prompts.token_ids(request))
+        return len(await asyncio.get_running_loop().run_in_executor(self._pool, self.prompts.token_ids, request))
 
     async def detokenize(self, token_ids: list[int]) -> str:
         work = functools.partial(self.lm.tokenizer.decode, token_ids)

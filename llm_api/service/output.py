@@ -121,7 +121,8 @@ class RequestState:
             choice.reason = reason
             if delta.stopped and not out.finished and len(self._choices) > 1:
                 self._abort_choice(out.index)  # the other choices go on
-            events.append(ChoiceFinished(out.index, choice.reason, choice.num_tokens))
+            events.append(ChoiceFinished(out.index, choice.reason, choice.num_tokens,
+                                         choice.text.matched_stop if delta.stopped else None))
             if all(c.reason is not None for c in self._choices):
                 first_reason = self._choices[0].reason
                 assert first_reason is not None  # (every choice has one)

@@ -15,6 +15,11 @@ an edge that checks the first header and a table of headers that keeps the last 
 different owners for it. Under TorchServe, whose frontend checks the header and hands the handler a table
 of headers (one value per name), ``torchserve_owner`` refuses a request whose header is not the frontend's
 current inference key: it passed the frontend's check with another header than the one the handler sees.
+
+The key may also come in ``x-api-key`` (Anthropic's header: the ``anthropic`` SDK and Claude Code send
+it): ``request_credential`` reads it as ``Authorization: Bearer <key>`` (the same owner, the same check)
+when the request carries no ``Authorization``; an ``Authorization`` header always wins. TorchServe's
+frontend checks ``Authorization`` only, so behind it the key must come in that header.
 """
 
 from __future__ import annotations
@@ -31,6 +36,21 @@ def single_authorization(values: Sequence[str]) -> str | None:
         raise ApiError(400, "duplicate_authorization", f"the request carries {len(values)} Authorization headers; "
                        "send exactly one")
     return values[0] if values else None
+
+
+def request_credential(authorizations: Sequence[str], api_keys: Sequence[str]) -> str | None:
+    """The credential a request carries, as an Authorization header's text: its ``Authorization`` header,
+    else its ``x-api-key`` as ``Bearer <key>``, else None (400 for either header sent more than once)."""
+    authorization = single_authorization(authorizations)
+    if authorization is not None:
+        return authorization
+    if len(api_keys) > 1:
+        raise ApiError(400, "duplicate_authorization", f"the request carries {len(api_keys)} x-api-key headers; "
+                       "send exactly one")
+    return f"Bearer {api_keys[0].strip()}" if api_keys else None
+
+
+MISSING_KEY = "missing or wrong key (header 'Authorization: Bearer <key>' or 'x-api-key: <key>')"
 
 
 def torchserve_owner(authorization: str | None, inference_key: str | None) -> str:

@@ -33,7 +33,7 @@ from ts.torch_handler.base_handler import BaseHandler
 from llm_api.api.errors import ApiError, internal_error
 from llm_api.model.settings import ConfigError, Settings
 from llm_api.service.answer import Chunk, EncodedParts, Refusal
-from llm_api.service.owners import torchserve_owner
+from llm_api.service.owners import request_credential, torchserve_owner
 from llm_api.protocols.route import ApiStates, Call, RouteContext, Whole, error_body
 from llm_api.protocols.table import answer, error_shape, find, open_api_states
 from llm_api.service.service import ModelService
@@ -108,7 +108,8 @@ class LLMHandler(BaseHandler):
             route, params = find(None, path, "torchserve", reply.headers)
             shape = route.errors
             key = None if reply.is_grpc else _inference_key()
-            owner = torchserve_owner(reply.headers.get("authorization"), key)
+            credential = request_credential(_one(reply.headers.get("authorization")), _one(reply.headers.get("x-api-key")))
+            owner = torchserve_owner(credential, key)
             # (a tenant only where the frontend checked the key: an unchecked header names no share of its own)
             call = Call(reply.request_id, None, row, reply.headers, grpc=reply.is_grpc,
                         grpc_stream=reply.is_grpc and self.grpc_streaming, owner=owner,
@@ -147,6 +148,11 @@ class LLMHandler(BaseHandler):
 def _management_key() -> str | None:
     """TorchServe's current management key (``_frontend_key``)."""
     return _frontend_key("management")
+
+
+def _one(value: str | None) -> list[str]:
+    """A header of TorchServe's table (one value per name) as the list of values the owner functions take."""
+    return [] if value is None else [value]
 
 
 def _inference_key() -> str | None:

@@ -90,7 +90,8 @@ class OpenAICall:
                 out += self._role_event(index) + _sse(self._chunk(index, None, None, self._take_logprobs(index), delta))
         return out
 
-    def choice_finish(self, index: int, finish_reason: FinishReason, num_generated_tokens: int = 0) -> str:
+    def choice_finish(self, index: int, finish_reason: FinishReason, num_generated_tokens: int = 0,
+                      stop_sequence: str | None = None) -> str:
         """Choice ``index`` ended: what its parsers still held, then its finish-reason chunk when streaming."""
         reason = finish_reason.value
         out = ""

@@ -66,7 +66,8 @@ class NativeStream:
             return self._out(self._line(line))
         return self._out(text)
 
-    def choice_finish(self, index: int, reason: FinishReason, num_tokens: int = 0) -> str:
+    def choice_finish(self, index: int, reason: FinishReason, num_tokens: int = 0,
+                      stop_sequence: str | None = None) -> str:
         if not self.json_lines:
             return ""
         return self._out(self._line({"index": index, "finish_reason": reason.value, "completion_tokens": num_tokens}))

@@ -150,7 +150,8 @@ class ResponsesCall:
             self._parser = ToolCallParser(self.tool_format)
         return self._parsed(self._parser.push(text))
 
-    def choice_finish(self, index: int, reason: FinishReason, num_generated_tokens: int = 0) -> str:
+    def choice_finish(self, index: int, reason: FinishReason, num_generated_tokens: int = 0,
+                      stop_sequence: str | None = None) -> str:
         return ""  # one choice: everything ends in finish
 
     def finish(self, reason: FinishReason, num_prompt_tokens: int, num_generated_tokens: int,
