@@ -70,12 +70,22 @@ def test_speculative_settings_reach_the_engine_config():
         ("SPECULATIVE_MAX_BATCH", "-2", "allowed values: integers >= 0"),
         ("LLM_API_KEY", "abc", "at least 8 visible ASCII characters"),
         ("LLM_API_KEY", "tab\there-key", "without spaces"),
+        ("SERVED_MODEL_NAME", "good bad\x00name", "allowed values: names of 1-128 characters"),
+        ("SERVED_MODEL_NAME", "-leading", "a letter or digit first"),
+        ("SERVED_MODEL_NAME", "a,b a", "lists a name twice"),
+        ("SERVED_MODEL_NAME", "smollm2", "MODEL_NAME is always served"),
     ],
 )
 def test_bad_values_name_the_variable(name, value, needle):
     with pytest.raises(ConfigError) as err:
         Settings.from_env({name: value})
     assert name in str(err.value) and needle in str(err.value)
+
+
+def test_served_model_names_are_aliases_after_model_name():
+    settings = Settings.from_env({"MODEL_NAME": "m", "SERVED_MODEL_NAME": " gpt-4o-mini, org/model:latest  qwen3:8b "})
+    assert settings.model_names == ("m", "gpt-4o-mini", "org/model:latest", "qwen3:8b")
+    assert Settings.from_env({}).model_names == ("smollm2",)
 
 
 def test_device_map_forms():

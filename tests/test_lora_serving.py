@@ -65,12 +65,15 @@ def root(tmp_path_factory, oracle):
     return root
 
 
+ALIASES = ("smollm2-chat", "org/smollm2:latest")  # SERVED_MODEL_NAME: more names of the base model
+
+
 @pytest.fixture(scope="module")
 def lora_server(start_standalone, root):
     server = start_standalone("lora", env={
         "DTYPE": "float32", "KV_CACHE_MEMORY_MIB": "64", "MAX_LORAS": "2",
         "LORA_ADAPTERS": f"alpha={root / 'alpha'},beta={root / 'beta'}",
-        "LORA_RUNTIME_LOADING": "true", "LORA_ADAPTER_ROOT": str(root)})
+        "LORA_RUNTIME_LOADING": "true", "LORA_ADAPTER_ROOT": str(root), "SERVED_MODEL_NAME": " ".join(ALIASES)})
     yield server
     server.stop()
 
@@ -91,14 +94,15 @@ def test_mixed_requests_match_peft(lora_server, oracle, root):
         expected[name] = tokenizer.decode(peft_greedy(model, root / name, prompt_ids, MAX_TOKENS), skip_special_tokens=True)
     assert len(set(expected.values())) == 3, expected  # the adapters change the answer
     client = _client(lora_server)
-    model_names = {"base": lora_server.model_name, "alpha": "alpha", "beta": "beta"}
+    model_names = {"base": lora_server.model_name, "alias": ALIASES[1], "alpha": "alpha", "beta": "beta"}
+    expected["alias"] = expected["base"]
 
     def complete(kind):
         answer = client.completions.create(model=model_names[kind], prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
         return kind, answer.model, answer.choices[0].text
 
     with concurrent.futures.ThreadPoolExecutor(6) as pool:  # each kind twice, all at once
-        results = list(pool.map(complete, ["base", "alpha", "beta"] * 2))
+        results = list(pool.map(complete, ["base", "alias", "alpha", "beta"] * 2))
     for kind, answered_model, text in results:
         assert answered_model == model_names[kind]
         # (a last token that ends inside a UTF-8 character is held back by the server's detokenizer, where
@@ -110,7 +114,9 @@ def test_models_list_adapters_with_their_parent(lora_server):
     data = _client(lora_server).models.list().model_dump()["data"]
     by_id = {m["id"]: m for m in data}
     base = lora_server.model_name
-    assert by_id[base]["parent"] is None
+    assert [m["id"] for m in data[:3]] == [base, *ALIASES]
+    for name in (base, *ALIASES):
+        assert by_id[name]["parent"] is None and by_id[name]["root"] == base
     for name in ("alpha", "beta"):
         assert by_id[name]["parent"] == base and by_id[name]["root"] == base and by_id[name]["object"] == "model"
 
@@ -172,6 +178,26 @@ def test_hostile_adapters_are_refused_beside_a_witness(lora_server):
     report("LoRA: hostile adapters at runtime load", lora_server, inputs=3, answers={"400 refused, reason named": 3},
            witness=witness)
     assert witness.max_gap < STALL_LIMIT_S
+
+
+def test_every_route_takes_each_name_of_the_base_model(lora_server):
+    """SERVED_MODEL_NAME: each alias is the base model on every route that names one, and answers name it."""
+    import anthropic
+
+    client = _client(lora_server)
+    for name in ALIASES:
+        chat = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+        assert chat.model == name
+        assert client.responses.create(model=name, input="Hi", max_output_tokens=3).model == name
+        messages = anthropic.Anthropic(base_url=lora_server.http, api_key=lora_server.key(), max_retries=0)
+        assert messages.messages.create(model=name, max_tokens=3, messages=[{"role": "user", "content": "Hi"}]).model == name
+        assert post_json(lora_server, "/tokenize", {"model": name, "prompt": "Hi"}).status == 200
+    native = post_json(lora_server, f"/predictions/{ALIASES[0]}", {"text": "Hi", "max_new_tokens": 2})
+    assert native.status == 200, native.body[:300]
+    unknown = post_json(lora_server, openai_path(lora_server, "completions"), {"model": "smollm3", "prompt": "Hi"})
+    assert unknown.status == 404 and all(repr(n) in unknown.json()["error"]["message"] for n in ALIASES)
+    refused = _load(lora_server, {"lora_name": ALIASES[0], "lora_path": "gamma"})
+    assert refused.status == 400 and refused.json()["error"]["param"] == "lora_name", refused.body[:300]
 
 
 @pytest.mark.parametrize("name", ["", "a b", "x\x00", "é", "a" * 65, "-x", 5, "../gamma"])

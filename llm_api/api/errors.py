@@ -116,11 +116,13 @@ def hide_marker(json_text: str, marker: str) -> str:
     return json_text.replace(marker, f"\\u{ord(marker[0]):04x}" + marker[1:])
 
 
-def model_not_found(model: object, model_name: str, adapters: Iterable[str] = (), param: str | None = "model"
-                    ) -> ApiError:
+def model_not_found(model: object, model_name: str | tuple[str, ...], adapters: Iterable[str] = (),
+                    param: str | None = "model") -> ApiError:
     """404 for a request naming a model this server does not serve, listing the ones it does: the base
-    model, then its LoRA adapters."""
-    served = ", ".join(repr(n) for n in [model_name, *sorted(adapters)])
+    model's names (``model_name``: one, or MODEL_NAME and its SERVED_MODEL_NAME aliases), then its LoRA
+    adapters."""
+    names = (model_name,) if isinstance(model_name, str) else model_name
+    served = ", ".join(repr(n) for n in [*names, *sorted(adapters)])
     return ApiError(404, "model_not_found", f"The model {echo(model)} does not exist; this server serves {served}",
                     param)
 

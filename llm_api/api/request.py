@@ -65,6 +65,19 @@ class Limits:
     priority_scheduling: bool = False  # SCHEDULING_POLICY=priority: a request's priority is taken, else only 0
 
 
+# The base model's names as a parser takes them: one name, or MODEL_NAME then its SERVED_MODEL_NAME aliases.
+ModelNames = str | tuple[str, ...]
+
+
+def names_of(model_names: ModelNames) -> tuple[str, ...]:
+    return (model_names,) if isinstance(model_names, str) else model_names
+
+
+def adapter_of(model: str, model_names: ModelNames) -> str | None:
+    """The LoRA adapter a request's ``model`` names: None for any of the base model's names."""
+    return None if model in names_of(model_names) else model
+
+
 @dataclass(frozen=True)
 class WorkFields:
     """What the request's format calls the fields ``request_work`` multiplies (its refusal names them)."""

@@ -156,6 +156,22 @@ def _lora_adapters(raw: str) -> tuple[tuple[str, str], ...]:
 
 
 _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# A served name: what clients put in "model" (vLLM's --served-model-name takes hub ids such as
+# meta-llama/Llama-3.2-1B, Ollama's names carry a tag after ':'); no spaces, commas or control characters.
+_SERVED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+
+
+def _served_model_names(env: Mapping[str, str], earlier: Mapping[str, Any]) -> tuple[str, ...]:
+    """SERVED_MODEL_NAME: more names of the base model, separated by commas or spaces (MODEL_NAME stays its
+    first name and its TorchServe path); a name listed twice or equal to MODEL_NAME is refused."""
+    names = tuple(env.get("SERVED_MODEL_NAME", "").replace(",", " ").split())
+    for name in names:
+        if not _SERVED_NAME.fullmatch(name):
+            raise ConfigError(f"SERVED_MODEL_NAME entry {name[:80]!r} is not supported; allowed values: names of 1-128 "
+                              "characters A-Z a-z 0-9 . _ : / - (a letter or digit first), separated by commas or spaces")
+    if len(set(names)) != len(names) or earlier["model_name"] in names:
+        raise ConfigError("SERVED_MODEL_NAME lists a name twice (MODEL_NAME is always served: do not repeat it)")
+    return names
 
 
 def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...],
@@ -329,6 +345,10 @@ def _lora_adapters_setting(env: Mapping[str, str], earlier: Mapping[str, Any]) -
 class Settings:
     model_name: str = setting("MODEL_NAME", "smollm2", "name of the archive and of the `/predictions/<name>` path",
                               parse=_model_name)
+    served_model_names: tuple[str, ...] = setting(
+        "SERVED_MODEL_NAME", (), "more names the model answers to in `model` (aliases, separated by commas or "
+        "spaces; vLLM's `--served-model-name`): every route takes any of them and `/v1/models` lists each; answers "
+        "name the one asked", derive=_served_model_names)
     model_path: str = setting(
         "MODEL_PATH", "", "a local Hugging Face checkpoint folder, or a GGUF file (`*.gguf`, or a folder holding one: "
         "Llama, Qwen2 and Qwen3 families; its quantized tensors are served as they are)", derive=_model_path,
@@ -641,6 +661,11 @@ class Settings:
             raise ConfigError(f"NGRAM_MIN={values['ngram_min']} is above NGRAM_MAX={values['ngram_max']}; allowed "
                               "values: 1 <= NGRAM_MIN <= NGRAM_MAX")
         return cls(**values)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name of the base model: MODEL_NAME first, then SERVED_MODEL_NAME's."""
+        return (self.model_name, *self.served_model_names)
 
     @property
     def api_keys(self) -> tuple[str, ...]:

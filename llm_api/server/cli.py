@@ -16,6 +16,7 @@ import asyncio
 import ipaddress
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -79,6 +80,8 @@ def parser() -> argparse.ArgumentParser:
                        help="where a generated bearer key is written when LLM_API_KEY is unset (default ./llm_api.key)")
     serve.add_argument("--no-auth", action="store_true",
                        help="serve without a bearer key (only behind a gateway that authenticates)")
+    serve.add_argument("--served-model-name", nargs="+", metavar="NAME", default=None,
+                       help="more names the model answers to in 'model' (SERVED_MODEL_NAME; MODEL_NAME stays its first)")
     ray = serve.add_argument_group("Ray Serve (pip install 'llm_api[ray]'; docs/scale-out.md)")
     ray.add_argument("--ray", action="store_true",
                      help="serve as a Ray Serve application: model replicas behind Ray's HTTP proxy and a "
@@ -103,8 +106,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    env = dict(os.environ)
+    if args.served_model_name is not None:  # (the flag wins over the variable, as for every flag)
+        env["SERVED_MODEL_NAME"] = " ".join(args.served_model_name)
     try:
-        settings = Settings.from_env()
+        settings = Settings.from_env(env)
     except ConfigError as err:
         print(f"llm_api: {err}", file=sys.stderr)
         return 2

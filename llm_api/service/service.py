@@ -83,6 +83,7 @@ class ModelService:
         self.settings = settings
         self.lm = lm
         self.model_name = settings.model_name
+        self.model_names = settings.model_names  # MODEL_NAME, then its SERVED_MODEL_NAME aliases
         self.created = int(time.time())
         self.limits = Limits(settings.max_input_tokens, settings.max_new_tokens, lm.hidden_size,
                              _vocab_size(lm.model), settings.max_num_seqs, detect_tool_format(lm.tokenizer),
@@ -155,8 +156,9 @@ class ModelService:
             registry = LoraRegistry(self.lm.model, self.settings.max_loras, self.settings.max_lora_rank,
                                     self.settings.model_path or None)
             for name, path in self.settings.lora_adapters:
-                if name == self.model_name:
-                    raise AdapterError(f"LoRA adapter {name!r} refused: the name is the base model's (MODEL_NAME)")
+                if name in self.model_names:
+                    raise AdapterError(f"LoRA adapter {name!r} refused: the name is the base model's (MODEL_NAME, "
+                                       "SERVED_MODEL_NAME)")
                 registry.load(name, path)
         except AdapterError as err:
             raise ConfigError(str(err)) from None
@@ -171,11 +173,11 @@ class ModelService:
     def _lora_id(self, request: GenerateRequest) -> int:
         """The load id of the request's adapter (0: the base model); 404 model_not_found for an unknown name."""
         name = request.adapter
-        if name is None or name == self.model_name:
+        if name is None or name in self.model_names:
             return 0
         adapter = self.lora.get(name) if self.lora is not None else None
         if adapter is None:
-            raise model_not_found(name, self.model_name, self.adapter_names(), request.adapter_param)
+            raise model_not_found(name, self.model_names, self.adapter_names(), request.adapter_param)
         return adapter.lora_id
 
     async def load_adapter(self, name: str, path: str) -> None:
@@ -183,8 +185,8 @@ class ModelService:
         if self.lora is None or not self.settings.lora_runtime_loading:
             raise ApiError(403, "lora_runtime_loading_disabled", "loading LoRA adapters at run time is off "
                            "(LORA_RUNTIME_LOADING=true and LORA_ADAPTER_ROOT enable it)")
-        if name == self.model_name:
-            raise ApiError(400, "invalid_value", "lora_name is the base model's name", "lora_name")
+        if name in self.model_names:
+            raise ApiError(400, "invalid_value", "lora_name is a name of the base model", "lora_name")
         try:
             await self.inputs.offload(self.lora.load_under_root, name, path, self.settings.lora_adapter_root)
         except AdapterPathError as err:

@@ -10,7 +10,7 @@ from llm_api.service.answer import admit, encoded_parts, parse_large
 
 async def chat(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:
     service = ctx.serving()
-    request, encoder = await parse_large(service, parse_chat, call.json_body(), service.model_name, service.limits,
+    request, encoder = await parse_large(service, parse_chat, call.json_body(), service.model_names, service.limits,
                                          service.adapter_names(), ctx.marker)
     generations = await admit(service, request, call.request_id, owner=call.owner, tenant=call.tenant)
     return Streamed(encoded_parts(generations, encoder), encoder)

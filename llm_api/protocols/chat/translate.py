@@ -65,7 +65,7 @@ from typing import Any, Collection
 from llm_api.api.constraints import ToolPlan, json_object_constraint, json_schema_constraint, plan_tools
 from llm_api.api.errors import ApiError, echo
 from llm_api.api.reasoning import template_variables
-from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, GenerateRequest, Limits, WorkFields
+from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, GenerateRequest, Limits, ModelNames, WorkFields, adapter_of
 from llm_api.protocols.chat.schema import ChatBody, ChatMessage, ToolDefinition
 from llm_api.protocols.common.checks import apply_output, call_arguments, check_priority, tool_choice_keyword
 from llm_api.protocols.common.openai import validate_call
@@ -74,7 +74,7 @@ from llm_api.protocols.common.sampling import check_token_range, to_sampling_par
 from llm_api.structured.spec import Constraint
 
 
-def parse_chat(body: Any, model_name: str, limits: Limits, adapters: Collection[str] = (),
+def parse_chat(body: Any, model_name: ModelNames, limits: Limits, adapters: Collection[str] = (),
                marker: str = "") -> tuple[GenerateRequest, OpenAICall]:
     """A chat body (bytes or an already decoded object) -> our request and the encoder of its answer. ``model``
     is the base model's name or one of the LoRA ``adapters`` (the answer names the one asked); ``marker``:
@@ -101,7 +101,7 @@ def parse_chat(body: Any, model_name: str, limits: Limits, adapters: Collection[
         frequency_penalty=call.frequency_penalty, logit_bias=call.logit_bias, seed=call.seed, stop=call.stop,
         ignore_eos=call.ignore_eos, logprobs=logprobs, n=call.n)
     request.work_fields = WorkFields("n", param, "top_logprobs")
-    request.adapter, request.adapter_param = (None if call.model == model_name else call.model), "model"
+    request.adapter, request.adapter_param = adapter_of(call.model, model_name), "model"
     request.priority = check_priority(call.priority, limits)
     include_usage = call.stream_options is not None and call.stream_options.include_usage
     return request, OpenAICall(kind="chat", marker=marker, model=call.model, stream=call.stream, include_usage=include_usage,

@@ -20,7 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 from llm_api.api.errors import ApiError, echo, model_not_found
 from llm_api.api.fields import (Integer, LogitBias, Number, StopStrings, StrictFlag, StrictWholeNumber, Text,
                                 field_path, first_error, is_type_error, message_of, unknown_fields)
-from llm_api.api.request import MAX_SEED, Limits
+from llm_api.api.request import MAX_SEED, Limits, ModelNames, adapter_of, names_of
 from llm_api.api.validation import decode_json
 from llm_api.protocols.common.checks import PRIORITY_RANGE
 
@@ -34,19 +34,22 @@ def sse(obj: dict) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
 
 
-def models_list(model_name: str, created: int, adapters: Iterable[str] = ()) -> str:
-    """The base model, then each LoRA adapter with ``parent`` (and ``root``) naming the base, as vLLM lists them."""
-    base = {"id": model_name, "object": "model", "created": created, "owned_by": "llm_api", "root": model_name,
-            "parent": None}
-    return json.dumps({"object": "list", "data": [base] + [
+def models_list(model_names: ModelNames, created: int, adapters: Iterable[str] = ()) -> str:
+    """The base model under each of its names, then each LoRA adapter with ``parent`` (and ``root``) naming
+    the base, as vLLM lists them."""
+    names = names_of(model_names)
+    model_name = names[0]
+    bases = [{"id": name, "object": "model", "created": created, "owned_by": "llm_api", "root": model_name,
+              "parent": None} for name in names]
+    return json.dumps({"object": "list", "data": bases + [
         {"id": name, "object": "model", "created": created, "owned_by": "llm_api", "root": model_name,
          "parent": model_name} for name in sorted(adapters)]})
 
 
-def check_model(model: str, model_name: str, adapters: Collection[str] = ()) -> None:
-    """404 ``model_not_found`` unless ``model`` is the base model or a served LoRA adapter."""
-    if model != model_name and model not in adapters:
-        raise model_not_found(model, model_name, adapters)
+def check_model(model: str, model_names: ModelNames, adapters: Collection[str] = ()) -> None:
+    """404 ``model_not_found`` unless ``model`` is a name of the base model or a served LoRA adapter."""
+    if adapter_of(model, model_names) is not None and model not in adapters:
+        raise model_not_found(model, names_of(model_names), adapters)
 
 
 def _tool_name(value: str) -> str:
@@ -119,7 +122,7 @@ def _same(value: Any, neutral: Any) -> bool:
         and not isinstance(neutral, bool) and value == neutral)
 
 
-def validate_call(model_class: type[OpenAIBody], body: Any, model_name: str, limits: Limits,
+def validate_call(model_class: type[OpenAIBody], body: Any, model_name: ModelNames, limits: Limits,
                   adapters: Collection[str] = (), neutral: dict[str, tuple] | None = None) -> tuple[Any, dict]:
     """A chat or completions body (bytes or an already decoded object) -> the validated ``model_class`` and the
     decoded object: parameters accepted only at their ``neutral`` values (anything else refused by name),

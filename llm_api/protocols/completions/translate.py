@@ -19,7 +19,7 @@ import dataclasses
 from typing import Any, Collection
 
 from llm_api.api.errors import ApiError
-from llm_api.api.request import GenerateRequest, Limits, WorkFields
+from llm_api.api.request import GenerateRequest, Limits, ModelNames, WorkFields, adapter_of
 from llm_api.protocols.common.checks import check_priority
 from llm_api.protocols.common.openai import validate_call
 from llm_api.protocols.common.openai_call import OpenAICall
@@ -29,7 +29,7 @@ from llm_api.protocols.completions.schema import NEUTRAL_VALUES, CompletionBody
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 
 
-def parse_completions(body: Any, model_name: str, limits: Limits, adapters: Collection[str] = (),
+def parse_completions(body: Any, model_name: ModelNames, limits: Limits, adapters: Collection[str] = (),
                       marker: str = "") -> tuple[list[GenerateRequest], OpenAICall]:
     """A completions body (bytes or an already decoded object) -> our requests (one per prompt of a list of
     prompts) and the encoder of the whole answer, whose choices are numbered prompt by prompt (prompt p's
@@ -51,7 +51,7 @@ def parse_completions(body: Any, model_name: str, limits: Limits, adapters: Coll
         frequency_penalty=call.frequency_penalty, logit_bias=call.logit_bias, seed=call.seed, stop=call.stop,
         ignore_eos=call.ignore_eos, logprobs=logprobs, prompt_logprobs=logprobs if request.echo else None, n=call.n)
     request.work_fields = WorkFields("n", "max_tokens", "logprobs")
-    request.adapter, request.adapter_param = (None if call.model == model_name else call.model), "model"
+    request.adapter, request.adapter_param = adapter_of(call.model, model_name), "model"
     request.priority = check_priority(call.priority, limits)
     include_usage = call.stream_options is not None and call.stream_options.include_usage
     prompts = _prompts(call.prompt, limits)

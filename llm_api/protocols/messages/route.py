@@ -13,7 +13,7 @@ from llm_api.service.answer import admit, encoded_parts, parse_large
 
 async def messages(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:
     service = ctx.serving()
-    request, encoder = await parse_large(service, parse_messages, call.json_body(), service.model_name,
+    request, encoder = await parse_large(service, parse_messages, call.json_body(), service.model_names,
                                          service.limits, service.adapter_names(), ctx.marker)
     generations = await admit(service, request, call.request_id, owner=call.owner, tenant=call.tenant)
     encoder.num_prompt_tokens = generations[0].num_prompt_tokens
@@ -22,6 +22,6 @@ async def messages(ctx: RouteContext, call: Call, params: dict[str, str]) -> Ans
 
 async def count_tokens(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:
     service = ctx.loaded()
-    request = await parse_large(service, parse_count_tokens, call.json_body(), service.model_name, service.limits,
+    request = await parse_large(service, parse_count_tokens, call.json_body(), service.model_names, service.limits,
                                 service.adapter_names())
     return Whole(200, json.dumps({"input_tokens": await service.inputs.count_prompt_tokens(request)}))

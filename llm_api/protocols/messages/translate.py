@@ -44,7 +44,7 @@ from pydantic import BaseModel, ValidationError
 
 from llm_api.api.constraints import ToolPlan, json_schema_constraint, plan_tools
 from llm_api.api.errors import ApiError, echo
-from llm_api.api.request import GenerateRequest, Limits, WorkFields
+from llm_api.api.request import GenerateRequest, Limits, ModelNames, WorkFields, adapter_of
 from llm_api.protocols.common.checks import apply_output
 from llm_api.protocols.common.openai import api_error, check_model, decode_body
 from llm_api.protocols.common.sampling import to_sampling_params
@@ -57,7 +57,7 @@ TEXT_JOIN = "\n\n"  # between the text blocks of one turn
 ERROR_PREFIX = "Error: "  # a tool_result with is_error
 
 
-def parse_messages(body: Any, model_name: str, limits: Limits, adapters: Collection[str] = (),
+def parse_messages(body: Any, model_name: ModelNames, limits: Limits, adapters: Collection[str] = (),
                    marker: str = "") -> tuple[GenerateRequest, MessagesCall]:
     """A Messages body (bytes or an already decoded object) -> our request and the encoder of its answer."""
     call = _validated(MessagesBody, decode_body(body))
@@ -79,7 +79,7 @@ def parse_messages(body: Any, model_name: str, limits: Limits, adapters: Collect
                                  reasoning_format=limits.reasoning_format)
 
 
-def parse_count_tokens(body: Any, model_name: str, limits: Limits, adapters: Collection[str] = ()
+def parse_count_tokens(body: Any, model_name: ModelNames, limits: Limits, adapters: Collection[str] = ()
                        ) -> GenerateRequest:
     """A count_tokens body -> the request whose prompt ``v1/messages`` would render from it."""
     call = _validated(CountTokensBody, decode_body(body))
@@ -102,7 +102,7 @@ def _validated(schema: type[BaseModel], data: Any, prefix: str = "") -> Any:
     raise refusal
 
 
-def _prompt(call: CountTokensBody, model_name: str, limits: Limits) -> tuple[GenerateRequest, Any]:
+def _prompt(call: CountTokensBody, model_name: ModelNames, limits: Limits) -> tuple[GenerateRequest, Any]:
     """The request's prompt: turns, tools and their plan, the output format, the template's variables."""
     request = GenerateRequest(stream=True)  # the service streams internally; the call encodes the answer
     request.messages = _turns(call)
@@ -125,7 +125,7 @@ def _prompt(call: CountTokensBody, model_name: str, limits: Limits) -> tuple[Gen
     if output is not None and output.effort is not None:
         variables["reasoning_effort"] = output.effort
     request.template_kwargs = variables or None
-    request.adapter, request.adapter_param = (None if call.model == model_name else call.model), "model"
+    request.adapter, request.adapter_param = adapter_of(call.model, model_name), "model"
     return request, tool_format
 
 

@@ -14,7 +14,7 @@ import logging
 
 from typing import TYPE_CHECKING, Any, Mapping
 
-from llm_api.api.errors import ApiError, echo
+from llm_api.api.errors import ApiError, model_not_found
 from llm_api.protocols.native.encoder import GRPC_MAX_MESSAGE_BYTES, NativeStream
 from llm_api.protocols.native.translate import parse_request
 from llm_api.api.request import CancelRequest, GenerateRequest
@@ -43,8 +43,8 @@ def native_encoder(request: GenerateRequest, marker: str, max_unary_bytes: int |
 async def generate(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:
     service = ctx.loaded()
     model = params.get("model")
-    if model is not None and model != service.model_name:
-        raise ApiError(404, "model_not_found", f"no model {echo(model)}; this server serves {service.model_name!r}")
+    if model is not None and model not in service.model_names:
+        raise model_not_found(model, service.model_names, param=None)
     request = await parse_native(service, call.row, default_stream=not call.grpc)
     if isinstance(request, CancelRequest):
         found = service.cancel(request.target_id)

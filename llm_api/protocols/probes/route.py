@@ -40,7 +40,7 @@ async def ready(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer
 
 async def models(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:
     service = ctx.loaded()
-    return Whole(200, models_list(service.model_name, service.created, service.adapter_names()))
+    return Whole(200, models_list(service.model_names, service.created, service.adapter_names()))
 
 
 async def metrics(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:

@@ -63,7 +63,7 @@ def _not_found(response_id: str, param: str | None = None) -> ApiError:
 
 async def create(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:
     service, responses = ctx.serving(), _state(ctx)
-    request, encoder = await parse_large(service, parse_responses, call.json_body(), service.model_name,
+    request, encoder = await parse_large(service, parse_responses, call.json_body(), service.model_names,
                                          service.limits, service.adapter_names())
     owner = _owner(call)
     if encoder.previous_response_id is not None:

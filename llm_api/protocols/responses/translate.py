@@ -78,7 +78,7 @@ from llm_api.api.constraints import ToolPlan, json_object_constraint, json_schem
 from llm_api.api.errors import ApiError, echo
 from llm_api.api.fields import field_path, first_error, is_type_error, message_of, unknown_fields
 from llm_api.api.reasoning import template_variables
-from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, GenerateRequest, Limits, WorkFields
+from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, GenerateRequest, Limits, ModelNames, WorkFields, adapter_of
 from llm_api.protocols.common.checks import (TOOL_CHOICES, apply_output, call_arguments, check_priority,
                                              tool_choice_keyword)
 from llm_api.protocols.common.openai import api_error, check_model, decode_body
@@ -99,7 +99,7 @@ def continued(request: GenerateRequest, call: ResponsesCall, prior_turns: list[d
     return replace(request, messages=call.prompt_turns())
 
 
-def parse_responses(body: Any, model_name: str, limits: Limits,
+def parse_responses(body: Any, model_name: ModelNames, limits: Limits,
                     adapters: Collection[str] = ()) -> tuple[GenerateRequest, ResponsesCall]:
     """A ``/v1/responses`` body (bytes or an already decoded object) -> our request and its encoder
     (``model``: the base model or one of the LoRA ``adapters``)."""
@@ -161,7 +161,7 @@ def parse_responses(body: Any, model_name: str, limits: Limits,
         "prompt_cache_key": call.prompt_cache_key,
         "safety_identifier": call.safety_identifier,
     }
-    request.adapter, request.adapter_param = (None if call.model == model_name else call.model), "model"
+    request.adapter, request.adapter_param = adapter_of(call.model, model_name), "model"
     request.priority = check_priority(call.priority, limits)
     if call.background and not call.store:
         raise ApiError(400, "invalid_value", "'background' needs 'store' (a background response is read back "

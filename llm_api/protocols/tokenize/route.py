@@ -17,13 +17,13 @@ if TYPE_CHECKING:  # (annotations only: the route table loads without the engine
 
 
 async def parse_tokenize_call(service: ModelService, body: bytes | bytearray) -> TokenizeRequest:
-    return await parse_large(service, parse_tokenize, body, service.model_name)
+    return await parse_large(service, parse_tokenize, body, service.model_names)
 
 
 async def parse_detokenize_call(service: ModelService, body: bytes | bytearray) -> list[int]:
     """The ids of a /detokenize body, at most MAX_MODEL_LEN of them (a body of a million ids is parsed off
     the event loop)."""
-    return await parse_large(service, parse_detokenize, body, service.model_name, service.vocab_size,
+    return await parse_large(service, parse_detokenize, body, service.model_names, service.vocab_size,
                              service.max_model_len)
 
 

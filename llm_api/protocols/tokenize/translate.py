@@ -27,7 +27,7 @@ from typing import TypeVar
 from pydantic import ValidationError
 
 from llm_api.api.errors import ApiError, model_not_found
-from llm_api.api.request import TokenizeRequest
+from llm_api.api.request import ModelNames, TokenizeRequest, adapter_of, names_of
 from llm_api.api.validation import decode_json
 from llm_api.protocols.common.openai import api_error
 from llm_api.protocols.tokenize.schema import DetokenizeBody, TokenizeBody
@@ -35,7 +35,7 @@ from llm_api.protocols.tokenize.schema import DetokenizeBody, TokenizeBody
 Body = TypeVar("Body", TokenizeBody, DetokenizeBody)
 
 
-def parse_tokenize(body: bytes | bytearray, model_name: str) -> TokenizeRequest:
+def parse_tokenize(body: bytes | bytearray, model_name: ModelNames) -> TokenizeRequest:
     call = _validated(TokenizeBody, body, model_name)
     if (call.prompt is None) == (call.messages is None):
         raise ApiError(400, "invalid_value", "give exactly one of 'prompt' or 'messages'", "prompt")
@@ -47,7 +47,7 @@ def parse_tokenize(body: bytes | bytearray, model_name: str) -> TokenizeRequest:
     return TokenizeRequest(call.prompt, None, True if call.add_special_tokens is None else call.add_special_tokens)
 
 
-def parse_detokenize(body: bytes | bytearray, model_name: str, vocab_size: int, max_tokens: int) -> list[int]:
+def parse_detokenize(body: bytes | bytearray, model_name: ModelNames, vocab_size: int, max_tokens: int) -> list[int]:
     call = _validated(DetokenizeBody, body, model_name)
     token_ids = call.tokens
     if len(token_ids) > max_tokens:
@@ -59,7 +59,7 @@ def parse_detokenize(body: bytes | bytearray, model_name: str, vocab_size: int, 
     return token_ids
 
 
-def _validated(schema: type[Body], body: bytes | bytearray, model_name: str) -> Body:
+def _validated(schema: type[Body], body: bytes | bytearray, model_name: ModelNames) -> Body:
     """The body as ``schema`` (400 for JSON that is not an object or does not fit it; 404 for a ``model``
     other than this one: optional here, as in vLLM)."""
     data = decode_json(body)
@@ -69,6 +69,6 @@ def _validated(schema: type[Body], body: bytes | bytearray, model_name: str) -> 
         call = schema.model_validate(data)
     except ValidationError as error:
         raise api_error(error) from None
-    if call.model is not None and call.model != model_name:
-        raise model_not_found(call.model, model_name)
+    if call.model is not None and adapter_of(call.model, model_name) is not None:
+        raise model_not_found(call.model, names_of(model_name))
     return call
