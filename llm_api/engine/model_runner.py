@@ -11,7 +11,11 @@ last token and the draft ids, and gets a logits row at each of those 1 + k posit
 in its place in that order): the verification needs the target distribution after every draft prefix.
 A request asking for prompt logprobs (``SamplingParams.prompt_logprobs``) also gets logits at each prompt
 position of its chunk; the runner turns them into the prompt tokens' logprobs (``Request.prompt_logprobs``)
-and returns only the sampled rows.
+and returns only the sampled rows. A request that pools its prompt (``SamplingParams.pooling``: embeddings)
+has the decoder's output (the last hidden state, after the final norm) at each prompt position of its chunk
+summed (``mean``) or its last row kept (``last``) in ``Request.pooled``, read from a forward hook on the
+model's decoder (``get_decoder()``) for that step only: every route a forward takes (the whole-decoder C
+call included) returns that state, and no logits are computed for those positions.
 
 Block tables come from the scheduler's deltas (``BlockTables``: new block ids per step, rebuilt when a
 sequence is admitted, resumed, forked or copied on write), never from the scheduler's own lists; they
@@ -36,10 +40,11 @@ the forward runs inside ``llm_api.lora.context.lora_step``: the wrapped linears 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 from array import array
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -160,6 +165,7 @@ class ModelRunner:
         prompt_logit_indices: list[int] = []  # packed positions whose logits score the next prompt token
         prompt_logit_rows: list[tuple[Request, int, int]] = []  # (request, first position, count)
         embeds_segments = []  # (packed offset, request, first position, end position) fed from embeddings
+        pooled_rows: list[tuple[Request, int, int]] = []  # (request, first packed position, count) to pool
         lora_ranges = []  # (lora id, first packed token, end) of each request
         for item in ordered:
             request = item.request
@@ -184,6 +190,11 @@ class ModelRunner:
                     offset = query_start_loc[-1] - start
                     prompt_logit_indices.extend(range(offset + first, offset + last))
                     prompt_logit_rows.append((request, first, last - first))
+            if request.needs_prompt_hidden:
+                first = max(start, request.num_pooled)
+                last = min(end, request.num_prompt_tokens)
+                if first < last:
+                    pooled_rows.append((request, query_start_loc[-1] - start + first, last - first))
             if self.lora is not None:
                 lora_ranges.append((request.lora_id, query_start_loc[-1], query_start_loc[-1] + item.num_new_tokens))
             query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
@@ -218,12 +229,14 @@ class ModelRunner:
             model_inputs["input_ids"] = token_ids
         lora = self.lora.step(lora_ranges, len(input_ids), device) if self.lora is not None else None
         kept = logit_indices + prompt_logit_indices
-        with lora_step(lora):
+        with lora_step(lora), _decoder_output(self.model, bool(pooled_rows)) as hidden:
             if self.takes_logits_to_keep:
                 model_inputs["logits_to_keep"] = torch.tensor(kept, dtype=torch.long, device=device)
                 logits = self.model(**model_inputs).logits[0]  # [num_sampled + num prompt rows, V]
             else:
                 logits = self.model(**model_inputs).logits[0, kept]
+        if pooled_rows:
+            _pool(hidden, pooled_rows)
         if prompt_logit_rows:
             _keep_prompt_logprobs(logits[len(logit_indices):], prompt_logit_rows)
             logits = logits[: len(logit_indices)]
@@ -238,7 +251,7 @@ class ModelRunner:
         for item in scheduled:
             request = item.request
             position = request.num_computed_tokens
-            if item.num_new_tokens != 1 or not item.samples:
+            if item.num_new_tokens != 1 or not item.samples or request.needs_prompt_hidden:
                 return None
             if request.prompt_embeds is not None and position < request.num_prompt_tokens:
                 return None  # fed from embeddings, not an id
@@ -253,6 +266,38 @@ class ModelRunner:
             rows = request.prompt_embeds[first:end]  # [n, H]
             embeds[0, offset : offset + rows.shape[0]] = rows.to(embeds.device, embeds.dtype)
         return embeds
+
+
+@contextlib.contextmanager
+def _decoder_output(model: nn.Module, wanted: bool):
+    """While a forward runs: a list that receives the decoder's last hidden state [1, T, H] (``wanted``)."""
+    captured: list[torch.Tensor] = []
+    if not wanted:
+        yield captured
+        return
+
+    def keep(module: nn.Module, args: Any, output: Any) -> None:
+        state = getattr(output, "last_hidden_state", None)
+        captured.append(state if state is not None else output[0])
+
+    handle = cast(Any, model).get_decoder().register_forward_hook(keep)
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+def _pool(captured: list[torch.Tensor], rows: list[tuple[Request, int, int]]) -> None:
+    """Each pooling request's rows of this step's last hidden state -> ``Request.pooled`` (float32, CPU)."""
+    hidden = captured[-1][0]  # [T, H] (the decoder runs once per step)
+    for request, first, count in rows:
+        chunk = hidden[first : first + count].float()
+        if request.params.pooling == "mean":
+            total = chunk.sum(dim=0).cpu()
+            request.pooled = total if request.pooled is None else request.pooled + total
+        else:
+            request.pooled = chunk[-1].cpu().clone()
+        request.num_pooled += count
 
 
 def _keep_prompt_logprobs(logits: torch.Tensor, rows: list[tuple[Request, int, int]]) -> None:

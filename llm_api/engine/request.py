@@ -69,6 +69,9 @@ class RequestOutput:
     # Prompt tokens whose K/V came from the prefix cache when the sequence was first admitted (usage's
     # cached tokens); 0 from an engine without a prefix cache.
     num_cached_tokens: int = 0
+    # On the first output of a request with params.pooling: the pooled prompt hidden state (float32 [H], on
+    # the CPU; not normalized).
+    embedding: Any = None
 
 
 @dataclass(eq=False)
@@ -103,6 +106,10 @@ class Request:
     # params.prompt_logprobs: the prompt's logprobs computed so far (entry i scores prompt token i + 1); a
     # recompute after preemption does not compute them twice.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # params.pooling: the prompt's final hidden states pooled so far (float32 [H]: their sum for "mean", the
+    # latest row for "last") over its first num_pooled positions; a recompute after preemption goes on from there.
+    pooled: Any = None
+    num_pooled: int = 0
     # Prompt tokens found in the prefix cache at the first admission (-1 until then): what usage reports
     # as cached. A readmission after preemption does not change it (the client's prompt was served once).
     num_cached_tokens: int = -1
@@ -134,6 +141,18 @@ class Request:
         """Asked for prompt logprobs and has not got them all: every prompt position is computed (no
         prefix-cache hits) and the runner keeps the logits of those still missing."""
         return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    @property
+    def needs_prompt_hidden(self) -> bool:
+        """Pools the prompt's hidden states (embeddings) and has not pooled them all: every prompt position is
+        computed (no prefix-cache hits) and the runner keeps the rows of those still missing."""
+        return self.params.pooling is not None and self.num_pooled < self.num_prompt_tokens
+
+    def pooled_embedding(self) -> Any:
+        """The prompt's pooled hidden state once every position was pooled (module docstring of the runner)."""
+        if self.pooled is None or self.num_pooled < self.num_prompt_tokens:
+            return None
+        return self.pooled / self.num_prompt_tokens if self.params.pooling == "mean" else self.pooled
 
     @property
     def is_finished(self) -> bool:

@@ -45,6 +45,10 @@ class SamplingParams:
     # then computes the whole prompt (no prefix-cache hits), as vLLM does for prompt logprobs.
     prompt_logprobs: int | None = None
     grammar: "CompiledGrammar | None" = None  # structured output: tokens must follow it (compiled by the service)
+    # Embeddings: "mean" | "last": the prompt's last hidden states (the final norm's output) pooled over its
+    # tokens, or the last token's. The engine then computes the whole prompt (no prefix-cache hits) and samples
+    # one token, which the answer drops (its sequence ends there: max_new_tokens 1).
+    pooling: str | None = None
 
     @property
     def greedy(self) -> bool:

@@ -357,11 +357,13 @@ class Scheduler:
         if reason is not None:
             self._finish(request, reason)
         logprob = sampled_logprobs.get(request.seq_id) if sampled_logprobs else None
+        first = len(request.output_token_ids) == 1
         prompt_logprobs = (tuple(request.prompt_logprobs) if request.params.prompt_logprobs is not None
-                           and len(request.output_token_ids) == 1 else None)
+                           and first else None)
         return RequestOutput(request.request_id, [token_id], reason is not None, reason, request.index,
                              (logprob,) if logprob is not None else None, prompt_logprobs,
-                             max(request.num_cached_tokens, 0))
+                             max(request.num_cached_tokens, 0),
+                             request.pooled_embedding() if first and request.params.pooling is not None else None)
 
     def _append_verified(self, scheduled: ScheduledRequest, sampled_token_ids: Mapping[str, Any],
                          sampled_logprobs: Mapping[str, Any] | None) -> RequestOutput:
@@ -490,7 +492,8 @@ class Scheduler:
                 and self.block_pool.ref_counts[request.block_ids[-1]] > 1)
 
     def _find_cached_blocks(self, request: Request) -> list[int]:
-        if not (self.block_pool.enable_prefix_caching and request.uses_prefix_cache) or request.needs_prompt_logits:
+        if (not (self.block_pool.enable_prefix_caching and request.uses_prefix_cache) or request.needs_prompt_logits
+                or request.needs_prompt_hidden):
             return []
         self._extend_block_hashes(request)
         # Keep at least the last token to compute: its logits give the next token.

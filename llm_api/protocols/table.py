@@ -24,6 +24,7 @@ import functools
 from llm_api.api.errors import ApiError, echo
 from llm_api.protocols.chat import route as chat
 from llm_api.protocols.completions import route as completions
+from llm_api.protocols.embeddings import route as embeddings
 from llm_api.protocols.lora import route as lora
 from llm_api.protocols.messages import route as messages
 from llm_api.protocols.native import route as native
@@ -55,6 +56,7 @@ ROUTES: tuple[Route, ...] = (
           model_paths=("v1/responses/{id}",)),
     Route("cancel_response", "POST", responses.cancel, paths=("v1/responses/{id}/cancel",),
           model_paths=("v1/responses/{id}/cancel",)),
+    Route("embeddings", "POST", embeddings.embeddings, paths=("v1/embeddings",), model_paths=("v1/embeddings",)),
     Route("messages", "POST", messages.messages, paths=("v1/messages",), model_paths=("v1/messages",),
           errors="anthropic"),
     Route("count_tokens", "POST", messages.count_tokens, paths=("v1/messages/count_tokens",),

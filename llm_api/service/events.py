@@ -5,6 +5,7 @@ the engine's outputs; the encoders of ``llm_api.protocols`` turn them into what 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from llm_api.api.errors import ApiError
 from llm_api.api.logprobs import LogprobItem
@@ -39,6 +40,7 @@ class Finished:
     num_prompt_tokens: int
     num_generated_tokens: int
     num_cached_tokens: int = 0
+    embedding: Any = None  # SamplingParams.pooling: the pooled prompt hidden state (float32 tensor [H], CPU)
 
 
 Event = TextDelta | ChoiceFinished | Finished

@@ -90,6 +90,10 @@ class InputProcessor:
         if request.params.prompt_logprobs is not None and self._kv_max_model_len is None:
             raise ApiError(400, "unsupported_parameter", "'echo' with 'logprobs' (the prompt's logprobs) needs the "
                            f"paged engine; this model runs on the {self._path_name}", "echo")
+        if request.params.pooling is not None and (self._kv_max_model_len is None or
+                                                   not callable(getattr(self.lm.model, "get_decoder", None))):
+            raise ApiError(400, "unsupported_model", "embeddings need the paged engine and a decoder model; this "
+                           f"model runs on the {self._path_name}", "input")
 
     async def prepare(self, request: GenerateRequest, owner: str, arrival: float) -> Prepared:
         """Tokenize, check and compile (module docstring); ``request.params`` gets the compiled grammar."""

@@ -55,6 +55,7 @@ class RequestState:
         self.num_prompt_tokens = num_prompt_tokens
         self.num_generated_tokens = 0
         self.num_cached_tokens = 0  # of the prompt, found in the prefix cache (the engine's outputs say)
+        self.embedding = None  # params.pooling: the pooled prompt hidden state (the engine's first output has it)
         self.end: Finished | None = None
         self._tokenizer = tokenizer
         self._choices = [_Choice(TextStream(tokenizer, params.stop, marker)) for _ in range(params.n)]
@@ -79,6 +80,8 @@ class RequestState:
                 "the model's output for this request was not finite (NaN or infinity)"))
             return []
         events: list[Event] = []
+        if out.embedding is not None:
+            self.embedding = out.embedding
         if self._echo is not None and out.index not in self._echoed:
             self._echoed.add(out.index)
             events.append(self._echo_delta(out))
@@ -133,7 +136,8 @@ class RequestState:
         return Finished(None, error, self.num_prompt_tokens, self.num_generated_tokens, self.num_cached_tokens)
 
     def _finished(self, reason: FinishReason) -> Finished:
-        return Finished(reason, None, self.num_prompt_tokens, self.num_generated_tokens, self.num_cached_tokens)
+        return Finished(reason, None, self.num_prompt_tokens, self.num_generated_tokens, self.num_cached_tokens,
+                        self.embedding)
 
     def _echo_delta(self, out: RequestOutput) -> TextDelta:
         """The prompt, as the first text of choice ``out.index`` (echo), with its tokens' logprobs when asked

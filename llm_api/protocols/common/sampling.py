@@ -29,7 +29,7 @@ def to_sampling_params(*, max_tokens: int | None, default_max_tokens: int, limit
                        frequency_penalty: float | None = None, logit_bias: tuple[tuple[int, float], ...] | None = None,
                        do_sample: bool | None = None, seed: int | None = None, stop: tuple[str, ...] | None = None,
                        ignore_eos: bool = False, logprobs: int | None = None, prompt_logprobs: int | None = None,
-                       n: int = 1) -> SamplingParams:
+                       n: int = 1, pooling: str | None = None) -> SamplingParams:
     """The engine's sampling parameters of one request (the module docstring has the defaults).
 
     ``max_tokens``: the body's token limit, already checked (0: an echo-only completion, for which the
@@ -54,4 +54,5 @@ def to_sampling_params(*, max_tokens: int | None, default_max_tokens: int, limit
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         n=n,
+        pooling=pooling,
     )

@@ -1,0 +1,1 @@
+"""OpenAI's embeddings API (``v1/embeddings``): ``translate`` has the contract."""
