@@ -8,6 +8,11 @@ Chunks are decoded incrementally, so a UTF-8 character split across network chun
 Authorization: TorchServe writes its keys to ``key_file.json`` in the directory it was started from;
 ``read_key()`` reads one (the inference key by default).
 
+TLS (``llm_api serve`` with ``SSL_CERTFILE``): give the clients a ``ClientTLS`` -- the CA that signed the
+server's certificate (None: the system's CAs), and for a server with ``SSL_CA_CERTS`` (mutual TLS) this
+client's certificate and key -- and an ``https://`` base URL; ``GRPCClient`` then opens a secure channel
+(without one it speaks plaintext, which a TLS port refuses).
+
 A request with ``"output": "jsonl"`` (needed for ``n`` > 1 and ``logprobs``) streams JSON lines:
 ``json_lines(client.stream(payload))`` yields them as dicts, and raises ``StreamError`` on an error line.
 """
@@ -16,8 +21,10 @@ from __future__ import annotations
 
 import codecs
 import json
+import ssl
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Iterator, Mapping
 
@@ -37,6 +44,34 @@ class RequestRefused(Exception):
 
 class StreamError(Exception):
     """The stream ended without the end-of-stream marker."""
+
+
+@dataclass(frozen=True)
+class ClientTLS:
+    """How a client checks the server and, for mutual TLS, shows itself: PEM files."""
+
+    ca_certs: str | Path | None = None  # the CA of the server's certificate; None: the system's CAs
+    certfile: str | Path | None = None  # this client's certificate (mutual TLS), with keyfile
+    keyfile: str | Path | None = None
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """For HTTPS (urllib, aiohttp, httpx's ``verify=``): the server's certificate and host name checked."""
+        context = ssl.create_default_context(cafile=str(self.ca_certs) if self.ca_certs else None)
+        if self.certfile:
+            context.load_cert_chain(str(self.certfile), str(self.keyfile) if self.keyfile else None)
+        return context
+
+    def grpc_credentials(self):
+        """For ``grpc.secure_channel``: the same files, read now."""
+        import grpc
+
+        def read(path: str | Path | None) -> bytes | None:
+            return Path(path).read_bytes() if path else None
+
+        # (no keyfile: the key is kept in the certificate's file, as ssl's load_cert_chain allows too)
+        key = read(self.keyfile or self.certfile) if self.certfile else None
+        return grpc.ssl_channel_credentials(root_certificates=read(self.ca_certs), private_key=key,
+                                            certificate_chain=read(self.certfile))
 
 
 def read_key(key_file: str | Path = "key_file.json", kind: str = "inference") -> str:
@@ -109,11 +144,13 @@ def _headers(key: str | None) -> dict:
 class HTTPClient:
     """Blocking HTTP client (standard library only)."""
 
-    def __init__(self, base_url: str, model: str, key: str | None = None, marker: str = DEFAULT_MARKER, timeout: float = 600):
+    def __init__(self, base_url: str, model: str, key: str | None = None, marker: str = DEFAULT_MARKER, timeout: float = 600,
+                 tls: ClientTLS | None = None):
         self.url = f"{base_url.rstrip('/')}/predictions/{model}"
         self.key = key
         self.marker = marker
         self.timeout = timeout
+        self._context = tls.ssl_context() if tls is not None else None  # (None: urllib's default for https)
 
     def stream(self, payload: Mapping, chunk_size: int = 64) -> Iterator[str]:
         req = urllib.request.Request(
@@ -122,7 +159,7 @@ class HTTPClient:
             headers={"Content-Type": "application/json", **_headers(self.key)},
         )
         try:
-            resp = urllib.request.urlopen(req, timeout=self.timeout)
+            resp = urllib.request.urlopen(req, timeout=self.timeout, context=self._context)
         except urllib.error.HTTPError as err:
             raise RequestRefused(err.code, err.read()) from None
         scanner = _MarkerScanner(self.marker)
@@ -147,7 +184,7 @@ class HTTPClient:
             headers={"Content-Type": "application/json", **_headers(self.key)},
         )
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            with urllib.request.urlopen(req, timeout=self.timeout, context=self._context) as resp:
                 return bool(json.loads(resp.read())["cancelled"])
         except urllib.error.HTTPError as err:
             raise RequestRefused(err.code, err.read()) from None
@@ -156,18 +193,20 @@ class HTTPClient:
 class AsyncHTTPClient:
     """aiohttp client; pass an existing ``aiohttp.ClientSession`` or let it open one per call."""
 
-    def __init__(self, base_url: str, model: str, key: str | None = None, marker: str = DEFAULT_MARKER, session=None):
+    def __init__(self, base_url: str, model: str, key: str | None = None, marker: str = DEFAULT_MARKER, session=None,
+                 tls: ClientTLS | None = None):
         self.url = f"{base_url.rstrip('/')}/predictions/{model}"
         self.key = key
         self.marker = marker
         self.session = session
+        self._ssl: ssl.SSLContext | bool = tls.ssl_context() if tls is not None else True  # (True: aiohttp's default)
 
     async def stream(self, payload: Mapping, chunk_size: int = 32) -> AsyncIterator[str]:
         import aiohttp
 
         session = self.session or aiohttp.ClientSession()
         try:
-            async with session.post(self.url, json=dict(payload), headers=_headers(self.key)) as resp:
+            async with session.post(self.url, json=dict(payload), headers=_headers(self.key), ssl=self._ssl) as resp:
                 if resp.status != 200:
                     raise RequestRefused(resp.status, await resp.read())
                 scanner = _MarkerScanner(self.marker)
@@ -188,15 +227,18 @@ class AsyncHTTPClient:
 
 
 class GRPCClient:
-    """gRPC client for TorchServe's InferenceAPIsService (streaming needs ``stream=true``)."""
+    """gRPC client for TorchServe's InferenceAPIsService (streaming needs ``stream=true``); ``tls``: a secure
+    channel (``llm_api serve`` with ``SSL_CERTFILE``), else plaintext."""
 
-    def __init__(self, target: str, model: str, key: str | None = None, marker: str = DEFAULT_MARKER, timeout: float = 600):
+    def __init__(self, target: str, model: str, key: str | None = None, marker: str = DEFAULT_MARKER, timeout: float = 600,
+                 tls: ClientTLS | None = None):
         import grpc
 
         from llm_api.proto import inference_pb2, inference_pb2_grpc
 
         self._pb2 = inference_pb2
-        self._channel = grpc.insecure_channel(target)
+        self._channel = (grpc.insecure_channel(target) if tls is None
+                         else grpc.secure_channel(target, tls.grpc_credentials()))
         self._stub = inference_pb2_grpc.InferenceAPIsServiceStub(self._channel)
         self.model = model
         self.marker = marker

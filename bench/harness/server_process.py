@@ -15,8 +15,8 @@ unless the caller's ``env`` sizes it, and servers do not inherit the tests' ``TR
 server runs no Triton kernel, and with the variable set it would load Triton: 73 MB each).
 
 Front-end surface the subclasses share (tests parametrized over both kinds use only these): ``kind``,
-``model_name``, ``http``, ``grpc``, ``native_url``, ``openai_base``, ``ready_url``, ``metrics_url``,
-``key()``, ``model_log()``, ``wait_for_log_lines()``, ``worker_status()``, ``worker_pid()``, ``stop()``.
+``model_name``, ``scheme``, ``url_context()``, ``http``, ``grpc``, ``native_url``, ``openai_base``, ``ready_url``,
+``metrics_url``, ``key()``, ``model_log()``, ``wait_for_log_lines()``, ``worker_status()``, ``worker_pid()``, ``stop()``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -138,8 +139,17 @@ class ServerProcess(ABC):
     # the same for every server
 
     @property
+    def scheme(self) -> str:
+        """``http``, or ``https`` where the server speaks TLS (``url_context`` then says how to reach it)."""
+        return "http"
+
+    def url_context(self) -> ssl.SSLContext | None:
+        """What urllib needs to reach an ``https`` server (its CA, a client certificate); None for plain HTTP."""
+        return None
+
+    @property
     def http(self) -> str:
-        return f"http://127.0.0.1:{self.ports[self.http_port]}"
+        return f"{self.scheme}://127.0.0.1:{self.ports[self.http_port]}"
 
     @property
     def grpc(self) -> str:
@@ -159,7 +169,7 @@ class ServerProcess(ABC):
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports[self.metrics_port]}/metrics"
+        return f"{self.scheme}://127.0.0.1:{self.ports[self.metrics_port]}/metrics"
 
     def metrics_text(self, timeout: float = 30) -> str:
         """``/metrics`` as text: with the key where the server needs one for it (``llm_api serve``'s default,
@@ -169,7 +179,7 @@ class ServerProcess(ABC):
         except OSError:  # (no key file: auth off)
             headers = {}
         request = urllib.request.Request(self.metrics_url, headers=headers)
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with urllib.request.urlopen(request, timeout=timeout, context=self.url_context()) as response:
             return response.read().decode()
 
     @property

@@ -5,26 +5,35 @@
 one the server generates into its key file (``key()`` reads it). ``model_log()`` is the process's output
 (the service's log lines: ``request ... ended ...; KV blocks free a/b``). ``stop()`` sends SIGTERM (the
 server drains and exits) and SIGKILL if it has not exited in time, to this process group only, and
-returns the server's exit status.
+returns the server's exit status. A server given TLS files (``SSL_*`` in ``env`` or ``--ssl-*`` in ``args``)
+needs ``tls``, the client side of them (``llm_api.client.ClientTLS``): its URLs are then ``https://`` and its
+probes (``worker_status``, ``metrics_text``) check the server's certificate with that CA and show the client
+certificate a mutual-TLS server asks for.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .server_process import REPO, ServerProcess
+
+if TYPE_CHECKING:  # (the harness imports llm_api only where it needs it, as its other modules do)
+    from llm_api.client import ClientTLS
 
 
 @dataclass(kw_only=True)
 class StandaloneServer(ServerProcess):
     args: list = field(default_factory=list)  # more `llm_api serve` options
+    tls: ClientTLS | None = None  # the server speaks TLS: how its clients (the probes here) reach it
 
     kind = "standalone"
     program = "llm_api serve"
@@ -70,9 +79,16 @@ class StandaloneServer(ServerProcess):
     def key(self, kind: str = "inference") -> str:
         return (self.workdir / "llm_api.key").read_text().strip()
 
+    @property
+    def scheme(self) -> str:
+        return "http" if self.tls is None else "https"
+
+    def url_context(self) -> ssl.SSLContext | None:
+        return None if self.tls is None else self.tls.ssl_context()
+
     def worker_status(self) -> str | None:
         try:
-            with urllib.request.urlopen(self.ready_url, timeout=5) as resp:
+            with urllib.request.urlopen(self.ready_url, timeout=5, context=self.url_context()) as resp:
                 return "READY" if resp.status == 200 else None
         except (OSError, urllib.error.URLError):
             return None
