@@ -9,7 +9,9 @@ Contract:
   it between the README's markers, and tests/test_config.py fails while the README is stale), and the
   sub-configs (``llm_api.engine.engine.EngineConfig``, ...) take their defaults from ``Settings``' class
   attributes instead of repeating them. A field declared without ``setting`` is derived, not a variable
-  (``DERIVED_FIELDS``).
+  (``DERIVED_FIELDS``). A setting declared with a ``flag`` is also an option of ``llm_api serve``
+  (``llm_api.server.cli`` adds one per such declaration); a flag given is read as the variable would be and
+  wins over it (``from_env``'s ``flags``), and the README's row names both.
 - This is the only module of ``llm_api`` that reads ``os.environ``; tests/test_architecture.py enforces it
   and lists the exceptions, each with its reason where it is made.
 - A bad value raises ``ConfigError`` naming the variable and its allowed values, so it stops the model from
@@ -135,6 +137,19 @@ def _store_path(raw: str) -> str:
         raise ConfigError(f"RESPONSES_STORE_PATH={raw!r} is not supported; allowed values: empty (memory) or a "
                           "file path without leading or trailing spaces")
     return raw
+
+
+def _tls_file(name: str) -> Callable[[str], str]:
+    """SSL_KEYFILE, SSL_CERTFILE, SSL_CA_CERTS: empty (off) or a file path. Whether the file can be read and
+    what it holds is checked when the server starts (llm_api.server.tls), which names the variable too."""
+
+    def parse(raw: str) -> str:
+        if raw and (raw != raw.strip() or "\0" in raw):
+            raise ConfigError(f"{name}={raw!r} is not supported; allowed values: empty (off) or a file path without "
+                              "leading or trailing spaces")
+        return raw
+
+    return parse
 
 
 def _lora_adapters(raw: str) -> tuple[tuple[str, str], ...]:
@@ -281,6 +296,8 @@ class Setting:
     shown_default: str | None = None  # the README's default column, where the default alone would mislead
     default_note: str = ""  # said after the shown default: "(auto)"
     joins_previous: bool = False  # shares the README row of the setting declared before it
+    flag: str | None = None  # also an option of `llm_api serve` ("--ssl-keyfile"), over the variable
+    flag_help: str = ""  # the option's line in `llm_api serve --help`
 
     def read(self, env: Mapping[str, str], earlier: Mapping[str, Any]) -> Any:
         if self.derive is not None:
@@ -572,6 +589,29 @@ class Settings:
         "HEADER_TIMEOUT_S", 5.0,
         "`llm_api serve` only: a new connection must start a request within this many seconds, else it is closed "
         "(`KEEPALIVE_TIMEOUT_S` still bounds every connection)", minimum=0.0)
+    # TLS on the standalone server (llm_api.server.tls): vLLM's names, as variables and as flags.
+    ssl_keyfile: str = setting(
+        "SSL_KEYFILE", "",
+        "`llm_api serve` only: the server's private key (PEM, not encrypted); with `SSL_CERTFILE` (both or "
+        "neither) the HTTP port serves HTTPS only and the gRPC port TLS only, TLS 1.2 or later. A file that cannot "
+        "be read, a key that does not match the certificate, or a CA file without a CA certificate stops the start "
+        "before a port opens, naming the file (exit 2). Under `--ray`, Ray's proxy serves HTTPS with the two "
+        "([docs/scale-out.md](docs/scale-out.md))",
+        parse=_tls_file("SSL_KEYFILE"), flag="--ssl-keyfile", default_note="(plain HTTP and gRPC)",
+        flag_help="the server's private key (PEM); with --ssl-certfile: HTTPS and gRPC over TLS")
+    ssl_certfile: str = setting(
+        "SSL_CERTFILE", "",
+        "`llm_api serve` only: the server's certificate (PEM), followed by any intermediate CA certificates a client "
+        "needs to reach its root", parse=_tls_file("SSL_CERTFILE"), flag="--ssl-certfile",
+        flag_help="the server's certificate chain (PEM)")
+    ssl_ca_certs: str = setting(
+        "SSL_CA_CERTS", "",
+        "`llm_api serve` only, with `SSL_KEYFILE`: CA certificates (PEM) for mutual TLS: a client (HTTP or gRPC, "
+        "the probes too) must present a certificate signed by one of them, else its handshake is refused before any "
+        "request is read; the bearer key is still required. Not with `--ray` (its proxy would not require the "
+        "client's certificate)",
+        parse=_tls_file("SSL_CA_CERTS"), flag="--ssl-ca-certs", default_note="(no client certificate asked)",
+        flag_help="CA certificates (PEM) the clients' certificates must be signed by: mutual TLS")
     # Stored responses (the Responses API's store: true; llm_api.protocols.responses.store).
     responses_store_max_entries: int = setting(
         "RESPONSES_STORE_MAX_ENTRIES", 10_000,
@@ -639,8 +679,12 @@ class Settings:
                                                  for name, path in self.lora_adapters))
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
+    def from_env(cls, env: Mapping[str, str] | None = None, flags: Mapping[str, str] | None = None) -> "Settings":
+        """The settings of ``env`` (the process's environment when None); ``flags``: values given as
+        ``llm_api serve`` options, by variable name, read over the environment's (``Setting.flag``)."""
         env = os.environ if env is None else env
+        if flags:
+            env = {**env, **flags}
         values: dict[str, Any] = {}
         for name, declared in declared_settings().items():
             values[name] = declared.read(env, values)
@@ -657,6 +701,9 @@ class Settings:
             # The scheduler serves running requests first: a smaller budget would starve the newest.
             raise ConfigError(f"MAX_NUM_BATCHED_TOKENS={values['max_num_batched_tokens']} is below MAX_NUM_SEQS="
                               f"{values['max_num_seqs']}; allowed values: 0 (sized to the device) or >= MAX_NUM_SEQS")
+        tls_error = _tls_pairing(values)
+        if tls_error:
+            raise ConfigError(tls_error)
         if values["ngram_min"] > values["ngram_max"]:
             raise ConfigError(f"NGRAM_MIN={values['ngram_min']} is above NGRAM_MAX={values['ngram_max']}; allowed "
                               "values: 1 <= NGRAM_MIN <= NGRAM_MAX")
@@ -672,6 +719,21 @@ class Settings:
         """The keys of LLM_API_KEY (empty when unset): any one of them is accepted, each its own owner of
         stored responses."""
         return split_api_keys(self.api_key)
+
+
+def _tls_pairing(values: Mapping[str, Any]) -> str:
+    """Why the TLS settings cannot be served together ("" when they can): a key is nothing without its
+    certificate and the reverse, and a client CA asks for certificates over a TLS the server does not speak
+    without them."""
+    key, cert, ca = values["ssl_keyfile"], values["ssl_certfile"], values["ssl_ca_certs"]
+    if bool(key) != bool(cert):
+        given, missing = ("SSL_KEYFILE (--ssl-keyfile)", "SSL_CERTFILE (--ssl-certfile)") if key else \
+            ("SSL_CERTFILE (--ssl-certfile)", "SSL_KEYFILE (--ssl-keyfile)")
+        return f"{given} is set but {missing} is not: TLS needs the private key and its certificate together"
+    if ca and not key:
+        return ("SSL_CA_CERTS (--ssl-ca-certs) asks clients for certificates, which needs TLS: set SSL_KEYFILE and "
+                "SSL_CERTFILE too")
+    return ""
 
 
 # Fields of Settings that no variable sets: from_env computes them from the settings.
@@ -692,6 +754,8 @@ def readme_table() -> str:
     rows: list[tuple[list[str], list[str], str]] = []
     for declared in declared_settings().values():
         name, default = f"`{declared.env}`", declared.readme_default()
+        if declared.flag:
+            name += f" (`{declared.flag}`)"
         if declared.joins_previous:
             rows[-1][0].append(name)
             rows[-1][1].append(default)

@@ -14,6 +14,12 @@ Stored responses (``previous_response_id``) must be visible to every replica: wi
 and ``RESPONSES_STORE_PATH`` unset, the replicas share an SQLite file in a directory made for this run
 (deleted at the stop), which holds on one machine; across machines, set ``RESPONSES_STORE_PATH`` to a path
 every node sees, or keep a chat's turns on one replica (the router does while load is balanced).
+
+TLS (``SSL_KEYFILE`` and ``SSL_CERTFILE``, checked by the CLI before the cluster starts): Ray's proxy serves
+HTTPS with them (Ray Serve's own ``HTTPOptions.ssl_keyfile``/``ssl_certfile``, handed to uvicorn, whose
+context keeps Python's TLS 1.2 minimum); the paths handed over are absolute, since the proxy reads them in a
+process of its own, and on a cluster of several machines each node that runs a proxy must have them at
+those paths. Mutual TLS (``SSL_CA_CERTS``) is refused by the CLI (``llm_api.server.cli`` says why).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from pathlib import Path
 from llm_api.model.settings import Settings
 from llm_api.scale_out.deployments import Scaling, application
 from llm_api.server.auth import resolve_key
+from llm_api.server.tls import ServerTLS
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +116,19 @@ def _default_ray_root() -> str:
     return os.environ.get("RAY_TMPDIR") or os.path.join(tempfile.gettempdir(), "ray")
 
 
+def http_options(settings: Settings, host: str, port: int, tls: ServerTLS | None) -> dict:
+    """Ray Serve's ``HTTPOptions`` for its proxy."""
+    # KEEPALIVE_TIMEOUT_S as Ray's proxy can take it (whole seconds, at least 1): an idle keep-alive
+    # connection is closed as on `llm_api serve`. Its other transport guards have no option in Ray's
+    # proxy (docs/scale-out.md, "Not done").
+    options: dict = {"host": host, "port": port, "keep_alive_timeout_s": max(1, math.ceil(settings.keepalive_timeout_s))}
+    if tls is not None:
+        options.update(ssl_keyfile=str(tls.keyfile), ssl_certfile=str(tls.certfile))
+    return options
+
+
 def serve_on_ray(settings: Settings, host: str, port: int, key_file: Path, auth: bool, scaling: Scaling,
-                 address: str | None) -> int:
+                 address: str | None, tls: ServerTLS | None = None) -> int:
     for name, value in RAY_DEFAULTS.items():
         os.environ.setdefault(name, value)
     import ray
@@ -141,12 +159,7 @@ def serve_on_ray(settings: Settings, host: str, port: int, key_file: Path, auth:
         except Exception:
             _log_start_failure(ray_root or Path(_default_ray_root()))
             raise
-        # KEEPALIVE_TIMEOUT_S as Ray's proxy can take it (whole seconds, at least 1): an idle keep-alive
-        # connection is closed as on `llm_api serve`. Its other transport guards have no option in Ray's
-        # proxy (docs/scale-out.md, "Not done").
-        serve.start(http_options={"host": host, "port": port,
-                                  "keep_alive_timeout_s": max(1, math.ceil(settings.keepalive_timeout_s))},
-                    detached=False)
+        serve.start(http_options=http_options(settings, host, port, tls), detached=False)
         stop = threading.Event()  # (after ray.init, which installs a SIGTERM handler of its own)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
@@ -155,9 +168,10 @@ def serve_on_ray(settings: Settings, host: str, port: int, key_file: Path, auth:
         except Exception:
             logger.exception("llm_api serve --ray: the application failed to deploy")
             return 1
-        logger.info("llm_api serve --ray: ready; model %s, %s replica(s)%s, HTTP http://%s:%d, auth %s",
+        logger.info("llm_api serve --ray: ready; model %s, %s replica(s)%s, HTTP %s://%s:%d, auth %s",
                     settings.model_name, scaling.replicas,
-                    f" (autoscaling to {scaling.max_replicas})" if scaling.max_replicas else "", host, port,
+                    f" (autoscaling to {scaling.max_replicas})" if scaling.max_replicas else "",
+                    "http" if tls is None else "https", host, port,
                     "off" if key is None else f"bearer key in {key_path}" if key_path else "bearer key from LLM_API_KEY")
         stop.wait()
         logger.info("llm_api serve --ray: stopping (replicas drain for up to DRAIN_GRACE_S=%g s)",

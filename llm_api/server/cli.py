@@ -1,12 +1,18 @@
 """The ``llm_api`` command (a console script of the package): ``llm_api serve``.
 
-``llm_api serve [--host 127.0.0.1] [--port 8000] [--grpc-port 50051] [--key-file llm_api.key] [--no-auth]``
+``llm_api serve [--host 127.0.0.1] [--port 8000] [--grpc-port 50051] [--key-file llm_api.key] [--no-auth]
+[--ssl-keyfile KEY --ssl-certfile CERT [--ssl-ca-certs CA]]``
 serves the model the environment's settings describe (the same variables as under TorchServe, see
-README), without TorchServe. A bad setting or flag stops it before anything loads, with a message naming
-it (exit 2); a model that fails to load exits 1; a stop by SIGTERM/SIGINT after the drain exits 0.
+README), without TorchServe. The ``--ssl-*`` options are settings declared with a flag (``Setting.flag``:
+``SSL_KEYFILE``, ...), added here from their declarations; one given wins over its variable. A bad setting,
+flag or TLS file stops it before anything loads and before a port opens, with a message naming it (exit 2);
+a model that fails to load exits 1; a stop by SIGTERM/SIGINT after the drain exits 0.
 ``--ray [--replicas N] [--max-replicas M [--autoscaling-config JSON]] [--cpus-per-replica C] [--routing prefix|random]
 [--ray-address A]``
-serves the same routes as a Ray Serve application instead (``llm_api.scale_out``; docs/scale-out.md).
+serves the same routes as a Ray Serve application instead (``llm_api.scale_out``; docs/scale-out.md), HTTPS
+from Ray's proxy with ``--ssl-keyfile``/``--ssl-certfile``; ``--ssl-ca-certs`` is refused there (exit 2):
+Ray Serve 2.60 hands its proxy (uvicorn) the CA file but not ``ssl_cert_reqs``, so uvicorn's default,
+no client certificate asked, would serve every client while the flag promised mutual TLS.
 """
 
 from __future__ import annotations
@@ -16,13 +22,13 @@ import asyncio
 import ipaddress
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
 from llm_api.model import preflight
-from llm_api.model.settings import ConfigError, Settings
+from llm_api.model.settings import ConfigError, Settings, declared_settings
 from llm_api.server.log_format import LOG_FORMAT
+from llm_api.server.tls import load_server_tls
 
 
 def _port(allow_zero: bool):
@@ -82,6 +88,11 @@ def parser() -> argparse.ArgumentParser:
                        help="serve without a bearer key (only behind a gateway that authenticates)")
     serve.add_argument("--served-model-name", nargs="+", metavar="NAME", default=None,
                        help="more names the model answers to in 'model' (SERVED_MODEL_NAME; MODEL_NAME stays its first)")
+    flagged = serve.add_argument_group("settings also given as flags (over their variables; README, Configuration)")
+    for declared in declared_settings().values():
+        if declared.flag:
+            flagged.add_argument(declared.flag, dest=declared.env, default=None, metavar="PATH",
+                                 help=f"{declared.flag_help} (the variable {declared.env})")
     ray = serve.add_argument_group("Ray Serve (pip install 'llm_api[ray]'; docs/scale-out.md)")
     ray.add_argument("--ray", action="store_true",
                      help="serve as a Ray Serve application: model replicas behind Ray's HTTP proxy and a "
@@ -106,11 +117,18 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    env = dict(os.environ)
+    flags = {declared.env: getattr(args, declared.env) for declared in declared_settings().values()
+             if declared.flag and getattr(args, declared.env) is not None}
     if args.served_model_name is not None:  # (the flag wins over the variable, as for every flag)
-        env["SERVED_MODEL_NAME"] = " ".join(args.served_model_name)
+        flags["SERVED_MODEL_NAME"] = " ".join(args.served_model_name)
     try:
-        settings = Settings.from_env(env)
+        settings = Settings.from_env(flags=flags)
+        if args.ray and settings.ssl_ca_certs:
+            raise ConfigError("SSL_CA_CERTS (--ssl-ca-certs) is not served under --ray: Ray Serve 2.60 gives its "
+                              "proxy the CA file but does not make it require a client certificate, so every client "
+                              "would be served; use llm_api serve without --ray for mutual TLS, or a proxy that "
+                              "checks client certificates in front of --ray")
+        tls = load_server_tls(settings)  # (a bad TLS file stops the command here, before torch or Ray loads)
     except ConfigError as err:
         print(f"llm_api: {err}", file=sys.stderr)
         return 2
@@ -138,11 +156,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"llm_api: {err}", file=sys.stderr)
             return 2
         return serve_on_ray(settings, args.host, args.port, args.key_file, not args.no_auth, scaling,
-                            args.ray_address)
+                            args.ray_address, tls)
     from llm_api.server.server import ServeOptions, serve  # (imports torch: after the cheap checks)
 
     options = ServeOptions(host=args.host, port=args.port, grpc_port=args.grpc_port, key_file=args.key_file,
-                           auth=not args.no_auth)
+                           auth=not args.no_auth, tls=tls)
     try:
         return asyncio.run(serve(settings, options))
     except OSError as err:  # a port in use, an address not on this machine

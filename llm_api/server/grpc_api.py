@@ -18,6 +18,10 @@ a gRPC request can be cancelled with ``{"cancel": id}`` too.
 
 A client that cancels its call or goes away: grpc.aio cancels the servicer's task, and the cancellation
 closes the answer's parts (abort, KV blocks freed at the engine's next step).
+
+With ``SSL_CERTFILE`` the port speaks TLS only (``grpc.ssl_server_credentials``; mutual with
+``SSL_CA_CERTS``): a client connects with ``grpc.secure_channel`` (``llm_api.client.ClientTLS``); a
+plaintext channel never gets past the handshake.
 """
 
 from __future__ import annotations
@@ -124,12 +128,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
                 yield "\n" + text if started else text
 
 
-def build_grpc_server(state: ServerState, address: str) -> grpc.aio.Server:
+def build_grpc_server(state: ServerState, address: str,
+                      credentials: grpc.ServerCredentials | None = None) -> grpc.aio.Server:
+    """The server on ``address``; ``credentials``: TLS on it (``llm_api.server.tls``), else plaintext."""
     options = [("grpc.max_receive_message_length", state.max_request_bytes),
                ("grpc.max_send_message_length", state.max_request_bytes),
                ("grpc.so_reuseport", 0)]
     server = grpc.aio.server(options=options)
     inference_pb2_grpc.add_InferenceAPIsServiceServicer_to_server(InferenceServicer(state), server)
-    if server.add_insecure_port(address) == 0:
+    bound = (server.add_insecure_port(address) if credentials is None
+             else server.add_secure_port(address, credentials))
+    if bound == 0:
         raise OSError(f"cannot listen for gRPC on {address}")
     return server

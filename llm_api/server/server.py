@@ -10,6 +10,11 @@
    requests in flight get ``DRAIN_GRACE_S`` seconds to finish, then those left are cancelled (their
    streams end with an error line, never cut); the listeners close, the engine stops, exit 0. A second
    signal skips what is left of the grace period.
+
+With ``SSL_CERTFILE`` (``llm_api.server.tls``) both listeners speak TLS only, from one key and certificate
+loaded before either opens (a bad file: exit 2, nothing listened); the log lines say ``https://``. The CLI
+loads it before torch is imported and hands it over in ``ServeOptions.tls``; a caller that gives none gets
+the settings' own.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from llm_api.server.grpc_api import build_grpc_server
 from llm_api.server.http_api import ServerState, build_app
 from llm_api.server.lifecycle import Lifecycle
 from llm_api.server.metrics import ServerMetrics
-from llm_api.server.transport import BACKLOG, TransportLimits, fixed_error_pages, quiet_bad_requests
+from llm_api.server.tls import ServerTLS, load_server_tls
+from llm_api.server.transport import Site, TransportLimits, fixed_error_pages, quiet_bad_requests
 from llm_api.service.service import ModelService
 
 logger = logging.getLogger(__name__)
@@ -45,6 +51,7 @@ class ServeOptions:
     grpc_port: int = 50051  # 0: no gRPC listener
     key_file: Path = Path("llm_api.key")
     auth: bool = True
+    tls: ServerTLS | None = None  # loaded by the CLI (None: serve loads the settings' own, if any)
 
 
 async def serve(settings: Settings, options: ServeOptions) -> int:
@@ -55,7 +62,9 @@ async def serve(settings: Settings, options: ServeOptions) -> int:
         logger.warning("bearer-key auth is OFF (--no-auth): anyone who reaches %s:%d can use the model",
                        options.host, options.port)
     try:
-        preflight.check(settings)  # (a bad model file or setting stops the start here, before a port opens)
+        # (a bad TLS file, model file or setting stops the start here, before a port opens)
+        tls = options.tls if options.tls is not None else load_server_tls(settings)
+        preflight.check(settings)
         apis = open_api_states(settings)  # (an unusable RESPONSES_STORE_PATH stops the start here)
     except ConfigError as err:
         logger.error("llm_api serve: %s", err)
@@ -75,11 +84,13 @@ async def serve(settings: Settings, options: ServeOptions) -> int:
     fixed_error_pages(server)  # (llm_api.server.transport: no request bytes in aiohttp's own error pages)
     guard = state.connections = ConnectionGuard(state.limits.connections)  # (llm_api.server.connections)
     guard.install(server)
-    await web.TCPSite(runner, options.host, options.port, backlog=BACKLOG).start()
+    await Site(runner, options.host, options.port, limits=state.limits,
+               ssl_context=tls.context if tls is not None else None).start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _on_signal, lifecycle)
-    logger.info("llm_api serve: HTTP on http://%s:%d (loading model %s)", options.host, options.port,
-                settings.model_name)
+    scheme = "http" if tls is None else "https"
+    logger.info("llm_api serve: HTTP on %s://%s:%d (loading model %s)%s", scheme, options.host, options.port,
+                settings.model_name, _tls_note(tls))
     grpc_server = None
     service: ModelService | None = None
     try:
@@ -98,12 +109,14 @@ async def serve(settings: Settings, options: ServeOptions) -> int:
         state.service = service
         state.metrics.watch_service(service)
         if options.grpc_port:
-            grpc_server = build_grpc_server(state, f"{options.host}:{options.grpc_port}")
+            grpc_server = build_grpc_server(state, f"{options.host}:{options.grpc_port}",
+                                            tls.grpc_credentials() if tls is not None else None)
             await grpc_server.start()
         lifecycle.loaded = True
-        logger.info("llm_api serve: ready; model %s (%s), HTTP http://%s:%d, gRPC %s, auth %s",
-                    service.model_name, service.path_name, options.host, options.port,
-                    f"{options.host}:{options.grpc_port}" if options.grpc_port else "off",
+        grpc_where = "off" if not options.grpc_port else \
+            f"{options.host}:{options.grpc_port}" + (" (TLS)" if tls is not None else "")
+        logger.info("llm_api serve: ready; model %s (%s), HTTP %s://%s:%d, gRPC %s, auth %s",
+                    service.model_name, service.path_name, scheme, options.host, options.port, grpc_where,
                     "off" if key is None else f"bearer key in {key_path}" if key_path else "bearer key from LLM_API_KEY")
         await lifecycle.stop_requested.wait()
         await lifecycle.drain(settings.drain_grace_s, service.cancel)
@@ -119,6 +132,13 @@ async def serve(settings: Settings, options: ServeOptions) -> int:
         if service is not None:
             service.shutdown()
         apis.close()
+
+
+def _tls_note(tls: ServerTLS | None) -> str:
+    if tls is None:
+        return ""
+    note = f"; TLS with {tls.certfile}"
+    return note + f", client certificates required (CA {tls.ca_certs})" if tls.mutual else note
 
 
 def _on_signal(lifecycle: Lifecycle) -> None:

@@ -38,6 +38,12 @@ Every limit below is aiohttp's or asyncio's own mechanism where one exists; each
   ``/ready``, ``/metrics``) still answer. Why not a gated ``accept``: it leaves clients hanging in the kernel
   backlog (no answer, a client timeout); the kernel's listen backlog (``BACKLOG``, 128) bounds the
   connections not yet accepted.
+* **TLS** (``SSL_CERTFILE``, ``llm_api.server.tls``): asyncio runs the handshake before aiohttp sees the
+  connection, so the guard above does not count a connection until its handshake is done. ``Site`` bounds
+  that phase instead: a handshake must finish within ``HEADER_TIMEOUT_S`` (asyncio's default is 60 s), after
+  which the guard's head deadline starts; and a closing TLS connection waits at most ``LINGER_S`` for the
+  client's ``close_notify`` (asyncio's default: 30 s), so neither a silent socket nor a client that never
+  answers the close holds a descriptor for long.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import asyncio
 import json
 import logging
 import socket
+import ssl
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -83,6 +90,28 @@ class TransportLimits:
         """aiohttp's own limits, for ``web.AppRunner``."""
         return {"keepalive_timeout": self.keepalive_timeout_s, "max_line_size": MAX_LINE_BYTES,
                 "max_field_size": MAX_FIELD_BYTES, "max_headers": MAX_HEADERS, "lingering_time": LINGER_S}
+
+
+class Site(web.TCPSite):
+    """aiohttp's ``TCPSite``; with an SSL context, asyncio's TLS deadlines set as the module docstring says
+    (``TCPSite`` has no option for them: its ``start`` is repeated here with the two added)."""
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, limits: TransportLimits,
+                 ssl_context: ssl.SSLContext | None = None):
+        super().__init__(runner, host, port, ssl_context=ssl_context, backlog=BACKLOG)
+        self._handshake_timeout_s = limits.connections.header_timeout_s
+
+    async def start(self) -> None:
+        if self._ssl_context is None:
+            await super().start()
+            return
+        await web.BaseSite.start(self)  # (registers the site with its runner, as TCPSite.start does first)
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            server, self._host, self._port, ssl=self._ssl_context, backlog=self._backlog,
+            ssl_handshake_timeout=self._handshake_timeout_s, ssl_shutdown_timeout=LINGER_S)
+        self._bound_port = self._server.sockets[0].getsockname()[1] if self._server.sockets else self._port
 
 
 def too_many_connections(limits: TransportLimits) -> ApiError:
