@@ -3,7 +3,7 @@
 What the tests prove:
 
 * ``POST /v1/responses``: bodies that are not objects, not JSON or not UTF-8; every field mistyped or out of
-  range; unknown and unsupported fields and values (``background`` unstored or streamed, ``include``, non-function tools, image
+  range; unknown and unsupported fields and values (``background`` unstored, ``include``, non-function tools, image
   parts, unknown item types); inputs deep, wide (thousands of items) and large (a megabyte of text, near the
   request-size limit); metadata over OpenAI's bounds; ``previous_response_id`` values that are huge, hold
   CR-LF, NUL or path traversal, or name no stored response: each gets its own 4xx in OpenAI's error shape
@@ -72,7 +72,8 @@ def body_cases() -> list[tuple[str, object, int, str | None]]:
         ("stream a string", {**base, "input": "hi", "stream": "true"}, 400, "stream"),
         ("store a number", {**base, "input": "hi", "store": 1}, 400, "store"),
         ("background unstored", {**base, "input": "hi", "background": True, "store": False}, 400, "background"),
-        ("background streamed", {**base, "input": "hi", "background": True, "stream": True}, 400, "background"),
+        ("background streamed unstored", {**base, "input": "hi", "background": True, "stream": True, "store": False},
+         400, "background"),
         ("background a string", {**base, "input": "hi", "background": "yes"}, 400, "background"),
         ("include", {**base, "input": "hi", "include": ["message.output_text.logprobs"]}, 400, "*"),
         ("truncation auto", {**base, "input": "hi", "truncation": "auto"}, 400, "truncation"),
@@ -153,6 +154,18 @@ def test_hostile_response_ids_and_methods(async_frontend):
                     expected = answer.status if response_id == ".." and 400 <= answer.status < 500 else 404
                     problems += check(label, answer, time.monotonic() - start, expected, "*")
                 answers[hostile.outcome(answer)] += 1
+        # A stream read again (GET ...?stream=true&starting_after=N; through TorchServe the same in headers):
+        # a number that is no integer is 400 naming it, before the id is looked up; an unknown id 404.
+        stream_path = responses_path(server, "/resp_" + "2" * 32)
+        for starting_after, status in (("abc", 400), ("9" * 5000, 400), ("1e400", 400), ("-7", 404), ("3", 404)):
+            inputs += 1
+            start = time.monotonic()
+            query = "" if torchserve else "?stream=true&starting_after=" + urllib.parse.quote(starting_after)
+            answer = hostile.raw_request(server, "GET", stream_path + query, None,
+                                         headers={"Accept": "text/event-stream", "X-Starting-After": starting_after})
+            problems += check(f"stream starting_after {starting_after[:20]!r}", answer, time.monotonic() - start,
+                              status, "starting_after" if status == 400 else "*")
+            answers[hostile.outcome(answer)] += 1
         # The method a TorchServe request names (or does not) for the path two routes share.
         path = responses_path(server, "/resp_" + "1" * 32)
         for headers, torchserve_status in (({"X-HTTP-Method-Override": "PATCH"}, 405),

@@ -341,7 +341,6 @@ def test_sampling_settings():
     ({"input": "x", "top_logprobs": 2}, "top_logprobs", "unknown_parameter"),
     ({"input": "x", "stream_options": {"include_obfuscation": False}}, "stream_options", "unknown_parameter"),
     ({"input": "x", "background": True, "store": False}, "background", "invalid_value"),
-    ({"input": "x", "background": True, "stream": True}, "background", "unsupported_parameter"),
     ({"input": "x", "truncation": "auto"}, "truncation", "unsupported_parameter"),
     ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "unsupported_parameter"),
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include", "unsupported_parameter"),

@@ -145,6 +145,13 @@ def test_another_key_reads_nothing_and_the_store_stays_bounded(start_standalone)
         first, second = client_of(server, "first-key-123"), client_of(server, "second-key-456")
         mine = first.responses.create(model=MODEL, input="hi", max_output_tokens=2)
         assert first.responses.retrieve(mine.id).id == mine.id
+        streamed = first.responses.create(model=MODEL, input="hi", max_output_tokens=2, background=True, stream=True)
+        streamed_id = next(iter(streamed)).response.id
+        streamed.close()
+        with pytest.raises(openai.NotFoundError):  # (another key's stream: 404, as for an unknown id)
+            list(second.responses.retrieve(streamed_id, stream=True))
+        assert list(first.responses.retrieve(streamed_id, stream=True))[-1].type in ("response.completed",
+                                                                                   "response.incomplete")
         for attempt in (lambda: second.responses.retrieve(mine.id), lambda: second.responses.delete(mine.id),
                         lambda: second.responses.create(model=MODEL, input="hi", previous_response_id=mine.id)):
             with pytest.raises(openai.NotFoundError):
@@ -220,3 +227,69 @@ def test_background_responses_are_queued_polled_and_cancelled(async_frontend):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model=MODEL, input=QUESTION, background=True, store=False)
     assert err.value.body["param"] == "background"
+
+
+def test_background_responses_stream_and_resume(async_frontend):
+    """``background`` with ``stream``: the answer streams its events (``sequence_number`` 0, 1, ...); a client
+    that drops the stream leaves the response running, and ``retrieve(id, stream=True, starting_after=N)``
+    (what the openai package sends as ``GET ...?stream=true&starting_after=N``) gives every event after N to the
+    end; after the end the whole stream can be read again, and the stored response holds the same text. A
+    foreground response has no stream to read (400)."""
+    import openai
+
+    client = client_of(async_frontend)
+    stream = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=40, temperature=0,
+                                     background=True, stream=True, extra_body={"ignore_eos": True})
+    first = []
+    for event in stream:
+        first.append(event)
+        if sum(e.type == "response.output_text.delta" for e in first) >= 3:
+            break
+    stream.close()  # (the client goes away: the response runs on)
+    response_id = first[0].response.id
+    assert first[0].type == "response.created" and first[0].response.background is True
+    # (TorchServe's frontend drops the query: there the client says it in headers, which every edge takes)
+    resume = {"Accept": "text/event-stream", "X-Starting-After": str(first[-1].sequence_number)}
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=first[-1].sequence_number,
+                                          extra_headers=resume))
+    events = first + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert rest[-1].type == "response.incomplete"  # (ignore_eos: cut by max_output_tokens)
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    stored = client.responses.retrieve(response_id)
+    assert stored.status == "incomplete" and stored.output_text == text and len(text) > 0
+    again = list(client.responses.retrieve(response_id, stream=True, extra_headers={"Accept": "text/event-stream"}))
+    assert [(e.type, e.sequence_number) for e in again] == [(e.type, e.sequence_number) for e in events]
+    foreground = client.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as err:
+        list(client.responses.retrieve(foreground.id, stream=True, extra_headers={"Accept": "text/event-stream"}))
+    assert err.value.body["param"] == "stream"
+    with pytest.raises(openai.NotFoundError):
+        list(client.responses.retrieve("resp_unknown", stream=True, extra_headers={"Accept": "text/event-stream"}))
+
+
+def test_background_responses_are_capped_per_key(async_frontend):
+    """RESPONSES_BACKGROUND_PER_OWNER (8): the ninth background response of one key in flight is a 429 until
+    one ends."""
+    import openai
+
+    client = client_of(async_frontend)
+    ids: list[str] = []
+    refused = None
+    try:
+        for _ in range(9):  # (a test before may have left one of this key's running: the 429 comes by the ninth)
+            try:
+                ids.append(client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=1000,
+                                                   background=True, extra_body={"ignore_eos": True}).id)
+            except openai.RateLimitError as err:
+                refused = err
+                break
+    finally:
+        for response_id in ids:
+            client.responses.cancel(response_id)
+    assert refused is not None and refused.body["code"] == "too_many_background_responses", len(ids)
+    assert refused.response.headers.get("retry-after") == "1"
+    for response_id in ids:
+        assert _poll(client, response_id, ("cancelled", "completed", "incomplete", "failed"), 60).status == "cancelled"
+    again = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2, background=True)
+    assert _poll(client, again.id, ("completed", "incomplete", "failed")).status in ("completed", "incomplete")

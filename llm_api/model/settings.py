@@ -646,6 +646,10 @@ class Settings:
         "1.2x the counted bytes, measured, plus a write-ahead log of at most about 4 MiB), and that several "
         "TorchServe workers of one model share; a path that cannot be opened stops the start naming this variable",
         parse=_store_path, default_note="(memory)")
+    responses_background_per_owner: int = setting(
+        "RESPONSES_BACKGROUND_PER_OWNER", 8,
+        "background responses (`background: true`) one owner (key) may have in flight at once (>= 1); past it, 429 "
+        "`too_many_background_responses` until one ends", minimum=1)
     # LoRA adapters (llm_api.lora, docs/lora.md): PEFT adapter folders served beside the base model, by name.
     lora_adapters: tuple[tuple[str, str], ...] = setting(
         "LORA_ADAPTERS", (),

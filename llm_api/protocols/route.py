@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
 from llm_api.api.encoding import AnswerEncoder
 from llm_api.api.errors import ApiError
 from llm_api.protocols.responses.state import Responses
-from llm_api.service.answer import EncodedParts
+from llm_api.service.answer import Parts
 
 if TYPE_CHECKING:  # (annotations only: the table of routes loads without the engine and torch)
     from llm_api.service.service import ModelService
@@ -43,6 +43,7 @@ class Call:
     method: str | None = None  # None: the edge cannot tell (TorchServe hands the handler no method)
     row: Mapping[str, Any] = field(default_factory=dict)
     headers: Mapping[str, str] = field(default_factory=dict)  # lower-case names
+    query: Mapping[str, str] = field(default_factory=dict)  # the URL's query fields (TorchServe: in the row instead)
     owner: str = ""  # who sent it: derived once by the edge from the credential auth checked (service.owners)
     # Whose share of the engine it runs in (llm_api.engine.fair_share): the owner where the edge checked a key,
     # else "" (everyone one tenant: an unchecked header must not buy a share of its own).
@@ -105,7 +106,7 @@ class Whole:
 
 @dataclass
 class Streamed:
-    parts: EncodedParts  # (its aclose releases the admitted requests, read or not)
+    parts: Parts  # (its aclose releases the admitted requests, read or not)
     encoder: AnswerEncoder  # its fail() ends an answer that broke after chunks went out
 
 

@@ -299,7 +299,8 @@ class Ingress:
             except ValueError:
                 parsed = None  # (the route refuses it, in its own words)
         headers = {name.lower(): value for name, value in request.headers.items()}
-        call = Call(request_id, request.method, row, headers, owner=owner, tenant=owner if self.auth.enabled else "")
+        call = Call(request_id, request.method, row, headers, query=dict(request.query_params), owner=owner,
+                    tenant=owner if self.auth.enabled else "")
         named = (parsed.get("adapter") if route.name == "generate" else parsed.get("model")) \
             if isinstance(parsed, dict) else None
         adapter = named if isinstance(named, str) and named in self.adapters else ""

@@ -204,7 +204,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
         shape = route.errors
         headers = {name.lower(): value for name, value in request.headers.items()}
         owner = request.get("owner", "")
-        call = Call(request_id, request.method, await _row(request), headers, owner=owner,
+        call = Call(request_id, request.method, await _row(request), headers, query=dict(request.query), owner=owner,
                     tenant=owner if state.auth.enabled else "")
         ctx = RouteContext(state.marker, state.service, state.lifecycle.draining,
                            lambda: (state.metrics.render(), METRICS_CONTENT_TYPE), apis=state.apis)

@@ -134,6 +134,11 @@ class EncodedParts:
                 generation.release()
 
 
+# What a streamed answer is read from: an admitted request's parts, or a route's own stream of parts (a
+# background response's event log, read again); closing either is what ends it.
+Parts = EncodedParts | AsyncGenerator[Part, None]
+
+
 def encoded_parts(generations: list[Generation], encoder: AnswerEncoder,
                   wrap: Callable[[AsyncGenerator[Part, None]], AsyncGenerator[Part, None]] | None = None
                   ) -> EncodedParts:

@@ -32,7 +32,7 @@ from ts.torch_handler.base_handler import BaseHandler
 
 from llm_api.api.errors import ApiError, internal_error
 from llm_api.model.settings import ConfigError, Settings
-from llm_api.service.answer import Chunk, EncodedParts, Refusal
+from llm_api.service.answer import Chunk, Parts, Refusal
 from llm_api.service.owners import request_credential, torchserve_owner
 from llm_api.protocols.route import ApiStates, Call, RouteContext, Whole, error_body
 from llm_api.protocols.table import answer, error_shape, find, open_api_states
@@ -131,7 +131,7 @@ class LLMHandler(BaseHandler):
                 return reply.finish("\n" + error.native_text(self.marker))
             return reply.refuse(500, error_body(shape, error, self.marker))
 
-    async def _write_parts(self, reply: Reply, parts: EncodedParts):
+    async def _write_parts(self, reply: Reply, parts: Parts):
         """Write a request's parts (``llm_api.service.answer``): each chunk as it comes, then the final part
         as the final message, or the refusal."""
         async with aclosing(parts):

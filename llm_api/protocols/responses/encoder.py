@@ -349,3 +349,33 @@ def _copy(item: dict) -> dict:
     if item["type"] in ("message", "reasoning"):
         return {**item, "content": [dict(p) for p in item["content"]]}
     return dict(item)
+
+
+class Replay:
+    """The encoder a reader of a background response's event log answers with (``route._replay``): its
+    events were written by the response's own encoder; if this reader's stream breaks, its own ``error``
+    event ends it (numbered after the last event of the log), and the response runs on."""
+
+    content_type = SSE_CONTENT_TYPE
+
+    def __init__(self, log: Any):
+        self._log = log
+
+    def delta(self, text: str, index: int = 0, logprobs: tuple = (), num_tokens: int = 0) -> str:
+        return ""
+
+    def choice_finish(self, index: int, reason: FinishReason, num_generated_tokens: int = 0,
+                      stop_sequence: str | None = None) -> str:
+        return ""
+
+    def finish(self, reason: FinishReason, num_prompt_tokens: int, num_generated_tokens: int,
+               num_cached_tokens: int = 0) -> str:
+        return ""
+
+    def fail(self, error: ApiError) -> str:
+        event = {"type": "error", "sequence_number": self._log.last_sequence_number + 1, "code": error.code,
+                 "message": error.message, "param": error.param}
+        return f"event: error\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+    def refusal(self, error: ApiError) -> str:
+        return error.openai_text()

@@ -14,7 +14,14 @@
   generation runs on as a task of the event loop (``Responses.run_in_background``), known as in flight
   (``retrieve`` shows it ``in_progress``, ``cancel`` ends it) and stored when it ends: completed,
   incomplete, cancelled, or failed with its error (a refusal at admission too, such as 503 overloaded).
-  Streaming a background response (and resuming it with ``starting_after``) is not served: poll it.
+  With ``stream`` too, the answer is its event stream (``sequence_number`` on every event), read from the
+  response's ``EventLog`` (``state``): a client that drops it leaves the response running, and
+  ``GET v1/responses/{id}?stream=true&starting_after=N`` (its owner only) replays the events after N and
+  follows the live ones to the end (while the log is kept: in flight, or among the recent ones). One owner
+  has at most RESPONSES_BACKGROUND_PER_OWNER background responses in flight (429 past it). A restart does
+  not resume them: one still running when the drain's grace ends is cancelled as every request is. Through
+  TorchServe, the query's fields reach the handler as the
+  request's fields (``_query``).
 * The store is called on a worker thread (an SQLite store may wait on another process's lock).
 * Owners: the credential the request carried, as its edge derived it once (``Call.owner``,
   ``llm_api.service.owners``): another key gets 404 for an id it did not create, exactly as for an id that
@@ -33,9 +40,11 @@ from llm_api.api.errors import ApiError, echo, internal_error
 from llm_api.protocols.responses.encoder import ResponsesCall
 from llm_api.protocols.responses.translate import continued, parse_responses
 from llm_api.api.request import GenerateRequest
-from llm_api.service.answer import Final, Part, Refusal, admit, encoded_parts, parse_large
-from llm_api.protocols.responses.state import InFlightResponse, Responses
+from llm_api.service.answer import Chunk, Final, Part, Refusal, admit, encoded_parts, parse_large
+from llm_api.protocols.responses.encoder import Replay
+from llm_api.protocols.responses.state import EventLog, InFlightResponse, Responses
 from llm_api.protocols.route import Answer, Call, RouteContext, Streamed, Whole
+from llm_api.protocols.common.openai import SSE_CONTENT_TYPE
 
 if TYPE_CHECKING:  # (annotations only: the route table loads without the engine and torch)
     from llm_api.service.service import ModelService
@@ -72,10 +81,17 @@ async def create(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answe
             raise _not_found(encoder.previous_response_id, "previous_response_id")
         request = continued(request, encoder, json.loads(stored.conversation_json))
     if encoder.background:
-        entry = InFlightResponse(owner, call.request_id, encoder)
+        if responses.background_of(owner) >= responses.max_background_per_owner:
+            raise ApiError(429, "too_many_background_responses", f"this key has {responses.max_background_per_owner} "
+                           "background responses in flight (RESPONSES_BACKGROUND_PER_OWNER); wait for one to end",
+                           "background", retry_after=1)
+        entry = InFlightResponse(owner, call.request_id, encoder, background=True,
+                                 log=EventLog() if encoder.stream else None)
         responses.in_flight[encoder.id] = entry  # (before the answer: a poll right after it finds it)
         responses.run_in_background(_background(service, responses, request, encoder, call.request_id, owner, entry,
                                                 call.tenant))
+        if entry.log is not None:
+            return _replay(entry.log, -1)
         return Whole(200, json.dumps({**encoder.response_json(), "status": "queued"}))
     generations = await admit(service, request, call.request_id, owner=owner, tenant=call.tenant)
     return Streamed(encoded_parts(generations, encoder, _tracked(responses, encoder, call.request_id, owner)), encoder)
@@ -93,15 +109,23 @@ async def _background(service: ModelService, responses: Responses, request: Gene
                 if isinstance(part, Refusal):
                     detail = json.loads(part.body).get("error") or {}
                     error = ApiError(part.status, str(detail.get("code") or "error"), str(detail.get("message")))
+                elif entry.log is not None:
+                    entry.log.append(part.payload)
     except ApiError as refused:  # (admission: overloaded, too long, ...)
         error = refused
     except Exception:
         logger.exception("background response %s failed", encoder.id)
         error = internal_error()
+    if error is not None:
+        tail = encoder.fail(error)
+        if entry.log is not None:
+            entry.log.append(tail)
     responses.in_flight.pop(encoder.id, None)  # (the answer's pass did, unless admission refused it)
+    if entry.log is not None:  # (no await since the pass let it go: a reader finds the log in one place or the other)
+        entry.log.end()
+        responses.keep_log(encoder.id, owner, entry.log)
     entry.ended.set()
     if error is not None:
-        encoder.fail(error)
         await asyncio.to_thread(responses.store.put, encoder.id, owner, json.dumps(encoder.response_json()),
                                 json.dumps(encoder.conversation()))
 
@@ -137,6 +161,9 @@ def _tracked(responses: Responses, encoder: ResponsesCall, request_id: str, owne
 async def retrieve(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:
     responses = _state(ctx)
     response_id, owner = params["id"], _owner(call)
+    query = _query(call)
+    if query.get("stream", "false").lower() not in ("false", "0"):
+        return await _stream_of(responses, response_id, owner, query)
     live = responses.in_flight.get(response_id)
     if live is not None and live.owner == owner:
         return Whole(200, json.dumps(live.encoder.response_json()))
@@ -144,6 +171,57 @@ async def retrieve(ctx: RouteContext, call: Call, params: dict[str, str]) -> Ans
     if stored is None:
         raise _not_found(response_id)
     return Whole(200, stored.response_json)
+
+
+def _query(call: Call) -> dict[str, str]:
+    """What a retrieve asks for beyond the id: the query's fields (``Call.query``). TorchServe's frontend drops
+    a URL's query before the handler (docs/torchserve.md), so there a GET that accepts only
+    ``text/event-stream`` (what ``retrieve(id, stream=True)`` of the openai package sends) asks for the stream, and
+    ``starting_after`` comes in the header ``X-Starting-After`` (``extra_headers``), taken on every edge."""
+    query = dict(call.query)
+    if "stream" not in query and call.headers.get("accept", "").strip().startswith("text/event-stream"):
+        query["stream"] = "true"
+    header = call.headers.get(STARTING_AFTER_HEADER)
+    if "starting_after" not in query and header is not None:
+        query["starting_after"] = header
+    return query
+
+
+STARTING_AFTER_HEADER = "x-starting-after"
+
+
+async def _stream_of(responses: Responses, response_id: str, owner: str, query: dict[str, str]) -> Answer:
+    """``GET v1/responses/{id}?stream=true&starting_after=N``: the events after N, then the live ones."""
+    raw = query.get("starting_after", "-1")
+    try:
+        starting_after = int(raw)
+    except ValueError:
+        raise ApiError(400, "invalid_value", f"'starting_after' must be an integer, got {echo(raw)}",
+                       "starting_after") from None
+    log = responses.log_of(response_id, owner)
+    if log is not None:
+        return _replay(log, starting_after)
+    live = responses.in_flight.get(response_id)
+    known = (live is not None and live.owner == owner) or \
+        await asyncio.to_thread(responses.store.get, response_id, owner) is not None
+    if not known:
+        raise _not_found(response_id)
+    raise ApiError(400, "invalid_request", f"the response {echo(response_id)} has no event stream to read: only a "
+                   "background response created with stream: true has one, kept while it runs and a while after; "
+                   "GET it without stream", "stream")
+
+
+def _replay(log: EventLog, starting_after: int) -> Streamed:
+    """A stream that reads ``log`` (its reader's closing leaves the response running)."""
+    replay = Replay(log)
+
+    async def parts() -> AsyncGenerator[Part, None]:
+        async with aclosing(log.follow(starting_after)) as events:
+            async for text in events:
+                yield Chunk(text, SSE_CONTENT_TYPE)
+        yield Final("", SSE_CONTENT_TYPE)
+
+    return Streamed(parts(), replay)
 
 
 async def delete(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answer:

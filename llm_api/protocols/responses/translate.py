@@ -166,10 +166,6 @@ def parse_responses(body: Any, model_name: ModelNames, limits: Limits,
     if call.background and not call.store:
         raise ApiError(400, "invalid_value", "'background' needs 'store' (a background response is read back "
                        "with GET /v1/responses/{id})", "background")
-    if call.background and call.stream:
-        raise ApiError(400, "unsupported_parameter", "'background' with 'stream' is not served here: create the "
-                       "response in the background and poll it with GET /v1/responses/{id}, or stream it in the "
-                       "foreground", "background")
     responses_call = ResponsesCall(
         model=call.model, stream=call.stream, store=call.store, background=bool(call.background),
         tool_format=tool_format,
