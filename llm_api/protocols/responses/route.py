@@ -19,9 +19,8 @@
   ``GET v1/responses/{id}?stream=true&starting_after=N`` (its owner only) replays the events after N and
   follows the live ones to the end (while the log is kept: in flight, or among the recent ones). One owner
   has at most RESPONSES_BACKGROUND_PER_OWNER background responses in flight (429 past it). A restart does
-  not resume them: one still running when the drain's grace ends is cancelled as every request is. Through
-  TorchServe, the query's fields reach the handler as the
-  request's fields (``_query``).
+  not resume them: one still running when the drain's grace ends is cancelled as every request is.
+  TorchServe drops a URL's query before the handler: there the same comes in headers (``_query``).
 * The store is called on a worker thread (an SQLite store may wait on another process's lock).
 * Owners: the credential the request carried, as its edge derived it once (``Call.owner``,
   ``llm_api.service.owners``): another key gets 404 for an id it did not create, exactly as for an id that
