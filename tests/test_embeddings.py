@@ -126,3 +126,38 @@ def test_langchain_embeds_documents_and_a_query(async_frontend):
     assert len(documents) == 3 and all(len(v) == 576 for v in documents)
     scores = np.array(documents) @ np.array(query)
     assert int(np.argmax(scores)) == 1 and scores[1] > 0.999
+
+
+HOSTILE = {  # name -> the body (bytes, or the fields beside "model")
+    "not json": b'{"model": ',
+    "input null": {"input": None},
+    "a nested list of strings": {"input": [["a"]]},
+    "ids out of range": {"input": [[0, 10 ** 12]]},
+    "a negative id": {"input": [-1]},
+    "a float among ids": {"input": [1, 2.5]},
+    "2,049 inputs": {"input": ["a"] * 2049},
+    "an empty string among many": {"input": ["a"] * 100 + [""]},
+    "a prompt over MAX_INPUT_TOKENS": {"input": "hello " * 5000},
+    "ids over MAX_INPUT_TOKENS": {"input": [1] * 100_000},
+    "a lone surrogate": b'{"model": "smollm2", "input": "a\\udc00"}',
+    "NaN as input": b'{"model": "smollm2", "input": NaN}',
+    "dimensions zero": {"input": "a", "dimensions": 0},
+    "encoding_format raw": {"input": "a", "encoding_format": "raw"},
+    "an unknown model": {"model": "text-embedding-3-small", "input": "a"},
+}
+
+
+@pytest.mark.server
+def test_hostile_bodies_get_their_4xx_while_a_stream_runs(async_frontend):
+    from bench.harness import hostile
+
+    path = hostile.openai_path(async_frontend, "embeddings")
+    problems, answers = [], {}
+    with hostile.Witness(async_frontend) as witness:
+        for name, value in HOSTILE.items():
+            body = value if isinstance(value, bytes) else json.dumps({"model": async_frontend.model_name, **value}).encode()
+            answer = hostile.post_json(async_frontend, path, body)
+            answers[name] = answer.status
+            problems += hostile.refusal_problems(name, answer, openai=True)
+    hostile.report("embeddings", async_frontend, inputs=len(answers), answers=answers, witness=witness)
+    assert not problems, "\n".join(problems)
