@@ -548,3 +548,46 @@ def test_a_full_store_evicts_the_largest_holders_oldest(make_store):
         assert store.put(f"resp_alice_{i}", ALICE, *texts(f"resp_alice_{i}"))
     assert all(store.get(f"resp_bob_{i}", BOB) is not None for i in range(3))
     assert store.stats()[0] == 10
+
+
+# ---------------------------------------------------------------------------------------------------
+# background responses of a process that is gone
+
+
+def test_claims_of_gone_processes_are_taken_back_once(make_store):
+    store = make_store()
+    store.claim_background("resp_a", ALICE, "here")
+    store.claim_background("resp_b", BOB, "gone")
+    store.claim_background("resp_c", ALICE, "gone")
+    store.release_background("resp_c")  # (ended: no longer claimed)
+    assert store.orphaned_background(lambda incarnation: incarnation != "gone") == [("resp_b", BOB)]
+    assert store.orphaned_background(lambda incarnation: incarnation != "gone") == []
+    assert store.orphaned_background(lambda incarnation: False) == [("resp_a", ALICE)]
+
+
+def test_a_crashed_processs_background_responses_are_failed_at_the_next_open(tmp_path):
+    """What a restart after a crash finds (llm_api.protocols.responses.state.fail_orphans): the queued or running
+    response of a gone process is failed, with the error saying so; one that finished before the crash, or
+    whose process still runs, is left as it is."""
+    from llm_api.protocols.responses.state import INCARNATION, ORPHAN_ERROR, fail_orphans, incarnation_alive
+
+    path = tmp_path / "store.db"
+    store = SqliteResponseStore(path, BIG)
+    for response_id, status in (("resp_queued", "queued"), ("resp_running", "in_progress"), ("resp_done", "completed"),
+                                ("resp_live", "queued")):
+        store.put(response_id, ALICE, json.dumps({"id": response_id, "status": status}), "[]")
+        store.claim_background(response_id, ALICE, INCARNATION if response_id == "resp_live" else "dead")
+    store.close()  # (the crash: the claims stay in the file)
+    store = SqliteResponseStore(path, BIG)
+    assert sorted(fail_orphans(store, lambda incarnation: incarnation == INCARNATION)) == ["resp_queued",
+                                                                                           "resp_running"]
+    for response_id, status in (("resp_queued", "failed"), ("resp_running", "failed"), ("resp_done", "completed"),
+                                ("resp_live", "queued")):
+        response = json.loads(store.get(response_id, ALICE).response_json)  # type: ignore[union-attr]
+        assert response["status"] == status and (response.get("error") == ORPHAN_ERROR) == (status == "failed")
+    store.close()
+    assert incarnation_alive(INCARNATION)
+    host, pid, ticks = INCARNATION.split("/")
+    assert not incarnation_alive(f"{host}/{pid}/{int(ticks) + 1}")  # (the pid reused by another process)
+    assert not incarnation_alive(f"{host}/999999999/1")
+    assert incarnation_alive(f"another-host-{host}/1/1")  # (another host's processes cannot be seen: kept)

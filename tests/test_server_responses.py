@@ -293,3 +293,28 @@ def test_background_responses_are_capped_per_key(async_frontend):
         assert _poll(client, response_id, ("cancelled", "completed", "incomplete", "failed"), 60).status == "cancelled"
     again = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2, background=True)
     assert _poll(client, again.id, ("completed", "incomplete", "failed")).status in ("completed", "incomplete")
+
+
+def test_a_crash_leaves_its_background_responses_failed_not_queued(start_standalone, tmp_path):
+    """A server killed (SIGKILL) with a background response running, then started again on the same SQLite store
+    (RESPONSES_STORE_PATH): the response reads ``failed``, its error saying the server stopped (not resumed)."""
+    import os
+    import signal
+
+    env = {"LLM_API_KEY": "crash-key-12345", "RESPONSES_STORE_PATH": str(tmp_path / "responses.db"),
+           "DTYPE": "float32", "KV_CACHE_MEMORY_MIB": "64"}
+    first = start_standalone("responses-crash-1", env)
+    try:
+        client = client_of(first, "crash-key-12345")
+        running = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=1000, background=True,
+                                          extra_body={"ignore_eos": True})
+        assert _poll(client, running.id, ("in_progress",), 60).status == "in_progress"
+        os.kill(first.server_pid(), signal.SIGKILL)
+    finally:
+        first.stop()
+    second = start_standalone("responses-crash-2", env)
+    try:
+        after = client_of(second, "crash-key-12345").responses.retrieve(running.id)
+        assert after.status == "failed" and "not resumed" in after.error.message, after
+    finally:
+        second.stop()

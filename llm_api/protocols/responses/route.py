@@ -19,7 +19,8 @@
   ``GET v1/responses/{id}?stream=true&starting_after=N`` (its owner only) replays the events after N and
   follows the live ones to the end (while the log is kept: in flight, or among the recent ones). One owner
   has at most RESPONSES_BACKGROUND_PER_OWNER background responses in flight (429 past it). A restart does
-  not resume them: one still running when the drain's grace ends is cancelled as every request is.
+  not resume them: one still running when the drain's grace ends is cancelled as every request is, and
+  after a crash the next start marks it failed (``state.fail_orphans``; with the memory store it is gone).
   TorchServe drops a URL's query before the handler: there the same comes in headers (``_query``).
 * The store is called on a worker thread (an SQLite store may wait on another process's lock).
 * Owners: the credential the request carried, as its edge derived it once (``Call.owner``,
@@ -41,7 +42,7 @@ from llm_api.protocols.responses.translate import continued, parse_responses
 from llm_api.api.request import GenerateRequest
 from llm_api.service.answer import Chunk, Final, Part, Refusal, admit, encoded_parts, parse_large
 from llm_api.protocols.responses.encoder import Replay
-from llm_api.protocols.responses.state import EventLog, InFlightResponse, Responses
+from llm_api.protocols.responses.state import INCARNATION, EventLog, InFlightResponse, Responses
 from llm_api.protocols.route import Answer, Call, RouteContext, Streamed, Whole
 from llm_api.protocols.common.openai import SSE_CONTENT_TYPE
 
@@ -87,6 +88,8 @@ async def create(ctx: RouteContext, call: Call, params: dict[str, str]) -> Answe
         entry = InFlightResponse(owner, call.request_id, encoder, background=True,
                                  log=EventLog() if encoder.stream else None)
         responses.in_flight[encoder.id] = entry  # (before the answer: a poll right after it finds it)
+        # Stored as queued and claimed for this process: after a crash, the next start marks it failed (state).
+        await asyncio.to_thread(_claim, responses, encoder, owner)
         responses.run_in_background(_background(service, responses, request, encoder, call.request_id, owner, entry,
                                                 call.tenant))
         if entry.log is not None:
@@ -127,6 +130,13 @@ async def _background(service: ModelService, responses: Responses, request: Gene
     if error is not None:
         await asyncio.to_thread(responses.store.put, encoder.id, owner, json.dumps(encoder.response_json()),
                                 json.dumps(encoder.conversation()))
+    await asyncio.to_thread(responses.store.release_background, encoder.id)
+
+
+def _claim(responses: Responses, encoder: ResponsesCall, owner: str) -> None:
+    responses.store.put(encoder.id, owner, json.dumps({**encoder.response_json(), "status": "queued"}),
+                        json.dumps(encoder.conversation()))
+    responses.store.claim_background(encoder.id, owner, INCARNATION)
 
 
 def _tracked(responses: Responses, encoder: ResponsesCall, request_id: str, owner: str,

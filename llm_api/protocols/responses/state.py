@@ -16,6 +16,13 @@ follow: the events after N, then the live ones as they come, to the end. Once it
 the ``recent`` logs (at most ``MAX_KEPT_LOGS`` of them and ``MAX_KEPT_LOG_BYTES`` in all, the oldest let go
 first), so a client that lost its stream at the end can still read the rest. ``max_background_per_owner``:
 the background responses one owner may have in flight (RESPONSES_BACKGROUND_PER_OWNER; past it, 429).
+
+A background response is stored (``queued``) and claimed in the store for this process (``INCARNATION``: host,
+pid and the process's start time, so a reused pid is another process) when it is created; it is released when
+it ends. A process that opens the store (``open_responses``) marks the responses of claims whose process is
+gone ``failed`` (``fail_orphans``): after a crash or a kill, an SQLite store (RESPONSES_STORE_PATH) answers
+them as failed instead of queued for ever. They are not resumed (their generation died with the process).
+A claim of another host is never judged (nothing here can see its processes).
 """
 
 from __future__ import annotations
@@ -23,12 +30,58 @@ from __future__ import annotations
 import asyncio
 import bisect
 import json
+import logging
+import os
+import socket
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator
 
 from llm_api.model.settings import Settings
 from llm_api.protocols.responses.store import ResponseStore, open_response_store
+
+
+logger = logging.getLogger(__name__)
+ORPHAN_ERROR = {"code": "server_error", "message": "the server stopped before this background response finished; "
+                "it is not resumed: create it again"}
+
+
+def _start_ticks(pid: int) -> str:
+    """When process ``pid`` started (clock ticks since boot, /proc), "" when it cannot be read (no such process)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+INCARNATION = f"{socket.gethostname()}/{os.getpid()}/{_start_ticks(os.getpid())}"
+
+
+def incarnation_alive(incarnation: str) -> bool:
+    """Whether the process a claim names still runs (a claim of another host: assumed so)."""
+    host, _, rest = incarnation.partition("/")
+    pid, _, ticks = rest.partition("/")
+    if host != socket.gethostname() or not pid.isdigit():
+        return True
+    return _start_ticks(int(pid)) == ticks != ""
+
+
+def fail_orphans(store: ResponseStore, alive=incarnation_alive) -> list[str]:
+    """Mark the background responses of gone processes failed (module docstring); their ids."""
+    failed = []
+    for response_id, owner in store.orphaned_background(alive):
+        stored = store.get(response_id, owner)
+        if stored is None:
+            continue
+        response = json.loads(stored.response_json)
+        if response.get("status") in ("queued", "in_progress"):
+            response.update(status="failed", error=ORPHAN_ERROR)
+            store.update(response_id, owner, json.dumps(response))
+            failed.append(response_id)
+    if failed:
+        logger.info("responses: %d background responses of a stopped process marked failed", len(failed))
+    return failed
 
 
 MAX_KEPT_LOGS = 64  # ended background streams kept for a late reader
@@ -128,4 +181,6 @@ class Responses:
 
 
 def open_responses(settings: Settings) -> Responses:
-    return Responses(open_response_store(settings), max_background_per_owner=settings.responses_background_per_owner)
+    store = open_response_store(settings)
+    fail_orphans(store)
+    return Responses(store, max_background_per_owner=settings.responses_background_per_owner)

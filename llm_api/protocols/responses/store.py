@@ -24,6 +24,11 @@ it as is).
   not stored:
   ``put`` answers False and evicts nothing (but the entry it would have replaced is gone: the route has
   answered already; a later ``get`` is None, as for an evicted one). ``max_entries`` 0 stores nothing.
+* Background responses in flight are claimed (``claim_background``: the response id, its owner and the
+  process running it, an ``incarnation`` text) until they end (``release_background``);
+  ``orphaned_background(alive)`` takes back the claims of processes that are gone (``alive`` says), which a
+  starting process marks failed (``llm_api.protocols.responses.state``). In SQLite a second table holds the
+  claims, so a crash leaves them for the next start, whichever process on the file that is.
 * Thread-safe: one lock per store (the event loop and worker threads call it); the SQLite store also takes
   SQLite's write lock for each change (``BEGIN IMMEDIATE``) and reads its totals again when another
   process wrote the file, so several processes on one file keep the bounds too. Every value reaches SQL
@@ -119,6 +124,14 @@ class ResponseStore(Protocol):
     def stats(self) -> tuple[int, int]:
         """(entries, bytes) held now."""
 
+    def claim_background(self, response_id: str, owner: str, incarnation: str) -> None:
+        """A background response of ``owner`` runs in the process ``incarnation`` (module docstring)."""
+
+    def release_background(self, response_id: str) -> None: ...
+
+    def orphaned_background(self, alive: Callable[[str], bool]) -> list[tuple[str, str]]:
+        """(response id, owner) of each claim whose process is not ``alive``; those claims are removed."""
+
     def close(self) -> None: ...
 
 
@@ -179,6 +192,7 @@ class MemoryResponseStore:
         self._num_bytes = 0
         self._owned: dict[str, OrderedDict[str, None]] = {}  # owner -> its ids, oldest first
         self._owner_bytes: dict[str, int] = {}
+        self._claims: dict[str, tuple[str, str]] = {}  # background response id -> (owner, incarnation)
         self._sweeper = _Sweeper(self.sweep, sweep_every_s) if sweep_every_s else None
 
     def put(self, response_id: str, owner: str, response_json: str, conversation_json: str) -> bool:
@@ -253,10 +267,26 @@ class MemoryResponseStore:
         with self._lock:
             return len(self._rows), self._num_bytes
 
+    def claim_background(self, response_id: str, owner: str, incarnation: str) -> None:
+        with self._lock:
+            self._claims[response_id] = (owner, incarnation)
+
+    def release_background(self, response_id: str) -> None:
+        with self._lock:
+            self._claims.pop(response_id, None)
+
+    def orphaned_background(self, alive: Callable[[str], bool]) -> list[tuple[str, str]]:
+        with self._lock:
+            gone = [(rid, owner) for rid, (owner, incarnation) in self._claims.items() if not alive(incarnation)]
+            for rid, _ in gone:
+                del self._claims[rid]
+            return gone
+
     def close(self) -> None:
         if self._sweeper is not None:
             self._sweeper.stop()
         with self._lock:
+            self._claims.clear()
             self._rows.clear()
             self._owned.clear()
             self._owner_bytes.clear()
@@ -319,7 +349,13 @@ CREATE TABLE IF NOT EXISTS stored_responses (
 );
 CREATE INDEX IF NOT EXISTS stored_responses_by_age ON stored_responses (created_at, cost);
 CREATE INDEX IF NOT EXISTS stored_responses_by_owner ON stored_responses (owner, seq, cost);
+CREATE TABLE IF NOT EXISTS background_claims (
+    response_id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    incarnation TEXT NOT NULL
+);
 """
+TABLES = {"stored_responses", "background_claims"}
 COLUMNS = ("seq", "response_id", "owner", "created_at", "cost", "response_json", "conversation_json")
 # The deletions, each as (count its rows and bytes, delete them), one parameter each.
 REMOVALS = {
@@ -469,6 +505,32 @@ class SqliteResponseStore:
         with self._lock, self._changing():
             return self._expire(self._clock())
 
+    def claim_background(self, response_id: str, owner: str, incarnation: str) -> None:
+        if not _encodable(response_id, owner, incarnation):
+            return
+        try:
+            with self._lock, self._changing() as db:
+                db.execute("INSERT OR REPLACE INTO background_claims (response_id, owner, incarnation) "
+                           "VALUES (?, ?, ?)", (response_id, owner, incarnation))
+        except sqlite3.OperationalError:  # (as for put: the response runs on; a crash would leave it queued)
+            logger.exception("response store: could not claim a background response in %s", self.path)
+
+    def release_background(self, response_id: str) -> None:
+        if not _encodable(response_id):
+            return
+        try:
+            with self._lock, self._changing() as db:
+                db.execute("DELETE FROM background_claims WHERE response_id = ?", (response_id,))
+        except sqlite3.OperationalError:  # (the next start finds the claim's process gone and marks it failed)
+            logger.exception("response store: could not release a background response in %s", self.path)
+
+    def orphaned_background(self, alive: Callable[[str], bool]) -> list[tuple[str, str]]:
+        with self._lock, self._changing() as db:
+            rows = db.execute("SELECT response_id, owner, incarnation FROM background_claims").fetchall()
+            gone = [(rid, owner) for rid, owner, incarnation in rows if not alive(incarnation)]
+            db.executemany("DELETE FROM background_claims WHERE response_id = ?", [(rid,) for rid, _ in gone])
+            return gone
+
     def stats(self) -> tuple[int, int]:
         """Read from the table (a scan of its index): for tests and gauges, not for every request."""
         with self._lock:
@@ -579,7 +641,7 @@ def _check_foreign(path: Path) -> None:
     try:
         tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table' "
                                                "AND name NOT LIKE 'sqlite_%'")}
-        if tables - {"stored_responses"}:
+        if tables - TABLES:
             raise sqlite3.DatabaseError(f"it holds other tables ({', '.join(sorted(tables)[:5])}): not this store's file")
         if tables:
             found = tuple(row[1] for row in db.execute("PRAGMA table_info(stored_responses)"))
