@@ -11,6 +11,7 @@ rules a field obeys are written once here as annotated types:
 * ``LogitBias(text_ok)``: an object mapping token ids (decimal strings, as JSON keys must be) to biases
   in [-100, 100], at most ``MAX_LOGIT_BIAS`` entries, ids below the model's vocabulary size (read from
   the validation context's ``limits``), as ``((token_id, bias), ...)``.
+* ``nonempty_list``: a before-validator for an array that must hold something (a body's ``messages``).
 * ``from_form_json``: a before-validator that decodes a form field's JSON text (messages, stop lists,
   embeddings arrive as text in form posts and gRPC's input map).
 
@@ -169,6 +170,13 @@ def _nonempty(value: str) -> str:
 
 
 NonEmptyText = Annotated[Text, AfterValidator(_nonempty)]
+
+
+def nonempty_list(value: Any) -> Any:
+    """A before-validator: the value must be a non-empty JSON array (a body's ``messages``)."""
+    if not isinstance(value, list) or not value:
+        raise ValueError("must be a non-empty array")
+    return value
 
 
 def StopStrings(max_count: int):  # noqa: N802

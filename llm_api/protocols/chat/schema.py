@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from llm_api.api.fields import Integer, StrictFlag, StrictWholeNumber, Text
+from llm_api.api.fields import Integer, StrictFlag, StrictWholeNumber, Text, nonempty_list
 from llm_api.protocols.common.openai import OpenAIBody, ToolName
 
 MAX_CHAT_TOP_LOGPROBS = 20
@@ -19,12 +19,6 @@ MAX_METADATA_PAIRS = 16
 def _content_shape(value: Any) -> Any:
     if isinstance(value, list) and not all(isinstance(p, dict) and p.get("type") == "text" for p in value):
         raise ValueError("only text parts are supported")
-    return value
-
-
-def _nonempty_list(value: Any) -> Any:
-    if not isinstance(value, list) or not value:
-        raise ValueError("must be a non-empty array")
     return value
 
 
@@ -149,7 +143,7 @@ class Prediction(BaseModel):
 
 
 class ChatBody(OpenAIBody):
-    messages: Annotated[list[ChatMessage], BeforeValidator(_nonempty_list)]
+    messages: Annotated[list[ChatMessage], BeforeValidator(nonempty_list)]
     max_completion_tokens: StrictWholeNumber | None = None
     logprobs: StrictFlag | None = None
     top_logprobs: Integer(0, MAX_CHAT_TOP_LOGPROBS, text_ok=False) | None = None

@@ -16,18 +16,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from llm_api.api.fields import Integer, Number, StopStrings, StrictFlag, StrictWholeNumber, Text
+from llm_api.api.fields import Integer, Number, StopStrings, StrictFlag, StrictWholeNumber, Text, nonempty_list
 from llm_api.protocols.common.openai import ToolName  # (Anthropic's rule for tool names is OpenAI's)
 
 MAX_STOP_SEQUENCES = 16
 MAX_USER_ID_CHARS = 256
-CACHE_TTLS = ("5m", "1h")
-
-
-def _nonempty_list(value: Any) -> Any:
-    if not isinstance(value, list) or not value:
-        raise ValueError("must be a non-empty array")
-    return value
 
 
 class CacheControl(BaseModel):
@@ -190,7 +183,7 @@ class CountTokensBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: Text
-    messages: Annotated[list[Message], BeforeValidator(_nonempty_list)]
+    messages: Annotated[list[Message], BeforeValidator(nonempty_list)]
     system: Text | list[TextBlock] | None = None
     tools: list[dict] | None = None  # each checked in translate against ToolDefinition (server tools refused)
     tool_choice: ToolChoice | None = None

@@ -6,14 +6,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, StrictInt, TypeAdapter, ValidationError
 
-from llm_api.api.fields import NonEmptyText, StrictFlag, Text
+from llm_api.api.fields import NonEmptyText, StrictFlag, Text, nonempty_list
 from llm_api.protocols.chat.schema import ChatMessage
-
-
-def _nonempty_list(value: Any) -> Any:
-    if not isinstance(value, list) or not value:
-        raise ValueError("must be a non-empty array")
-    return value
 
 
 class TokenizeBody(BaseModel):
@@ -21,7 +15,7 @@ class TokenizeBody(BaseModel):
 
     model: Text | None = None
     prompt: NonEmptyText | None = None
-    messages: Annotated[list[ChatMessage], BeforeValidator(_nonempty_list)] | None = None
+    messages: Annotated[list[ChatMessage], BeforeValidator(nonempty_list)] | None = None
     add_special_tokens: StrictFlag | None = None
 
 
