@@ -10,7 +10,8 @@ The sanitizer hook: with ``LLM_API_CPU_KERNELS_SANITIZED=1`` in the environment,
 access or undefined behaviour in a kernel aborts the test process. The process must then have the sanitizer's
 runtime preloaded (``LD_PRELOAD=<gcc -print-file-name=libasan.so> <... libubsan.so>``: ASan's runtime first):
 tests/kernels/test_sanitized.py starts such a pytest. ``LLM_API_CPU_KERNELS_CACHE=<folder>`` puts the builds
-there instead (a cache shared with the process that started this one, which has built them already), and
+there instead (a cache shared with the process that started this one, which has built them already; otherwise
+the builds go to a cache the run's workers share: ``shared_cache``), and
 ``LLM_API_CPU_KERNELS_BUILDS=native,x86-64`` (a comma-separated list) offers only those builds: the tests of the
 others skip.
 Nothing here changes what the server builds or loads.
@@ -77,5 +78,18 @@ def kernel_libraries(tmp_path_factory) -> Builds:
     if sanitized() and not _asan_preloaded():
         pytest.fail(f"{SANITIZED_ENV}=1 needs AddressSanitizer's runtime preloaded: LD_PRELOAD=$(gcc "
                     "-print-file-name=libasan.so) (tests/kernels/test_sanitized.py)", pytrace=False)
-    cache = Path(os.environ[CACHE_ENV]) if os.environ.get(CACHE_ENV) else tmp_path_factory.mktemp("cpu-kernels")
+    cache = Path(os.environ[CACHE_ENV]) if os.environ.get(CACHE_ENV) else shared_cache(tmp_path_factory)
     return Builds(cache, sanitized())
+
+
+def shared_cache(tmp_path_factory) -> Path:
+    """A build cache shared by the run's pytest-xdist workers (the run's temporary base folder, above each
+    worker's own): each build is compiled once a run, by the first worker that asks for it, while the others
+    wait for it (``library.build`` locks a build's folder), where every worker used to compile its own (~15-30 s
+    of both cores each, six to eight builds a run)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    cache = base / "cpu-kernels-shared"
+    cache.mkdir(exist_ok=True)
+    return cache

@@ -4,12 +4,15 @@ again, once."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
+import threading
 
 import pytest
 
 from llm_api.kernels.cpu import library
+from tests.kernels.conftest import shared_cache
 
 pytestmark = pytest.mark.skipif(library._compiler() is None, reason="no C compiler: the CPU kernels are not built")
 
@@ -23,9 +26,12 @@ def fresh(monkeypatch):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """One build for the module (~12 s); each test works on a copy of its cache folder."""
-    cache = tmp_path_factory.mktemp("built")
-    library.build(cache)
+    """The run's native build (tests/kernels/conftest.py's cache, built once a run); each test works on a copy of
+    its cache folder."""
+    path = library.build(shared_cache(tmp_path_factory))
+    cache = tmp_path_factory.mktemp("built")  # (only this build copied: other workers may be building beside it)
+    (cache / "cpu-kernels" / path.parent.name).mkdir(parents=True)
+    shutil.copy2(path, cache / "cpu-kernels" / path.parent.name / path.name)
     return cache
 
 
@@ -63,3 +69,24 @@ def test_a_library_that_does_not_load_is_built_again_once(tmp_path, fresh, caplo
     built.write_bytes(b"\x7fELF truncated")
     assert library.load(tmp_path) is True and library.loaded()
     assert "did not load" in caplog.text and built.stat().st_size > 10_000
+
+
+def test_a_build_under_way_in_another_process_is_waited_for_not_repeated(tmp_path):
+    """A second builder of the same library waits on the folder's lock and takes what the first one built: here
+    the "first builder" is this test holding the lock and writing the library while ``build`` waits."""
+    folder = library.build(tmp_path).parent
+    path = folder / library.LIBRARY_NAME
+    path.unlink()
+    lock = os.open(folder / ".lock", os.O_RDWR)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    result: list = []
+    waiter = threading.Thread(target=lambda: result.append(library.build(tmp_path)))
+    try:
+        waiter.start()
+        waiter.join(1.0)
+        assert waiter.is_alive() and not result, "build() went on while another process held the build's lock"
+        path.write_bytes(b"the other builder's library")  # (it is found, not compiled again)
+    finally:
+        os.close(lock)
+    waiter.join(30)
+    assert result == [path] and path.read_bytes() == b"the other builder's library"

@@ -10,7 +10,9 @@ weights are quantized cannot run without the library, and its loader says so bef
 A library found in the cache is loaded only when it is this user's and no one else may write it or its
 folder: the process maps it and runs its code, so a file another user could replace would run their code
 in the server. One that is ours but does not load (a truncated file, a disk error) is removed and built
-again, once.
+again, once. Processes building the same library at once (a TorchServe model's workers starting together, the
+tests' workers) build it once: the first holds a lock on the build's folder while it compiles, the others
+wait and then find the library there.
 
 ``build(..., sanitize=True)`` builds with AddressSanitizer and UndefinedBehaviorSanitizer (its own key): the
 kernel tests run over it in a process that preloads the sanitizer's runtime (tests/kernels/test_sanitized.py),
@@ -20,6 +22,7 @@ so an out-of-bounds read of any kernel fails the suite.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -135,9 +138,19 @@ def build(cache_dir: Path, march: str = "native", sanitize: bool = False) -> Pat
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     folder = Path(cache_dir) / "cpu-kernels" / build_key(compiler, march, sanitize)
-    library = folder / LIBRARY_NAME
     folder.mkdir(parents=True, exist_ok=True)
     _private_folder(folder)
+    # (the lock file is opened without following a link: nobody else may write the folder, checked above)
+    lock = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (another process building this library: wait, then take its build)
+        return _cached_or_built(compiler, folder, march, sanitize)
+    finally:
+        os.close(lock)  # (closing releases the lock)
+
+
+def _cached_or_built(compiler: str, folder: Path, march: str, sanitize: bool) -> Path:
+    library = folder / LIBRARY_NAME
     if library.exists():
         reason = untrusted(library)
         if reason is not None:
