@@ -57,7 +57,12 @@ def test_owner_with_auth_off_is_the_header_as_received():
     f"{KEY_ONE},",  # an empty key after the comma
     f",{KEY_ONE}",
     f"{KEY_ONE},,{KEY_TWO}",
-    f"{KEY_ONE}, {KEY_TWO}",  # a space is no separator: it would be part of a key
+    f"{KEY_ONE} {KEY_TWO}",  # a space is no separator: the second key would be an option
+    f"{KEY_ONE} priority=high",
+    f"{KEY_ONE} priority=-1 priority=-2",
+    f"{KEY_ONE} priority=99999999999",
+    f"{KEY_ONE} priority=--1",
+    f"{KEY_ONE} Priority=-1",
     f"{KEY_ONE},short",
     f"{KEY_ONE},{KEY_ONE}",  # listed twice
     f"{KEY_ONE},tab\tin-the-key",
@@ -68,6 +73,22 @@ def test_a_bad_key_list_names_the_variable_and_no_key(value):
     message = str(err.value)
     assert "LLM_API_KEY is not usable" in message and "separated by commas" in message
     assert KEY_ONE not in message and KEY_TWO not in message and "short" not in message
+
+
+def test_a_keys_priority_option_names_its_owner_for_the_scheduler_and_is_no_part_of_the_key():
+    from llm_api.server.auth import BearerAuth
+    from llm_api.service.owners import priority_grants
+
+    settings = Settings.from_env({"LLM_API_KEY": f"{KEY_ONE}, {KEY_TWO} priority=-10"})
+    assert settings.api_keys == (KEY_ONE, KEY_TWO) and settings.api_key_priorities == {KEY_TWO: -10}
+    auth = BearerAuth(settings.api_key)
+    assert auth.allows(f"Bearer {KEY_ONE}") and auth.allows(f"Bearer {KEY_TWO}")
+    assert not auth.allows(f"Bearer {KEY_TWO} priority=-10")
+    # The engine's grants are keyed by the owner the edge names for a request with that key, and hold no key.
+    grants = priority_grants(settings.api_key_priorities)
+    assert grants == {auth.owner(f"Bearer {KEY_TWO}"): -10} and KEY_TWO not in repr(grants)
+    assert priority_grants(Settings.from_env({"LLM_API_KEY": f"{KEY_ONE} priority=7"}).api_key_priorities) == {
+        auth.owner(f"Bearer {KEY_ONE}"): 7}
 
 
 def test_a_bad_key_list_stops_the_command():

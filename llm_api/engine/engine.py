@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -94,6 +94,9 @@ class EngineConfig:
     # The cache folder where llm_api.kernels.cpu builds its library: with fused_kernels, a model on the CPU runs
     # the fused decoder layers with those C kernels. "": none (transformers' code), as an engine built directly.
     cpu_kernels_cache: str = ""
+    # Owner -> how far its priorities count against other owners' requests (LLM_API_KEY's priority=N, by owner:
+    # llm_api.service.owners.priority_grants; SchedulerConfig.priority_grants says how).
+    priority_grants: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "EngineConfig":
@@ -192,7 +195,7 @@ class LLMEngine:
         assert config.max_num_batched_tokens is not None  # set above: CUDA_TOKEN_BUDGET, or the CPU's budget
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                            lora.max_loras if lora is not None else 0),
+                            lora.max_loras if lora is not None else 0, dict(config.priority_grants)),
             BlockPool(num_blocks, config.block_size, config.enable_prefix_caching),
             set(eos_token_ids),
             drafter=Drafter(SpeculativeConfig(config.speculative_tokens, config.ngram_min, config.ngram_max,

@@ -103,6 +103,9 @@ class Request:
     # Whose share of the engine it runs in (llm_api.engine.fair_share; "" where no key is checked): priorities
     # compare only between one owner's requests.
     owner: str = ""
+    # How this sequence ranks against other owners' (a lower rank first; set by Scheduler.add from its priority
+    # and its owner's grant: SchedulerConfig.priority_grants). 0 for every owner without a grant.
+    rank: int = 0
     # params.prompt_logprobs: the prompt's logprobs computed so far (entry i scores prompt token i + 1); a
     # recompute after preemption does not compute them twice.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)

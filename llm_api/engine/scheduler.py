@@ -26,7 +26,13 @@ queue in its own order), an owner is capped at its share of the sequences and bl
 waits, a waiting owner within its share that lacks room preempts the owner furthest over its share (its
 newest sequences), memory short preempts from the owner furthest over its share, and a running prefill
 chunk leaves up to half the budget to the first chunks of less-served owners waiting. Priorities compare
-only within an owner. With one owner (every request's owner "", the default) none of this changes anything.
+only within an owner, unless the operator grants an owner more: ``SchedulerConfig.priority_grants`` gives a
+sequence its ``rank`` against other owners' (``max(grant, min(priority, 0))``: 0 for every owner without a
+grant), and ranks come before everything above: the running set is ordered by rank first, a waiting owner's
+head of a better rank is admitted before the others' (and is not capped at its share by owners waiting at a
+worse rank), preempts running sequences of a worse rank for room like a better priority within an owner,
+and is never a victim of the shares of owners at a worse rank. With one owner (every request's owner "", the
+default) none of this changes anything.
 
 ``schedule()`` returns a ``SchedulerOutput``: per scheduled request, its new tokens, whether it samples,
 and the block ids it got this step (``new_block_ids``; all of its blocks when ``is_new``, i.e. admitted or
@@ -82,6 +88,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int  # most tokens (prompt + output) one request may reach; fits in the block pool
     max_loras: int = 0  # LoRA adapters running at once (MAX_LORAS); 0: no adapters are served
+    # Owner -> its grant N (LLM_API_KEY's "key priority=N"): its requests rank max(N, min(priority, 0)) against
+    # other owners' (Request.rank); an owner without one ranks 0 whatever its priorities.
+    priority_grants: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -166,6 +175,9 @@ class Scheduler:
         if siblings:
             self._unforked[request.seq_id] = list(siblings)
         self.fair.join(request.owner, len(sequences))
+        rank = max(self.config.priority_grants.get(request.owner, 0), min(request.priority, 0))
+        for sequence in sequences:
+            sequence.rank = rank
         # Behind every waiting request of its own or a better priority (equal priorities: appended).
         position = len(self.waiting)
         while position > 0 and self.waiting[position - 1].priority > request.priority:
@@ -210,11 +222,12 @@ class Scheduler:
         self._ended_request_ids = []
         budget = self.config.max_num_batched_tokens
         fair = self.fair
-        # The least-served owner's sequences first, each owner's in priority order (stable: admission order
-        # within a priority), so the last one belongs to the most-served owner and is preempted first.
-        # (One owner: its counter orders nothing, and is neither read nor kept: fair_share.FairShare.charge.)
+        # The best rank first, then the least-served owner's sequences, each owner's in priority order (stable:
+        # admission order within a priority), so the last one belongs to the most-served owner of the worst rank
+        # and is preempted first. (One owner: its counter orders nothing, and is neither read nor kept:
+        # fair_share.FairShare.charge; its ranks follow its priorities.)
         if fair.num_active > 1:
-            self.running.sort(key=lambda r: (fair.served_of(r.owner), r.priority))
+            self.running.sort(key=lambda r: (r.rank, fair.served_of(r.owner), r.priority))
         else:
             self.running.sort(key=lambda r: r.priority)
         self._preempt_for_priority(output)
@@ -268,10 +281,12 @@ class Scheduler:
         queues: dict[str, list[Request]] = {}
         for waiting in self.waiting:
             queues.setdefault(waiting.owner, []).append(waiting)
-        waiting_owners = set(queues)  # (an owner capped below still waits: the others stay capped too)
-        usage = self._usage() if len(waiting_owners) > 1 else None
+        # (an owner capped below still waits: the others stay capped too)
+        head_ranks = {owner: queue[0].rank for owner, queue in queues.items()}
+        usage = self._usage() if len(head_ranks) > 1 else None
         while queues and budget > 0 and not memory_short:
-            owner = min(queues, key=fair.served_of)  # (charged as it is admitted: owners alternate)
+            # (charged as it is admitted: owners of one rank alternate)
+            owner = min(queues, key=lambda o: (queues[o][0].rank, fair.served_of(o)))
             queue = queues[owner]
             request = queue[0]
             if self._lora_blocked(request, running_loras):
@@ -281,7 +296,8 @@ class Scheduler:
             hit_block_ids = self._find_cached_blocks(request)
             num_hit_tokens = len(hit_block_ids) * self.block_size
             num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
-            if usage is not None:  # another owner waits: this one stays within its share
+            # Another owner of its rank or a better one waits: this one stays within its share.
+            if usage is not None and any(rank <= request.rank for o, rank in head_ranks.items() if o != owner):
                 held_seqs, held_blocks = usage.get(owner, (0, 0))
                 if not fair.within_share(held_seqs + 1 + num_siblings,
                                          held_blocks + sum(self._blocks_to_take(request, num_new_tokens, hit_block_ids))):
@@ -532,21 +548,23 @@ class Scheduler:
         return None
 
     def _preempt_for_priority(self, output: SchedulerOutput) -> None:
-        """Preempt running sequences of the first waiting request's owner with a worse priority than it (worst
-        and newest first) while it lacks a sequence slot or the blocks for its first chunk; nothing when none
-        of that owner's running sequences has a worse priority. Priorities compare only within an owner: a
-        key's priority never preempts another key's sequences. (A request held back by MAX_LORAS is left to
+        """Preempt running sequences worse than the first waiting request (the best rank, then the best
+        priority: with one owner, the queue's first), worst and newest first, while it lacks a sequence slot or
+        the blocks for its first chunk: its owner's of a worse priority and any owner's of a worse rank; nothing
+        when none is worse. Priorities compare only within an owner: a key's priority never preempts another
+        key's sequences unless a grant gave it a better rank. (A request held back by MAX_LORAS is left to
         wait.)"""
         if not self.waiting or not self.running:
             return
-        head = self.waiting[0]
-        worse = [r for r in self.running if r.owner == head.owner and r.priority > head.priority]
+        head = min(self._waiting_heads().values(), key=lambda r: (r.rank, r.priority))
+        worse = [r for r in self.running
+                 if r.rank > head.rank or (r.owner == head.owner and r.priority > head.priority)]
         if not worse:
             return
         if self._lora_blocked(head, {r.lora_id for r in self.running if r.lora_id}):
             return
         num_blocks, num_seqs = self._needs(head)
-        while worse:  # (running is in priority order within an owner: the last is the worst and newest)
+        while worse:  # (running is in rank order, and in priority order within an owner: the last is the worst)
             if (self._num_running_seqs() + num_seqs <= self.config.max_num_seqs
                     and num_blocks <= self.block_pool.num_free_blocks):
                 return
@@ -555,17 +573,17 @@ class Scheduler:
             self._preempt(victim, output)
 
     def _preempt_for_share(self, output: SchedulerOutput) -> None:
-        """With several owners active: the least-served waiting owner whose next request would leave it
-        within its share, but which lacks a sequence slot or the blocks for its first chunk, gets them from
-        the owner furthest over its share (that owner's newest sequences first), never from an owner within
-        its share."""
+        """With several owners active: the least-served waiting owner of the best rank whose next request would
+        leave it within its share, but which lacks a sequence slot or the blocks for its first chunk, gets them
+        from the owner furthest over its share (that owner's newest sequences of the waiting request's rank or
+        a worse one first), never from an owner within its share."""
         fair = self.fair
         if fair.num_active < 2 or not self.waiting or not self.running:
             return
         heads = self._waiting_heads()
         running_loras = {r.lora_id for r in self.running if r.lora_id}
         usage = self._usage()
-        for owner in sorted(heads, key=fair.served_of):
+        for owner in sorted(heads, key=lambda o: (heads[o].rank, fair.served_of(o))):
             head = heads[owner]
             if self._lora_blocked(head, running_loras):
                 continue
@@ -579,7 +597,10 @@ class Scheduler:
                 worst, victim_owner = max(over, default=(0.0, ""))
                 if worst <= 1:
                     return  # nobody is over its share: the owner waits like anyone
-                victim = next(r for r in reversed(self.running) if r.owner == victim_owner)
+                victim = next((r for r in reversed(self.running) if r.owner == victim_owner and r.rank >= head.rank),
+                              None)
+                if victim is None:
+                    return  # what that owner holds ranks better than the waiting request
                 self.running.remove(victim)
                 victim_seqs = 1 + len(self._unforked.get(victim.seq_id, ()))
                 held = usage[victim_owner]
@@ -618,35 +639,40 @@ class Scheduler:
 
     def _victim(self, index: int) -> Request:
         """The sequence to preempt when memory is short while ``running[index]`` is being scheduled: among those
-        not yet scheduled this step (``running[index:]``), the newest of the owner furthest over its share;
-        with one owner, the last one (the newest of the worst priority)."""
+        not yet scheduled this step (``running[index:]``) of the worst rank, the newest of the owner furthest
+        over its share; with one owner, the last one (the newest of the worst priority)."""
         if self.fair.num_active < 2:
             return self.running[-1]
-        candidates = self.running[index:]
+        worst_rank = max(r.rank for r in self.running[index:])
+        candidates = [r for r in self.running[index:] if r.rank == worst_rank]
         usage = self._usage()
         owner = max({r.owner for r in candidates}, key=lambda o: self.fair.overshoot(*usage[o]))
         return next(r for r in reversed(candidates) if r.owner == owner)
 
     def _reservations(self) -> dict[str, int]:
         """With several owners active: per owner, the tokens its prefill chunks leave this step to the first
-        chunks of other owners' waiting requests, those of owners served no more than it and within their
-        share (at most half the budget). Empty when nobody waits or one owner is active."""
+        chunks of other owners' waiting requests, those of owners of a better rank, or of its rank and served no
+        more than it, within their share (at most half the budget). Empty when nobody waits or one owner is
+        active."""
         fair = self.fair
         if fair.num_active < 2 or not self.waiting:
             return {}
         heads = self._waiting_heads()
         usage = self._usage()
-        wanted: list[tuple[float, str, int]] = []
+        wanted: list[tuple[tuple[int, float], str, int]] = []
         for owner, head in heads.items():
             held_seqs, held_blocks = usage.get(owner, (0, 0))
             num_blocks, num_seqs = self._needs(head)
             if fair.within_share(held_seqs + num_seqs, held_blocks + num_blocks):
-                wanted.append((fair.served_of(owner), owner, head.num_tokens))
+                wanted.append(((head.rank, fair.served_of(owner)), owner, head.num_tokens))
         half = self.config.max_num_batched_tokens // 2
+        running_ranks: dict[str, int] = {}
+        for request in self.running:
+            running_ranks[request.owner] = min(request.rank, running_ranks.get(request.owner, request.rank))
         reserved = {}
-        for owner in {r.owner for r in self.running}:
-            served = fair.served_of(owner)
-            reserved[owner] = min(half, sum(tokens for s, o, tokens in wanted if o != owner and s <= served))
+        for owner, rank in running_ranks.items():
+            standing = (rank, fair.served_of(owner))
+            reserved[owner] = min(half, sum(tokens for s, o, tokens in wanted if o != owner and s <= standing))
         return {owner: tokens for owner, tokens in reserved.items() if tokens}
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:

@@ -105,29 +105,59 @@ def _marker(raw: str) -> str:
     return raw
 
 
+PRIORITY_OPTION = "priority="
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1  # (a request's priority field's range: protocols/common/checks.py)
+
+
+def _key_entries(raw: str) -> list[list[str]]:
+    """LLM_API_KEY's entries, each split at its spaces: [key, *options] (an empty entry is [])."""
+    return [entry.split() for entry in raw.split(",")] if raw else []
+
+
 def split_api_keys(raw: str) -> tuple[str, ...]:
-    """LLM_API_KEY's keys: comma-separated (vLLM's ``--api-key`` also takes several), so no key holds a comma."""
-    return tuple(raw.split(",")) if raw else ()
+    """LLM_API_KEY's keys: comma-separated (vLLM's ``--api-key`` also takes several), so no key holds a comma;
+    an entry's options (after the key, separated by spaces: a key holds none) are not part of it."""
+    return tuple(words[0] if words else "" for words in _key_entries(raw))
+
+
+def api_key_priorities(raw: str) -> dict[str, int]:
+    """Each key of LLM_API_KEY given a ``priority=N`` option, with its N (see ``Settings.api_key_priorities``)."""
+    return {words[0]: int(words[1][len(PRIORITY_OPTION):]) for words in _key_entries(raw) if len(words) == 2}
 
 
 def _api_key(raw: str) -> str:
     """LLM_API_KEY: empty (a key is generated at start), or one or more comma-separated keys, each what a
     client sends after ``Bearer ``: visible ASCII without spaces (it travels in a header), long enough not to
-    be guessed in a few tries, and no key twice (two names for one owner would be a mistake). The message
-    names the key by its position and length, never by its value."""
+    be guessed in a few tries, and no key twice (two names for one owner would be a mistake). A key may be
+    followed by one option, ``priority=N`` (an integer; ``Settings.api_key_priorities``). The message names
+    the key by its position and length, never by its value, nor an option's text (a key mistyped with a
+    space in it would otherwise show its second half)."""
     if raw == "":
         return raw
     allowed = (f"one or more keys separated by commas, each at least {MIN_API_KEY_CHARS} visible ASCII characters "
-               "without spaces or commas, or unset to generate one")
-    keys = split_api_keys(raw)
-    for position, key in enumerate(keys, start=1):
+               "without spaces or commas and optionally followed by a space and priority=<integer>, or unset to "
+               "generate one")
+    entries = _key_entries(raw)
+    for position, words in enumerate(entries, start=1):
+        key = words[0] if words else ""
+        where = f"key {position} of {len(entries)}" if len(entries) > 1 else "the key"
         if len(key) < MIN_API_KEY_CHARS or not all("!" <= c <= "~" for c in key):
-            where = f"key {position} of {len(keys)}" if len(keys) > 1 else "the key"
             raise ConfigError(f"LLM_API_KEY is not usable ({where} has {len(key)} characters); allowed values: "
                               f"{allowed}")
+        if len(words) > 2 or (len(words) == 2 and not _priority_option(words[1])):
+            raise ConfigError(f"LLM_API_KEY is not usable ({where} is followed by text that is not one option "
+                              f"{PRIORITY_OPTION}<integer from {PRIORITY_MIN} to {PRIORITY_MAX}>); allowed values: "
+                              f"{allowed}")
+    keys = split_api_keys(raw)
     if len(set(keys)) != len(keys):
         raise ConfigError(f"LLM_API_KEY is not usable (a key is listed twice); allowed values: {allowed}")
     return raw
+
+
+def _priority_option(word: str) -> bool:
+    value = word[len(PRIORITY_OPTION):]
+    return (word.startswith(PRIORITY_OPTION) and value.lstrip("-").isascii() and value.lstrip("-").isdigit()
+            and value.count("-") <= 1 and PRIORITY_MIN <= int(value) <= PRIORITY_MAX)
 
 
 def _store_path(raw: str) -> str:
@@ -539,8 +569,10 @@ class Settings:
     api_key: str = setting(
         "LLM_API_KEY", "",
         f"`llm_api serve` only: its bearer keys, one or more separated by commas (any is accepted; each is its own "
-        f"owner of stored responses), each at least {MIN_API_KEY_CHARS} visible ASCII characters without spaces or "
-        f"commas (never logged)",
+        f"owner of stored responses and of a fair share of the engine), each at least {MIN_API_KEY_CHARS} visible "
+        f"ASCII characters without spaces or commas (never logged); a key followed by ` priority=N` ranks its "
+        f"requests against other keys' as `max(N, min(priority, 0))` (default 0: a key's priority orders only its "
+        f"own requests; docs/reliability.md)",
         parse=_api_key, repr=False, shown_default="unset (a key is generated per start)")
     drain_grace_s: float = setting(
         "DRAIN_GRACE_S", 30.0,
@@ -723,6 +755,16 @@ class Settings:
         """The keys of LLM_API_KEY (empty when unset): any one of them is accepted, each its own owner of
         stored responses."""
         return split_api_keys(self.api_key)
+
+    @property
+    def api_key_priorities(self) -> dict[str, int]:
+        """The keys given ``priority=N`` in LLM_API_KEY (``keyB priority=-10``), with N: how far that key's
+        priorities count against other keys' requests (the fair-share scheduler's rank,
+        llm_api.engine.scheduler). Every other key's requests rank 0 against other keys whatever priority they
+        send (their priority orders only their own); N < 0 lets the key's requests of priority below 0 go
+        ahead of other keys' (down to N); N > 0 puts all of the key's requests behind other keys' (a batch
+        key)."""
+        return api_key_priorities(self.api_key)
 
 
 def _tls_pairing(values: Mapping[str, Any]) -> str:

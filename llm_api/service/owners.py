@@ -25,7 +25,7 @@ frontend checks ``Authorization`` only, so behind it the key must come in that h
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from llm_api.api.errors import ApiError
 
@@ -69,3 +69,10 @@ def owner_of(authorization: str | None) -> str:
     text = (authorization or "").strip()
     # surrogatepass: a header decoded by a lenient parser may hold lone surrogates; it still gets an owner.
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def priority_grants(key_priorities: Mapping[str, int]) -> dict[str, int]:
+    """LLM_API_KEY's ``priority=N`` options (``Settings.api_key_priorities``: key -> N) by owner (``owner_of``
+    of the key's header, as ``BearerAuth.owner`` names it), for the scheduler (``SchedulerConfig.priority_grants``):
+    the engine sees owners, never keys."""
+    return {owner_of(f"Bearer {key}"): grant for key, grant in key_priorities.items()}

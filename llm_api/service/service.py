@@ -47,6 +47,7 @@ the standalone server's own): unguessable, returned to the client with the respo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import gc
 import logging
@@ -75,6 +76,7 @@ from llm_api.service.events import Event, Finished
 from llm_api.service.input import InputProcessor, Prepared
 from llm_api.service.metrics import ServingMetrics, Sink
 from llm_api.service.output import Echo, RequestState
+from llm_api.service.owners import priority_grants
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +139,9 @@ class ModelService:
         if reason is not None:
             logger.warning("the paged engine cannot drive this model: %s; using the generate() reference path", reason)
             return None
-        engine = LLMEngine(self.lm.model, EngineConfig.from_settings(self.settings), set(self.lm.eos_token_ids),
-                           lora=self.lora)
+        config = dataclasses.replace(EngineConfig.from_settings(self.settings),
+                                     priority_grants=priority_grants(self.settings.api_key_priorities))
+        engine = LLMEngine(self.lm.model, config, set(self.lm.eos_token_ids), lora=self.lora)
         stats = engine.stats()
         logger.info(
             "paged engine: %d KV blocks of %d tokens, max concurrent tokens %d, max_model_len %d, attention %s, "

@@ -5,8 +5,10 @@ Rules: the least-served owner's request is admitted first; an owner that starts 
 least counter among the active owners; while another owner waits, an owner is capped at its share of the
 sequences and the blocks; an owner within its share that lacks room preempts the owner furthest over its
 share, never one within it; memory short preempts the owner furthest over its share; a long prompt's chunks
-leave room for another owner's first chunk; priorities compare only within an owner; one owner is the
-scheduler without fair share. (The random operations of tests/engine/test_scheduler.py run with several
+leave room for another owner's first chunk; priorities compare only within an owner, unless a grant
+(``SchedulerConfig.priority_grants``: LLM_API_KEY's ``key priority=N``) ranks an owner's requests against the
+others' (admitted first, not capped by owners of a worse rank, preempting their sequences, never their
+victim; a positive grant puts an owner behind the others); one owner is the scheduler without fair share. (The random operations of tests/engine/test_scheduler.py run with several
 owners too.)
 """
 
@@ -21,8 +23,9 @@ from llm_api.engine.scheduler import Scheduler, SchedulerConfig
 BLOCK_SIZE = 4
 
 
-def _scheduler(num_blocks=64, max_num_seqs=8, budget=64, max_model_len=400):
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), BlockPool(num_blocks, BLOCK_SIZE), set())
+def _scheduler(num_blocks=64, max_num_seqs=8, budget=64, max_model_len=400, grants=None):
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, priority_grants=grants or {}),
+                     BlockPool(num_blocks, BLOCK_SIZE), set())
 
 
 def _request(request_id, owner, prompt_len=4, max_new_tokens=30, priority=0, token=1):
@@ -208,3 +211,92 @@ def test_one_owner_takes_everything_and_a_finished_owner_leaves_the_shares():
     assert scheduler.fair.num_active == 1
     _step(scheduler)
     assert len(_running(scheduler, "A")) == 4
+
+
+def test_a_grant_ranks_an_owners_priorities_against_other_owners_and_only_down_to_the_grant():
+    scheduler = _scheduler(grants={"G": -10, "Batch": 5})
+    for name, owner, priority in (("g-best", "G", -(2**31)), ("g-some", "G", -3), ("g-worse", "G", 7),
+                                  ("a-best", "A", -(2**31)), ("batch", "Batch", -(2**31))):
+        scheduler.add(_request(name, owner, priority=priority))
+    assert {r.request_id: r.rank for r in scheduler.waiting} == {
+        "g-best": -10, "g-some": -3, "g-worse": 0, "a-best": 0, "batch": 5}
+
+
+def test_a_granted_owners_better_rank_is_admitted_first_and_not_capped_by_owners_of_a_worse_rank():
+    # One slot: A came first and is the least served, but G's request at priority -1 ranks ahead of it.
+    scheduler = _scheduler(max_num_seqs=1, grants={"G": -5})
+    scheduler.add(_request("a0", "A", max_new_tokens=3))
+    scheduler.add(_request("g0", "G", priority=-1, max_new_tokens=3))
+    scheduler.add(_request("g1", "G", priority=0, max_new_tokens=3))
+    admitted = []
+    while scheduler.has_unfinished_requests():
+        admitted += [i for i in _ids(_step(scheduler)) if i not in admitted]
+    # (g1 at priority 0 ranks 0 like a0: fair share between them, and A is served less by then)
+    assert admitted == ["g0", "a0", "g1"]
+    # Four slots, G's three ranked requests take three although A waits (A's rank is worse: no share holds
+    # G back); G's request at rank 0 and A's share the last slot by fair share.
+    scheduler = _scheduler(max_num_seqs=4, grants={"G": -5})
+    for i in range(3):
+        scheduler.add(_request(f"a{i}", "A"))
+    for i in range(3):
+        scheduler.add(_request(f"g{i}", "G", priority=-2))
+    _step(scheduler)
+    assert sorted(_running(scheduler, "G")) == ["g0", "g1", "g2"] and _running(scheduler, "A") == ["a0"]
+
+
+def test_a_granted_owners_better_rank_preempts_other_owners_and_is_never_their_shares_victim():
+    # Two slots, A and B hold one each (each within its share): G's request at priority -1 takes one of them
+    # for its better rank, where fair share alone would have let it wait (nobody is over a share).
+    def full(grants):
+        scheduler = _scheduler(max_num_seqs=2, grants=grants)
+        scheduler.add(_request("a0", "A", max_new_tokens=50))
+        scheduler.add(_request("b0", "B", max_new_tokens=50, token=2))
+        _step(scheduler)
+        scheduler.add(_request("g0", "G", priority=-1, max_new_tokens=50, token=3))
+        return _step(scheduler)
+    output = full({"G": -5})
+    assert len(output.preempted_request_ids) == 1 and "g0" in _ids(output)
+    output = full({})
+    assert not output.preempted_request_ids and "g0" not in _ids(output)
+    # G holds both slots (over its share of one once A waits): A's request within its share does not take
+    # G's sequences, which rank better; without the grant it takes G's newest.
+    def taken_from_g(grants):
+        scheduler = _scheduler(max_num_seqs=2, grants=grants)
+        scheduler.add(_request("g0", "G", priority=-1, max_new_tokens=50))
+        scheduler.add(_request("g1", "G", priority=-1, max_new_tokens=50, token=2))
+        _step(scheduler)
+        scheduler.add(_request("a0", "A", max_new_tokens=50, token=3))
+        return _step(scheduler).preempted_request_ids
+    assert taken_from_g({"G": -5}) == [] and taken_from_g({}) == ["g1"]
+
+
+def _preempted_when_memory_runs_short(grants):
+    """12 blocks: G's g0 and g1 (12-token prompts, over G's share of blocks once B comes), then B's b0 (6
+    tokens: its blocks fill on other steps than G's); decode until blocks run out while a G sequence needs one."""
+    scheduler = _scheduler(num_blocks=12, max_num_seqs=4, budget=64, grants=grants)
+    scheduler.add(_request("g0", "G", prompt_len=12, max_new_tokens=200, priority=-1))
+    scheduler.add(_request("g1", "G", prompt_len=12, max_new_tokens=200, priority=-1, token=2))
+    _step(scheduler)
+    scheduler.add(_request("b0", "B", prompt_len=6, max_new_tokens=200, token=3))
+    preempted = []
+    while not preempted:
+        preempted = _step(scheduler).preempted_request_ids
+    return preempted
+
+
+def test_memory_short_preempts_the_worst_rank_first():
+    # G over its share and ranked better: B's sequence goes; without the grant, G's newest (furthest over).
+    assert _preempted_when_memory_runs_short({"G": -1}) == ["b0"]
+    assert _preempted_when_memory_runs_short({}) == ["g1"]
+
+
+def test_a_positive_grant_puts_a_batch_owner_behind_the_others():
+    scheduler = _scheduler(max_num_seqs=1, grants={"Batch": 1})
+    for i in range(2):
+        scheduler.add(_request(f"batch{i}", "Batch", max_new_tokens=3))
+    scheduler.add(_request("a0", "A", max_new_tokens=3))
+    scheduler.add(_request("a1", "A", max_new_tokens=3))
+    admitted = []
+    while scheduler.has_unfinished_requests():
+        admitted += [i for i in _ids(_step(scheduler)) if i not in admitted]
+    assert admitted == ["a0", "a1", "batch0", "batch1"]

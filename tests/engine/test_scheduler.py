@@ -221,16 +221,18 @@ def test_a_better_priority_preempts_worse_running_sequences_to_be_admitted():
     assert not _step(scheduler).preempted_request_ids and _waiting(scheduler) == ["c"]
 
 
-@pytest.mark.parametrize("seed, priorities, owners", [(0, False, 1), (1, False, 1), (2, True, 1), (3, True, 1),
-                                                      (4, False, 3), (5, True, 2)])
-def test_random_scheduler_operations_keep_invariants(seed, priorities, owners):
+@pytest.mark.parametrize("seed, priorities, owners, grants", [
+    (0, False, 1, {}), (1, False, 1, {}), (2, True, 1, {}), (3, True, 1, {}), (4, False, 3, {}), (5, True, 2, {}),
+    (6, True, 3, {"owner0": -1, "owner2": 1})])
+def test_random_scheduler_operations_keep_invariants(seed, priorities, owners, grants):
     """Scheduler + pool with fake sampled tokens: adds, aborts, steps, preemptions, prefix hits (and with
     ``priorities`` each request of a random priority, so priority preemptions too; with several ``owners``
-    each request of a random one, so fair-share preemptions, caps and reservations too)."""
+    each request of a random one, so fair-share preemptions, caps and reservations too; with ``grants``, owners
+    ranked against each other, so rank preemptions too)."""
     rng = random.Random(seed)
     pool = BlockPool(num_blocks=40, block_size=BLOCK_SIZE)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, max_model_len=120),
-                          pool, eos_token_ids={0})
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, max_model_len=120,
+                                          priority_grants=grants), pool, eos_token_ids={0})
     shared_prefix = [rng.randrange(1, 50) for _ in range(14)]
     runner_tables = BlockTables()  # what the model runner rebuilds from the scheduler's deltas
     tokens_out: dict[str, list[int]] = {}
