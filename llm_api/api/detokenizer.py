@@ -65,7 +65,10 @@ class IncrementalDetokenizer:
 
 
 @dataclass
-class TextDelta:
+class StreamDelta:
+    """What ``TextStream.push`` releases: text safe to send, and whether a stop matched (the service turns it
+    into the request's ``llm_api.service.events.TextDelta``, the one event of that name)."""
+
     text: str
     stopped: bool  # a stop string matched: the request must stop here
 
@@ -83,9 +86,9 @@ class TextStream:
         self.text = ""  # everything released so far
         self.marker_removed = False  # the model spelled the marker out and it was taken from the answer
 
-    def push(self, token_ids: Sequence[int]) -> TextDelta:
+    def push(self, token_ids: Sequence[int]) -> StreamDelta:
         if self._stopped:
-            return TextDelta("", True)
+            return StreamDelta("", True)
         return self._release(self._detok.push(token_ids), final=False)
 
     def finish(self) -> str:
@@ -94,7 +97,7 @@ class TextStream:
             return ""
         return self._release(self._detok.flush(), final=True).text
 
-    def _release(self, new_text: str, final: bool) -> TextDelta:
+    def _release(self, new_text: str, final: bool) -> StreamDelta:
         buf = self._pending + new_text
         # A stop string equal to the marker ends the answer where the model spelled the marker out.
         spelled_end = buf.find(self._marker) if self._marker in self._stop else -1
@@ -114,11 +117,11 @@ class TextStream:
             out = buf[:cut]
             self._pending = ""
             self.text += out
-            return TextDelta(out, True)
+            return StreamDelta(out, True)
         hold = 0 if final else _held_back(buf, self._stop, self._marker)
         out, self._pending = buf[: len(buf) - hold], buf[len(buf) - hold :]
         self.text += out
-        return TextDelta(out, False)
+        return StreamDelta(out, False)
 
 
 def _first_match(text: str, stops: Sequence[str]) -> tuple[int | None, str | None]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from llm_api.api.detokenizer import TextDelta as StreamDelta, TextStream
+from llm_api.api.detokenizer import StreamDelta, TextStream
 from llm_api.api.errors import ApiError
 from llm_api.api.logprobs import LogprobItem, TokenTexts
 from llm_api.engine.request import FinishReason, RequestOutput
