@@ -218,7 +218,7 @@ EDGES = ("llm_api.torchserve.llm_handler", "llm_api.server.http_api", "llm_api.s
 # What parses a request or encodes an answer: only the API folders of llm_api.protocols (and the service) may
 # use these; an edge imports llm_api.protocols.route and llm_api.protocols.table alone of that package.
 ROUTE_LOGIC = ("llm_api.service.answer.encoded_parts", "llm_api.service.answer.parse_")
-EDGE_PROTOCOL_MODULES = ("llm_api.protocols.route", "llm_api.protocols.table")
+EDGE_PROTOCOL_MODULES = ("llm_api.protocols.route", "llm_api.protocols.table", "llm_api.protocols.wire")
 ROUTE_PATH = re.compile(r"""["'](/?v1/|/?tokenize|/?detokenize|/?health|/?ready|/?metrics|/?predictions)""")
 
 
@@ -249,6 +249,33 @@ def test_the_edge_rule_can_fail(tmp_path):
     bad.write_text('from llm_api.protocols.chat.translate import parse_chat\nif path == "v1/chat/completions":\n    pass\n')
     problems = _edge_problems(bad)
     assert "imports llm_api.protocols.chat.translate" in problems and "names the route path 'v1/chat/completions'" in problems
+
+
+# One writer: every edge writes an answer through llm_api.protocols.wire (what goes out, and what a failure
+# becomes before and after the first chunk), so none reads an answer's parts or its refusals itself.
+WRITING_EDGES = (*EDGES, "llm_api.scale_out.deployments")
+PART_TYPES = ("llm_api.service.answer.Refusal", "llm_api.service.answer.Parts", "llm_api.service.answer.EncodedParts")
+
+
+def _writer_problems(path: Path) -> list[str]:
+    problems = [f"imports {i}" for i in _imports(path) if i in PART_TYPES]
+    problems += [f"reads .parts (line {node.lineno})" for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.Attribute) and node.attr == "parts"]
+    return problems
+
+
+def test_every_edge_writes_answers_through_the_one_writer():
+    modules = _modules()
+    problems = {edge: _writer_problems(modules[edge]) for edge in WRITING_EDGES}
+    assert not any(problems.values()), problems
+    assert all("llm_api.protocols.wire.wire" in _imports(modules[edge]) for edge in WRITING_EDGES)
+
+
+def test_the_writer_rule_can_fail(tmp_path):
+    bad = tmp_path / "edge.py"
+    bad.write_text("from llm_api.service.answer import Refusal\nasync def f(result):\n    async for p in result.parts:\n"
+                   "        pass\n")
+    assert _writer_problems(bad) == ["imports llm_api.service.answer.Refusal", "reads .parts (line 3)"]
 
 
 def test_every_route_is_one_table_line_served_by_the_edges():

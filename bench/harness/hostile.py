@@ -173,7 +173,9 @@ def error_type(answer: Answer) -> str | None:
 @dataclass
 class Witness:
     """A well-behaved stream beside the hostile requests. ``with Witness(server) as w:`` starts a long
-    greedy stream and waits for its first chunk; on leaving, the stream is cancelled by its
+    sampled stream (temperature 1, a fixed seed: a greedy one turns repetitive, and a server with n-gram
+    speculation then accepts several drafted tokens a step and finished 1,000 tokens before a slow block ended,
+    which failed the cancel below) and waits for its first chunk; on leaving, the stream is cancelled by its
     ``x-request-id`` and must then end with its ``cancelled`` error line (so it streamed the whole time,
     and the engine still served its cancel). ``max_gap`` is the largest gap between two of its chunks
     while the block ran, the one from its last chunk to the cancel included; the worker (TorchServe) or the
@@ -197,7 +199,7 @@ class Witness:
         url = urllib.parse.urlsplit(self.server.http)
         self._conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=300)
         body = json.dumps({"text": "Once upon a time, in a quiet village by the sea,",
-                           "max_new_tokens": self.max_new_tokens, "ignore_eos": True})
+                           "max_new_tokens": self.max_new_tokens, "ignore_eos": True, "temperature": 1.0, "seed": 7})
         self._conn.request("POST", native_path(self.server), body=body,
                            headers={"Authorization": f"Bearer {self.server.key()}", "Content-Type": "application/json"})
         self._resp = self._conn.getresponse()

@@ -49,15 +49,15 @@ from urllib.parse import parse_qsl
 
 from llm_api.api.errors import ApiError, internal_error
 from llm_api.model.settings import Settings
-from llm_api.protocols.route import Call, RouteContext, Whole, error_body
+from llm_api.protocols.route import Call, RouteContext, Streamed, Whole, error_body
 from llm_api.protocols.table import BY_NAME, answer, error_shape, find, is_public, open_api_states
+from llm_api.protocols.wire import wire
 from llm_api.scale_out.affinity import affinity_text
 from llm_api.server.auth import BearerAuth
 from llm_api.server.http_api import JSON_CONTENT_TYPE, new_request_id
 from llm_api.server.log_format import LOG_FORMAT
 from llm_api.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from llm_api.server.metrics import ServerMetrics
-from llm_api.service.answer import Chunk, Refusal
 from llm_api.service.owners import MISSING_KEY, request_credential
 
 logger = logging.getLogger(__name__)
@@ -187,42 +187,28 @@ class ModelReplica:
         except ApiError as error:
             yield Opening(error.status, JSON_CONTENT_TYPE, error_body(route.errors, error, marker), error.headers())
             return
-        if isinstance(result, Whole):
-            yield Opening(result.status, result.content_type, result.body, result.headers)
-            return
         opened = False
-        try:
-            async with aclosing(result.parts) as parts:
-                async for part in parts:
-                    if isinstance(part, Refusal):
-                        yield Opening(part.status, JSON_CONTENT_TYPE, part.body, part.headers)
+        try:  # (llm_api.protocols.wire: what goes out, and what a failure becomes)
+            async with aclosing(wire(result, forwarded.call.request_id)) as events:
+                async for event in events:
+                    if isinstance(event, Whole):
+                        yield Opening(event.status, event.content_type, event.body, event.headers)
                         return
-                    if not opened and isinstance(part, Chunk):
+                    if not opened:
                         opened = True
-                        # (on a copy: fail() moves an encoder to its failed state, the Responses API's
-                        # with the output so far, which this stream has not reached)
+                        assert isinstance(result, Streamed)
+                        # What the ingress ends the stream with if this replica dies (on a copy: fail() moves an
+                        # encoder to its failed state, the Responses API's with the output so far, which this
+                        # stream has not reached).
                         died = internal_error("the replica serving this request failed")
                         tail = copy.deepcopy(result.encoder).fail(died)
-                        yield Opening(200, part.content_type, streamed=True, error_tail=tail)
-                    if opened:
-                        yield part.payload
-                    else:  # nothing streamed: the whole answer at once
-                        yield Opening(200, part.content_type, part.payload)
-                    if not isinstance(part, Chunk):
-                        return
+                        yield Opening(200, event.content_type, streamed=True, error_tail=tail)
+                    yield event.payload
         except (asyncio.CancelledError, GeneratorExit):  # (the ingress cancelled the call: its client left)
             logger.info("request %s: the client went away; aborted", forwarded.call.request_id)
             raise
-        except ApiError as error:
-            if not opened:
-                yield Opening(error.status, JSON_CONTENT_TYPE, error_body(route.errors, error, marker), error.headers())
-                return
-            yield result.encoder.fail(error)
-        except Exception:  # a bug costs this request only
-            logger.exception("request %s failed", forwarded.call.request_id)
-            failure = internal_error("the server failed to handle this request")
-            yield result.encoder.fail(failure) if opened else Opening(500, JSON_CONTENT_TYPE,
-                                                                       error_body(route.errors, failure, marker))
+        except ApiError as error:  # (refused before anything was sent)
+            yield Opening(error.status, JSON_CONTENT_TYPE, error_body(route.errors, error, marker), error.headers())
 
     def __del__(self):  # (Ray Serve calls it once the replica's requests are done or DRAIN_GRACE_S passed)
         service = getattr(self, "service", None)

@@ -37,10 +37,10 @@ import grpc
 from llm_api.api.errors import ApiError, internal_error
 from llm_api.proto import inference_pb2, inference_pb2_grpc
 from llm_api.server.http_api import ServerState, new_request_id
-from llm_api.service.answer import Chunk, Refusal
 from llm_api.service.owners import single_authorization
 from llm_api.protocols.route import Call, RouteContext, Whole
 from llm_api.protocols.table import BY_NAME, answer
+from llm_api.protocols.wire import wire
 
 logger = logging.getLogger(__name__)
 # The route's refusals that are a call's status rather than an answer (every other refusal is one message
@@ -101,31 +101,20 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
             logger.exception("request %s failed", request_id)
             yield internal_error("the server failed to handle this request").native_text(state.marker)
             return
-        started = False  # a chunk went out: a later error follows on its own line
         with state.lifecycle.track(request_id):
-            try:
-                if isinstance(result, Whole):
-                    yield result.body if isinstance(result.body, str) else result.body.decode("utf-8")
-                    return
-                async with aclosing(result.parts) as parts:
-                    async for part in parts:
-                        if isinstance(part, Refusal):
-                            yield part.body
-                            return
-                        yield part.payload
-                        started = True
-                        if not isinstance(part, Chunk):
-                            return
+            try:  # (llm_api.protocols.wire: what goes out, and what a failure becomes)
+                async with aclosing(wire(result, request_id)) as events:
+                    async for event in events:
+                        if isinstance(event, Whole):
+                            yield event.body if isinstance(event.body, str) else event.body.decode("utf-8")
+                        else:
+                            yield event.payload
             except ApiError as error:  # a refusal: one message with the error object, as from TorchServe
                 logger.info("request %s refused: %s", request_id, error.code)
                 yield error.native_text(state.marker)
             except asyncio.CancelledError:
                 logger.info("request %s: the gRPC client went away; aborted", request_id)
                 raise
-            except Exception:
-                logger.exception("request %s failed", request_id)
-                text = internal_error("the server failed to handle this request").native_text(state.marker)
-                yield "\n" + text if started else text
 
 
 def build_grpc_server(state: ServerState, address: str,

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 
 from aiohttp import web
 
-from llm_api.api.errors import ApiError, internal_error
+from llm_api.api.errors import ApiError
 from llm_api.model.settings import Settings
 from llm_api.server.auth import BearerAuth
 from llm_api.server.connections import ConnectionGuard
@@ -48,9 +48,10 @@ from llm_api.server.transport import (
     read_body,
     write,
 )
-from llm_api.service.answer import Chunk, Refusal
 from llm_api.service.owners import MISSING_KEY, request_credential
-from llm_api.protocols.route import ApiStates, Call, RouteContext, Whole, error_body
+from llm_api.protocols.route import Answer, ApiStates, Call, RouteContext, Whole, error_body
+from llm_api.protocols.wire import wire
+from llm_api.service.answer import Final
 from llm_api.protocols.table import answer, error_shape, find, is_public
 
 if TYPE_CHECKING:  # (annotations only: the route table loads without the engine and torch)
@@ -211,11 +212,9 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
         result = await answer(route, params, ctx, call)
     except ApiError as error:
         raise RouteError(error, shape) from None
-    if isinstance(result, Whole):
-        return _response(result.status, result.body, result.content_type, request_id, result.headers)
     try:
-        return await _answer(request, result.parts, result.encoder.fail)
-    except ApiError as error:
+        return await _answer(request, result)
+    except ApiError as error:  # (refused before anything was sent: llm_api.protocols.wire)
         raise RouteError(error, shape) from None
 
 
@@ -223,30 +222,27 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
 # writing an answer
 
 
-async def _answer(request: web.Request, parts, error_tail: Callable[[ApiError], str]) -> web.StreamResponse:
-    """Write a request's parts: chunks as a chunked 200, or one response when nothing streamed.
-    ``error_tail``: how the format ends a stream that broke after it began."""
+async def _answer(request: web.Request, result: Answer) -> web.StreamResponse:
+    """Write a route's answer (``llm_api.protocols.wire``: what goes out, and what a failure becomes): a whole
+    answer as one response, a streamed one as a chunked 200. What is left here is aiohttp's transport: a
+    client gone or not reading ends the request (its answer closed: the request aborted in the engine)."""
     state = request.app[STATE]
     request_id = request["request_id"]
     response: web.StreamResponse | None = None
     with state.lifecycle.track(request_id):
         try:
-            async with aclosing(parts):
-                async for part in parts:
-                    if isinstance(part, Refusal):
-                        return _response(part.status, part.body, JSON_CONTENT_TYPE, request_id, part.headers)
-                    if isinstance(part, Chunk):
-                        if response is None:
-                            response = await _open_stream(request, part.content_type, request_id)
-                        await write(request, response, part.payload.encode("utf-8"), state.limits)
-                        continue
-                    if response is None:  # nothing streamed: the whole answer in one body
-                        return _response(200, part.payload, part.content_type, request_id)
-                    await write(request, response, part.payload.encode("utf-8"), state.limits, eof=True)
-                    return response
-            raise RuntimeError("the request ended without a final part")
+            async with aclosing(wire(result, request_id)) as events:
+                async for event in events:
+                    if isinstance(event, Whole):
+                        return _response(event.status, event.body, event.content_type, request_id, event.headers)
+                    if response is None:
+                        response = await _open_stream(request, event.content_type, request_id)
+                    await write(request, response, event.payload.encode("utf-8"), state.limits,
+                                eof=isinstance(event, Final))
+            assert response is not None  # (wire ends with a Whole, or with a Final after chunks)
+            return response
         except WriteTimeout:
-            # (the generator is closed by now: the request is aborted in the engine, its blocks freed)
+            # (the answer is closed by now: the request is aborted in the engine, its blocks freed)
             logger.info("request %s: the client read nothing for WRITE_TIMEOUT_S=%g s; aborted", request_id,
                         state.limits.write_timeout_s)
             if request.transport is not None:
@@ -260,19 +256,6 @@ async def _answer(request: web.Request, parts, error_tail: Callable[[ApiError], 
             logger.info("request %s: the client went away while being written to; aborted", request_id)
             # (no stream opened yet: the client left while it was being prepared; nobody reads this answer)
             return response if response is not None else web.Response(status=499)
-        except ApiError:
-            raise
-        except Exception:  # a bug costs this request only
-            logger.exception("request %s failed", request_id)
-            error = internal_error("the server failed to handle this request")
-            if response is None:
-                raise error from None
-            try:
-                await response.write(error_tail(error).encode("utf-8"))
-                await response.write_eof()
-            except ConnectionError:
-                pass
-            return response
 
 
 async def _open_stream(request: web.Request, content_type: str, request_id: str) -> web.StreamResponse:

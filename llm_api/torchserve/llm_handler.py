@@ -32,10 +32,11 @@ from ts.torch_handler.base_handler import BaseHandler
 
 from llm_api.api.errors import ApiError, internal_error
 from llm_api.model.settings import ConfigError, Settings
-from llm_api.service.answer import Chunk, Parts, Refusal
+from llm_api.service.answer import Chunk
 from llm_api.service.owners import request_credential, torchserve_owner
-from llm_api.protocols.route import ApiStates, Call, RouteContext, Whole, error_body
+from llm_api.protocols.route import Answer, ApiStates, Call, RouteContext, Whole, error_body
 from llm_api.protocols.table import answer, error_shape, find, open_api_states
+from llm_api.protocols.wire import wire
 from llm_api.service.service import ModelService
 from llm_api.torchserve.metrics_sink import TorchServeMetricSink
 from llm_api.torchserve.reply import Reply
@@ -115,34 +116,34 @@ class LLMHandler(BaseHandler):
                         grpc_stream=reply.is_grpc and self.grpc_streaming, owner=owner,
                         tenant=owner if key is not None else "")
             ctx = RouteContext(self.marker, self._service, management_key=_management_key, apis=self.apis)
-            result = await answer(route, params, ctx, call)
-            if isinstance(result, Whole):
-                if result.status == 200:
-                    return reply.finish(result.body, result.content_type)
-                return reply.refuse(result.status, result.body, result.content_type, result.headers)
-            return await self._write_parts(reply, result.parts)
+            return await self._write(reply, await answer(route, params, ctx, call))
         except ApiError as err:  # a refusal before anything was sent
             logger.info("request %s refused: %s", reply.request_id, err.code)
             return reply.refuse(err.status, error_body(shape, err, self.marker), headers=err.headers())
         except Exception:  # a bug must cost this request only, never the worker or the other streams
             logger.exception("request %s failed", reply.request_id)
-            error = internal_error("the server failed to handle this request")
             if reply.started:
-                return reply.finish("\n" + error.native_text(self.marker))
-            return reply.refuse(500, error_body(shape, error, self.marker))
+                # (only the reply itself fails here once a chunk went out: a failure of the answer after that
+                # is its route's in-band ending, written by wire; the stream is ended without another word)
+                return reply.finish("")
+            return reply.refuse(500, error_body(shape, internal_error("the server failed to handle this request"),
+                                                self.marker))
 
-    async def _write_parts(self, reply: Reply, parts: Parts):
-        """Write a request's parts (``llm_api.service.answer``): each chunk as it comes, then the final part
-        as the final message, or the refusal."""
-        async with aclosing(parts):
-            async for part in parts:
-                if isinstance(part, Chunk):
-                    reply.send(part.payload, part.content_type)
-                elif isinstance(part, Refusal):
-                    return reply.refuse(part.status, part.body, headers=part.headers)
+    @staticmethod
+    async def _write(reply: Reply, result: Answer):
+        """Write a route's answer (``llm_api.protocols.wire``): a whole answer as the final message (a refusal
+        with its status), a streamed one chunk by chunk, its last payload as the final message."""
+        async with aclosing(wire(result, reply.request_id)) as events:
+            async for event in events:
+                if isinstance(event, Whole):
+                    if event.status == 200:
+                        return reply.finish(event.body, event.content_type)
+                    return reply.refuse(event.status, event.body, event.content_type, event.headers)
+                if isinstance(event, Chunk):
+                    reply.send(event.payload, event.content_type)
                 else:
-                    return reply.finish(part.payload, part.content_type)
-        raise RuntimeError("the request ended without a final part")
+                    return reply.finish(event.payload, event.content_type)
+        raise AssertionError("wire ends with a Whole, or with a Final after chunks")
 
 
 def _management_key() -> str | None:
