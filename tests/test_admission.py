@@ -8,7 +8,9 @@ In process, on the embedded model (float32) with a service that holds one live r
 * a second request is refused with 503 ``overloaded`` at admission, raised (not a part);
 * several prompts of one call where a later prompt is refused: the ones admitted before it are released;
 * parts closed before their first read release the admission (the next request is admitted), and parts
-  read to the end leave the live table empty too.
+  read to the end leave the live table empty too;
+* admission leaves the request as the route built it: the parameters the engine runs (a token ceiling cut to
+  the KV room, the compiled grammar) are the generation's own.
 """
 
 from __future__ import annotations
@@ -72,3 +74,27 @@ def test_a_refused_prompt_releases_the_prompts_admitted_before_it(one_at_a_time)
         assert len(await admit(service, request(), "next")) == 1  # (the first prompt's share is back)
 
     asyncio.run(run())
+
+
+def test_admission_leaves_the_request_as_the_route_built_it(one_at_a_time):
+    """What the engine runs (a ceiling cut to the KV room, a compiled grammar) is the admitted generation's
+    own parameters; the request object is not changed by admission (so a route may read it afterwards)."""
+    import copy
+
+    from llm_api.api.constraints import json_object_constraint
+
+    service = one_at_a_time
+    built = GenerateRequest(text="Once upon a time", params=SamplingParams(max_new_tokens=100_000),
+                            max_tokens_fits=True, constraint=json_object_constraint("response_format"))
+    before = copy.deepcopy(built)
+
+    async def admitted():
+        generation = await service.admit(built, "fits", "")
+        generation.release()
+        return generation
+
+    generation = asyncio.run(admitted())
+    assert built == before
+    room = service.max_model_len - generation.num_prompt_tokens
+    assert generation.params.max_new_tokens == room < built.params.max_new_tokens
+    assert generation.params.grammar is not None and built.params.grammar is None

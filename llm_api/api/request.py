@@ -148,10 +148,12 @@ def request_work(num_prompt_tokens: int, params: SamplingParams, echo: bool = Fa
             + params.n * params.max_new_tokens * (1 + logprob_entries(params.logprobs)))
 
 
-def work_refusal(request: GenerateRequest, num_prompt_tokens: int, limit: int | None) -> ApiError | None:
+def work_refusal(request: GenerateRequest, num_prompt_tokens: int, limit: int | None,
+                 params: SamplingParams | None = None) -> ApiError | None:
     """The 400 of a request whose work is over ``limit`` (MAX_REQUEST_WORK), else None. Before the prompt
-    is tokenized, ``num_prompt_tokens`` = 0 refuses what is over the limit whatever the prompt."""
-    params, names = request.params, request.work_fields
+    is tokenized, ``num_prompt_tokens`` = 0 refuses what is over the limit whatever the prompt. ``params``: the
+    request's as they will run (a token limit cut to the KV room), else its own."""
+    params, names = params or request.params, request.work_fields
     work = request_work(num_prompt_tokens, params, request.echo)
     if limit is None or work <= limit:
         return None

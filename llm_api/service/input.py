@@ -36,6 +36,7 @@ from llm_api.api.errors import ApiError
 from llm_api.api.prompt import PromptBuilder
 from llm_api.api.request import GenerateRequest, Limits, TokenizeRequest, work_refusal
 from llm_api.model.loader import LoadedModel
+from llm_api.engine.sampling_params import SamplingParams
 from llm_api.model.settings import Settings
 from llm_api.service.grammars import GrammarCompilation
 
@@ -53,6 +54,9 @@ class Prepared:
     num_prompt_tokens: int
     cost: int  # prompt + n x max_new_tokens: what it holds of MAX_TOKENS_IN_FLIGHT
     deadline: float  # monotonic
+    # What the engine runs: the request's sampling parameters with its token limit cut to the KV room where it
+    # is a ceiling, and its grammar compiled (the request itself is left as the route built it).
+    params: SamplingParams
 
 
 class InputProcessor:
@@ -96,7 +100,8 @@ class InputProcessor:
                            f"model runs on the {self._path_name}", "input")
 
     async def prepare(self, request: GenerateRequest, owner: str, arrival: float) -> Prepared:
-        """Tokenize, check and compile (module docstring); ``request.params`` gets the compiled grammar."""
+        """Tokenize, check and compile (module docstring): ``Prepared.params`` are what the engine runs; the
+        request is not changed."""
         prompt_ids, prompt_embeds = await self._prompt(request)
         if prompt_ids is not None:
             num_prompt_tokens = len(prompt_ids)
@@ -106,19 +111,19 @@ class InputProcessor:
         if num_prompt_tokens == 0:  # (the engine has nothing to prefill: an answer needs one token to follow)
             raise ApiError(400, "empty_prompt", "the prompt becomes no tokens (it holds only characters the "
                            "tokenizer drops); send text the model can read")
+        params = request.params
         room = None if self._kv_max_model_len is None else self._kv_max_model_len - num_prompt_tokens
-        if request.max_tokens_fits and room is not None and 1 <= room < request.params.max_new_tokens:
-            request.params = dataclasses.replace(request.params, max_new_tokens=room)
-        refusal = work_refusal(request, num_prompt_tokens, self.limits.max_request_work)
+        if request.max_tokens_fits and room is not None and 1 <= room < params.max_new_tokens:
+            params = dataclasses.replace(params, max_new_tokens=room)
+        refusal = work_refusal(request, num_prompt_tokens, self.limits.max_request_work, params)
         if refusal is not None:
             raise refusal
-        self._check_fits(num_prompt_tokens, request.params.max_new_tokens)
+        self._check_fits(num_prompt_tokens, params.max_new_tokens)
         deadline = arrival + min(request.timeout_s or self.settings.request_timeout_s, self.settings.request_timeout_s)
         if request.constraint is not None:
-            grammar = await self.grammars.compile(request.constraint, deadline, owner)
-            request.params = dataclasses.replace(request.params, grammar=grammar)
-        return Prepared(prompt_ids, prompt_embeds, num_prompt_tokens,
-                        num_prompt_tokens + request.params.n * request.params.max_new_tokens, deadline)
+            params = dataclasses.replace(params, grammar=await self.grammars.compile(request.constraint, deadline, owner))
+        return Prepared(prompt_ids, prompt_embeds, num_prompt_tokens, num_prompt_tokens + params.n * params.max_new_tokens,
+                        deadline, params)
 
     async def _prompt(self, request: GenerateRequest) -> tuple[list[int] | None, torch.Tensor | None]:
         # (a tensor of embeddings, or token ids)

@@ -331,7 +331,7 @@ class Generation:
         self.service = service
         self.request_id = request_id
         self.label = request.client_request_id
-        self.params = request.params
+        self.params = prepared.params
         self.num_prompt_tokens = prepared.num_prompt_tokens
         self.cost = prepared.cost
         self.lora_id = lora_id  # the LoRA adapter's load id (0: the base model) and its name
@@ -340,8 +340,8 @@ class Generation:
         self._arrival = arrival
         self._priority = request.priority
         self._tenant = tenant
-        self.work = request_work(prepared.num_prompt_tokens, request.params, request.echo)
-        self.state = RequestState(service.lm.tokenizer, request.params, marker, prepared.num_prompt_tokens,
+        self.work = request_work(prepared.num_prompt_tokens, prepared.params, request.echo)
+        self.state = RequestState(service.lm.tokenizer, prepared.params, marker, prepared.num_prompt_tokens,
                                   prepared.prompt_ids, Echo(request.text, request.echo_only) if request.echo else None,
                                   lambda: service.token_texts, functools.partial(service.loop.abort, request_id),
                                   self.adapter)
