@@ -10,7 +10,8 @@ In process, on the embedded model (float32) with a service that holds one live r
 * parts closed before their first read release the admission (the next request is admitted), and parts
   read to the end leave the live table empty too;
 * admission leaves the request as the route built it: the parameters the engine runs (a token ceiling cut to
-  the KV room, the compiled grammar) are the generation's own.
+  the KV room, the compiled grammar) are the generation's own;
+* a key's priority grant (LLM_API_KEY's ``priority=N``) reaches the scheduler keyed by that key's owner.
 """
 
 from __future__ import annotations
@@ -98,3 +99,21 @@ def test_admission_leaves_the_request_as_the_route_built_it(one_at_a_time):
     room = service.max_model_len - generation.num_prompt_tokens
     assert generation.params.max_new_tokens == room < built.params.max_new_tokens
     assert generation.params.grammar is not None and built.params.grammar is None
+
+
+def test_a_keys_priority_grant_reaches_the_scheduler_by_owner(embedded_lm_fp32, embedded_model_path):
+    """LLM_API_KEY's ``priority=N`` reaches the engine's scheduler keyed by the owner the edge names for a
+    request with that key (llm_api.service.owners), and by nothing else (tests/engine/test_fair_share.py: what
+    the scheduler does with it)."""
+    from llm_api.server.auth import BearerAuth
+
+    keys = "plain-key-0123, granted-key-4567 priority=-5"
+    settings = Settings.from_env({"MODEL_PATH": str(embedded_model_path), "DTYPE": "float32", "LLM_API_KEY": keys,
+                                  "KV_CACHE_MEMORY_MIB": "16", "MAX_NUM_BATCHED_TOKENS": "64"})
+    service = ModelService(settings, embedded_lm_fp32)
+    try:
+        assert service.engine is not None
+        owner = BearerAuth(settings.api_key).owner("Bearer granted-key-4567")
+        assert dict(service.engine.scheduler.config.priority_grants) == {owner: -5}
+    finally:
+        service.shutdown()
