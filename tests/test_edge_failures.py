@@ -26,8 +26,9 @@ pytestmark = pytest.mark.server
 INJECT = str(Path(__file__).parent / "assets" / "inject_failure")
 REPO = str(Path(__file__).resolve().parents[1])
 ENV = {"LLM_API_INJECT_FAILURE": "after-first-chunk", "PYTHONPATH": f"{INJECT}:{REPO}", "MAX_NUM_SEQS": "4",
-       "GRPC_STREAMING": "true", "KV_CACHE_MEMORY_MIB": "64"}
+       "GRPC_STREAMING": "true", "KV_CACHE_MEMORY_MIB": "64", "DTYPE": "float32"}
 MODEL = "smollm2"
+# (ignore_eos on the native route: a chunk before the end on any host kind, so the failure is injected)
 PROMPT = "Write a long story about a lighthouse keeper."
 
 
@@ -91,7 +92,8 @@ def test_messages_end_with_anthropics_error_event(injected):
 
 
 def test_the_native_stream_ends_with_its_error_line(injected):
-    text = _post(injected, None, {"text": "The capital of France is", "stream": True, "max_new_tokens": 24})
+    text = _post(injected, None, {"text": "The capital of France is", "stream": True, "max_new_tokens": 24,
+                                  "ignore_eos": True})
     head, _, last = text.rpartition("\n")
     assert head and json.loads(last)["type"] == "internal_error", text
 
@@ -100,7 +102,7 @@ def test_grpc_stream_predictions_ends_with_the_native_error_line(injected):
     with grpc.insecure_channel(injected.grpc) as channel:
         stub = inference_pb2_grpc.InferenceAPIsServiceStub(channel)
         request = inference_pb2.PredictionsRequest(model_name=MODEL, input={
-            "text": b"The capital of France is", "stream": b"true", "max_new_tokens": b"24"})
+            "text": b"The capital of France is", "stream": b"true", "max_new_tokens": b"24", "ignore_eos": b"true"})
         messages = [m.prediction.decode() for m in stub.StreamPredictions(
             request, metadata=(("authorization", f"Bearer {injected.key()}"),), timeout=120)]
     assert len(messages) >= 2 and json.loads(messages[-1].lstrip("\n"))["type"] == "internal_error", messages

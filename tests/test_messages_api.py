@@ -148,9 +148,9 @@ HOSTILE = {  # name -> the body (bytes, or an object)
         "a": {"type": "string", "pattern": "(a+)+$" * 50}}}}], "tool_choice": {"type": "any"}},
     "a prompt over MAX_INPUT_TOKENS": {"messages": [{"role": "user", "content": "hello " * 5000}]},
     "ten thousand blocks": {"messages": [{"role": "user", "content": [{"type": "bogus"}] * 10000}]},
-    # (greedy: sampled at Anthropic's default temperature 1 the answer ran on to the KV room, ~1,300 tokens,
-    # and outlasted the witness on a loaded host)
-    "max_tokens huge": {"max_tokens": 10 ** 30, "temperature": 0},
+    # (greedy and cut at the first sentence: sampled at Anthropic's default temperature 1 the answer ran on to
+    # the KV room, ~1,300 tokens, and outlasted the witness on a loaded host)
+    "max_tokens huge": {"max_tokens": 10 ** 30, "temperature": 0, "stop_sequences": [".", "\n"]},
     "max_tokens a string": {"max_tokens": "5"},
     "stop_sequences a hundred": {"stop_sequences": ["x"] * 100},
     "temperature NaN": b'{"model": "smollm2", "max_tokens": 5, "temperature": NaN, "messages": [{"role": "user", "content": "a"}]}',
