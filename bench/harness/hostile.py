@@ -174,12 +174,12 @@ def error_type(answer: Answer) -> str | None:
 class Witness:
     """A well-behaved stream beside the hostile requests. ``with Witness(server) as w:`` starts a long
     sampled stream (temperature 1, a fixed seed: a greedy one turns repetitive, and a server with n-gram
-    speculation then accepts several drafted tokens a step and runs through its tokens sooner; the block must
-    end before the stream does, or the cancel below fails) and waits for its first chunk; on leaving, the stream is cancelled by its
-    ``x-request-id`` and must then end with its ``cancelled`` error line (so it streamed the whole time,
-    and the engine still served its cancel). ``max_gap`` is the largest gap between two of its chunks
-    while the block ran, the one from its last chunk to the cancel included; the worker (TorchServe) or the
-    server process (standalone) must be the same one afterwards."""
+    speculation then accepts several drafted tokens a step and runs through its tokens sooner; the block
+    must end before the stream does, or the cancel below fails) and waits for its first chunk; on leaving,
+    the stream is cancelled by its ``x-request-id`` and must then end with its ``cancelled`` error line (so
+    it streamed the whole time, and the engine still served its cancel). ``max_gap`` is the largest gap
+    between two of its chunks while the block ran, the one from its last chunk to the cancel included; the
+    worker (TorchServe) or the server process (standalone) must be the same one afterwards."""
 
     server: ServerProcess
     max_new_tokens: int = 1000  # fits the 64 MiB KV pool of the shared async server
