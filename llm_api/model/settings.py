@@ -106,7 +106,8 @@ def _marker(raw: str) -> str:
 
 
 PRIORITY_OPTION = "priority="
-PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1  # (a request's priority field's range: protocols/common/checks.py)
+# A request's priority field's range (protocols/common/checks.py takes it from here), and a key's grant's.
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 
 
 def _key_entries(raw: str) -> list[list[str]]:
@@ -155,9 +156,8 @@ def _api_key(raw: str) -> str:
 
 
 def _priority_option(word: str) -> bool:
-    value = word[len(PRIORITY_OPTION):]
-    return (word.startswith(PRIORITY_OPTION) and value.lstrip("-").isascii() and value.lstrip("-").isdigit()
-            and value.count("-") <= 1 and PRIORITY_MIN <= int(value) <= PRIORITY_MAX)
+    value = re.fullmatch(re.escape(PRIORITY_OPTION) + r"(-?[0-9]+)", word, re.ASCII)
+    return value is not None and PRIORITY_MIN <= int(value[1]) <= PRIORITY_MAX
 
 
 def _store_path(raw: str) -> str:

@@ -24,10 +24,11 @@ from llm_api.api.reasoning import answer_only
 from llm_api.api.request import GenerateRequest, Limits
 from llm_api.api.tools import ToolFormat
 from llm_api.api.validation import decode_json
+from llm_api.model.settings import PRIORITY_MAX, PRIORITY_MIN
 from llm_api.structured.spec import Constraint
 
 TOOL_CHOICES = ("none", "auto", "required")
-PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # (an int32, as vLLM's field is on the wire; plenty of levels)
+PRIORITY_RANGE = (PRIORITY_MIN, PRIORITY_MAX)  # (an int32, as vLLM's field is on the wire; plenty of levels)
 
 
 def check_priority(value: int | None, limits: Limits, code: str = "unsupported_value") -> int:
