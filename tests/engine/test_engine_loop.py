@@ -82,10 +82,18 @@ def test_duplicate_request_id_is_refused_without_touching_the_first(async_engine
 
     async def main():
         first = engine.generate("same", prompt, greedy(30))
-        tokens = (await first.__anext__()).new_token_ids
+        second = engine.generate("same", [1, 2], greedy(5))
+        # Both adds reach the engine thread in one batch (it takes its commands under this lock), so the first
+        # is still running when the second is applied, however soon a loaded host would let it finish.
+        with engine._wakeup:
+            first_output = asyncio.ensure_future(first.__anext__())
+            second_output = asyncio.ensure_future(second.__anext__())
+            while len(engine._commands) < 2:
+                await asyncio.sleep(0)
         with pytest.raises(ValueError, match="already in use"):
-            async for _ in engine.generate("same", [1, 2], greedy(5)):
-                pass
+            await second_output
+        output = await first_output
+        tokens = list(output.new_token_ids)
         async for output in first:
             tokens += output.new_token_ids
         return tokens, output.finish_reason
