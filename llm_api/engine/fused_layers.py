@@ -45,8 +45,9 @@ float32 (tests/engine/test_gpu_fast_path.py; on CPU under Triton's interpreter,
 tests/engine/test_fused_layers.py). Hand-written rather than compiled, for the reason ``fused_ops``
 gives.
 
-Kernel sets: every kernel above is called through the set ``enable`` gave the module (``kernels_of``):
-``TRITON_KERNELS``, or ``llm_api.kernels.cpu`` (the same functions, C compiled for the host). What a set's
+Kernel sets: every kernel above is called through the set ``enable`` gave the module (``kernels_of``), a
+``llm_api.kernels.kernel_set.KernelSet``: ``TRITON_KERNELS`` (``llm_api.kernels.triton_set``), or
+``llm_api.kernels.cpu`` (the same functions, C compiled for the host, and a ``WholeLayerKernels``). What a set's
 products take is its own rule (``takes_product``: Triton one row, the CPU set up to 16 rows).
 
 On the CPU: a step of rows the set's products take runs a layer whole where it can (``_whole_layer``: the
@@ -86,6 +87,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from llm_api.kernels.cpu.layers import check_step_tables
+from llm_api.kernels.kernel_set import KernelSet, WholeLayerKernels, runs_whole_layers
+from llm_api.kernels.triton_set import TRITON_KERNELS
 from llm_api.layers.quantized import QuantizedLinear, embedding_dtype
 from llm_api.lora.context import current_step
 from llm_api.lora.layer import LoraLinear
@@ -126,68 +129,11 @@ def llama_modeling():
     return modeling_llama
 
 
-class TritonKernels:
-    """The Triton kernel set (CUDA; on CPU under Triton's interpreter, the tests), each kernel imported on
-    first use. ``llm_api.kernels.cpu`` is the other set, with the same functions: the fused forwards call
-    the set ``enable`` gave their module (``kernels_of``)."""
-
-    name = "Triton"
-
-    @staticmethod
-    def takes(tensor: torch.Tensor) -> bool:
-        from llm_api.kernels import interpreter_enabled
-
-        return tensor.is_cuda or interpreter_enabled()
-
-    @staticmethod
-    def takes_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-        return one_row(x)  # (a batch-1 step's products: more rows are cuBLAS's)
-
-    @staticmethod
-    def row_product(x, weight, bias=None, silu_mul=False):
-        from llm_api.kernels.gemv import row_product
-
-        return row_product(x, weight, bias, silu_mul=silu_mul)
-
-    @staticmethod
-    def silu_and_mul(gate_up):
-        from llm_api.kernels.activation import silu_and_mul
-
-        return silu_and_mul(gate_up)
-
-    @staticmethod
-    def rms_norm(x, weight, eps):
-        from llm_api.kernels.rms_norm import rms_norm
-
-        return rms_norm(x, weight, eps)
-
-    @staticmethod
-    def add_rms_norm(x, residual, weight, eps):
-        from llm_api.kernels.rms_norm import add_rms_norm
-
-        return add_rms_norm(x, residual, weight, eps)
-
-    @staticmethod
-    def rotary_supported(q, k, cos, sin) -> bool:
-        from llm_api.kernels.rotary import rotary_supported
-
-        return rotary_supported(q, k, cos, sin)
-
-    @staticmethod
-    def apply_rotary(q, k, cos, sin):
-        from llm_api.kernels.rotary import apply_rotary
-
-        return apply_rotary(q, k, cos, sin)
-
-
-TRITON_KERNELS = TritonKernels()
-
-
-def set_kernels(module: nn.Module, kernels: Any) -> None:
+def set_kernels(module: nn.Module, kernels: KernelSet) -> None:
     object.__setattr__(module, _KERNELS, kernels)
 
 
-def kernels_of(module: nn.Module) -> Any:
+def kernels_of(module: nn.Module) -> KernelSet:
     """The kernel set ``enable`` gave ``module`` (Triton's where none was given)."""
     return module.__dict__.get(_KERNELS, TRITON_KERNELS)
 
@@ -239,7 +185,7 @@ class MergedProjection:
         a kernel set's whole layer runs, adding the adapters' deltas itself."""
         return self._hold([base_linear(getattr(owner, name, None)) for name in self.names])
 
-    def product(self, kernels: Any) -> Any:
+    def product(self, kernels: WholeLayerKernels) -> Any:
         """The kernel set's ``Product`` of this (the CPU set's: ``llm_api.kernels.cpu.quant``)."""
         if self._product is None:
             if self.quantized is not None:
@@ -249,8 +195,10 @@ class MergedProjection:
                 self._product = kernels.Product([self.weight], self.weight.shape[1])
         return self._product
 
-    def __call__(self, x: torch.Tensor, kernels: Any) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, kernels: KernelSet) -> torch.Tensor:
         if self.quantized is not None:
+            if not runs_whole_layers(kernels):  # (only the C set reads blocks: each part by its own forward)
+                return torch.cat([m(x) for m in self.quantized], dim=-1)
             from llm_api.kernels.cpu import quant
 
             return quant.product(x, self.product(kernels), self.bias)
@@ -279,12 +227,7 @@ def lora_slots(module: Any) -> Any:
     return module.slots if type(module) is LoraLinear else None
 
 
-def one_row(x: torch.Tensor) -> bool:
-    """``x`` holds one row (a batch-1 decode step): its products go to ``kernels.gemv``."""
-    return x.numel() == x.shape[-1]
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: Any) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: KernelSet) -> torch.Tensor:
     """``F.linear``; the few rows the kernel set's product takes (Triton: one, a batch-1 step's products)
     by it, where the set runs."""
     if kernels.takes(x) and kernels.takes_product(x, weight, bias):
@@ -292,7 +235,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ker
     return F.linear(x, weight, bias)
 
 
-def _product(projection: nn.Module, x: torch.Tensor, kernels: Any, silu_mul: bool = False) -> torch.Tensor:
+def _product(projection: nn.Module, x: torch.Tensor, kernels: KernelSet, silu_mul: bool = False) -> torch.Tensor:
     """``projection(x)`` (with ``silu_mul``, ``projection(silu_and_mul(x))``); the rows the kernel set's
     product takes, through a plain ``nn.Linear``, by it (a wrapped or quantized module runs its own forward)."""
     if type(projection) is nn.Linear and kernels.takes_product(x, projection.weight, projection.bias):
@@ -361,7 +304,7 @@ def take_handed(norm: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor | 
     return handed[1] if handed is not None and handed[0] is hidden_states else None
 
 
-def _attention(attn: nn.Module, hidden_states: torch.Tensor, kernels: Any, position_embeddings, attention_mask,
+def _attention(attn: nn.Module, hidden_states: torch.Tensor, kernels: KernelSet, position_embeddings, attention_mask,
                past_key_values, **kwargs) -> torch.Tensor:
     """``LlamaAttention.forward``'s output with one q/k/v product (the module itself where it is not
     Llama's code or its projections are no longer merged)."""
@@ -413,7 +356,7 @@ def _paged_metadata(attn: nn.Module, kwargs: dict):
     return metadata if callable(getattr(metadata.backend, "attend", None)) else None
 
 
-def _mlp(mlp: nn.Module, hidden_states: torch.Tensor, kernels: Any) -> torch.Tensor:
+def _mlp(mlp: nn.Module, hidden_states: torch.Tensor, kernels: KernelSet) -> torch.Tensor:
     """``LlamaMLP.forward`` with one gate/up product and one SiLU x up kernel, or at one row none: the down
     projection computes it as it reads its input (where it applies)."""
     merged = merged_projection(mlp)
@@ -436,7 +379,7 @@ def _fused_layer(self: Any, hidden_states: torch.Tensor, attention_mask=None, po
         return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                   past_key_values=past_key_values, use_cache=use_cache,
                                   position_embeddings=position_embeddings, **kwargs)
-    if getattr(kernels, "layer_in", None) is not None:
+    if runs_whole_layers(kernels):
         weights = _whole_layer_weights(self, kernels, hidden_states, position_embeddings, past_key_values)
         if weights is not None:
             return _whole_layer(self, kernels, weights, hidden_states, position_embeddings, attention_mask,
@@ -470,7 +413,7 @@ def _plan_key(layer: Any) -> tuple:
             layer.__dict__.get(_NEXT_NORM))
 
 
-def _make_plan(layer: Any, kernels: Any) -> Any:
+def _make_plan(layer: Any, kernels: WholeLayerKernels) -> Any:
     """The kernel set's ``LayerWeights`` for ``layer``, or None where it cannot run whole: its q/k/v and
     gate/up merged (and still holding), o_proj and down plain or quantized linears, Llama's rotary, one dtype
     the set takes, contiguous float weights on its device. A projection may be LoRA-wrapped (``base_linear``):
@@ -497,7 +440,7 @@ def _make_plan(layer: Any, kernels: Any) -> Any:
                                 gate_up.product(kernels), gate_up.bias, _linear_product(down, kernels), down.bias, adapted)
 
 
-def _linear_product(linear: nn.Linear | QuantizedLinear, kernels: Any) -> Any:
+def _linear_product(linear: nn.Linear | QuantizedLinear, kernels: WholeLayerKernels) -> Any:
     """The kernel set's ``Product`` of one linear (its float weight or its blocks)."""
     if type(linear) is QuantizedLinear:
         return linear.product
@@ -518,7 +461,7 @@ def _weight_pointer(module: Any) -> int:
     return 0 if tensor is None else tensor.data_ptr()
 
 
-def _layer_plan(layer: Any, kernels: Any) -> Any:
+def _layer_plan(layer: Any, kernels: WholeLayerKernels) -> Any:
     """The layer's ``LayerWeights`` (``_make_plan``), made once a layer and kept while the layer has the same
     modules (``_plan_key``) and its merged weights (their first pointers) where they were: a plan costs ~70
     attribute reads and checks, its check ~15. None where the layer cannot run whole."""
@@ -540,7 +483,7 @@ def _takes_rotary(weights: Any, position_embeddings) -> bool:
             and cos.stride() == sin.stride() and cos.stride(-1) == 1)
 
 
-def _whole_layer_weights(layer: Any, kernels: Any, hidden_states: torch.Tensor, position_embeddings,
+def _whole_layer_weights(layer: Any, kernels: WholeLayerKernels, hidden_states: torch.Tensor, position_embeddings,
                          past_key_values) -> Any:
     """The layer's ``LayerWeights`` when the kernel set can run it whole in two calls (``layer_in`` and
     ``layer_out``) for this input: the engine's paged step (no transformers cache) of no more rows than the
@@ -556,13 +499,13 @@ def _whole_layer_weights(layer: Any, kernels: Any, hidden_states: torch.Tensor, 
     return weights
 
 
-def _paged_step(attn_implementation: str, kernels: Any, kwargs: dict, rows: int) -> Any:
+def _paged_step(attn_implementation: str, kernels: KernelSet, kwargs: dict, rows: int) -> Any:
     """The engine's attention metadata of this call where the step's ``rows`` tokens attend on the engine's
     torch backend, which the kernel set's ``paged_decode`` replaces (``_row_tables``); else None."""
     from llm_api.engine.attention.base import ATTENTION_NAME, METADATA_KWARG
 
     metadata = kwargs.get(METADATA_KWARG)
-    if (metadata is None or getattr(kernels, "paged_decode", None) is None or attn_implementation != ATTENTION_NAME
+    if (metadata is None or not runs_whole_layers(kernels) or attn_implementation != ATTENTION_NAME
             or metadata.backend.name != "torch" or metadata.query_start_loc[-1] != rows
             or len(metadata.query_start_loc) != len(metadata.context_lens_list) + 1):
         return None
@@ -595,7 +538,7 @@ def _row_tables(metadata: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return metadata.cached("cpu-kernels", build)
 
 
-def _paged_decode(attn: Any, kernels: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def _paged_decode(attn: Any, kernels: WholeLayerKernels, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   kwargs: dict) -> torch.Tensor | None:
     """The attention of a step as the kernel set's one call (``paged_decode``: the K/V store and every row's
     attention, ``_row_tables``) where the engine's torch backend would run it (a gather and SDPA, ~13 tensor
@@ -615,7 +558,7 @@ def _paged_decode(attn: Any, kernels: Any, query: torch.Tensor, key: torch.Tenso
 _LORA_STEP: dict = {}  # the last LoRA step seen -> its rows as the kernel set takes them
 
 
-def _lora(kernels: Any, holder: Any, plans: list, rows: int) -> tuple | None:
+def _lora(kernels: WholeLayerKernels, holder: Any, plans: list, rows: int) -> tuple | None:
     """The kernel set's LoRA arguments (its ``LoraRows`` and ``LoraProducts``) for the products of ``plans``
     (one layer's, or every layer's) in this step of ``rows`` rows: each row's adapter, from the step the
     engine entered (``llm_api.lora.context``), made once a step and shared by its layers. The products are
@@ -644,7 +587,7 @@ def _lora(kernels: Any, holder: Any, plans: list, rows: int) -> tuple | None:
     return lora_rows, products
 
 
-def _whole_layer(layer: Any, kernels: Any, weights: Any, hidden_states: torch.Tensor, position_embeddings,
+def _whole_layer(layer: Any, kernels: WholeLayerKernels, weights: Any, hidden_states: torch.Tensor, position_embeddings,
                  attention_mask, **kwargs) -> torch.Tensor:
     """A Llama decoder layer as two kernel-set calls around the engine's attention (``_whole_layer_weights``):
     the same ops and rounding as the layer op by op."""
@@ -678,7 +621,7 @@ def _whole_layer(layer: Any, kernels: Any, weights: Any, hidden_states: torch.Te
     return result
 
 
-def _stack_plan(decoder: Any, kernels: Any, layers: list) -> Any:
+def _stack_plan(decoder: Any, kernels: WholeLayerKernels, layers: list) -> Any:
     """The kernel set's ``DecodeStack`` of ``decoder``'s layers, where every one runs whole and hands its
     output's norm to the next one's input norm (the last one's to the model's final norm, or to none):
     the chain ``decode_layers`` runs in C. Kept while the layers' plans (``_layer_plan``) are the same
@@ -710,8 +653,9 @@ def _decoder_stack(decoder: Any, input_ids, position_ids, past_key_values, input
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
     kernels = kernels_of(decoder)
-    if (input_ids is None or inputs_embeds is not None or past_key_values is not None or position_ids is None
-            or len(kwargs) != 1 or input_ids.dim() != 2 or input_ids.shape[0] != 1 or not kernels.takes(input_ids)):
+    if (not runs_whole_layers(kernels) or input_ids is None or inputs_embeds is not None or past_key_values is not None
+            or position_ids is None or len(kwargs) != 1 or input_ids.dim() != 2 or input_ids.shape[0] != 1
+            or not kernels.takes(input_ids)):
         return None
     rows = input_ids.shape[1]
     if rows > kernels.max_rows(embedding_dtype(decoder.embed_tokens)):  # (a prefill: no plan checks a step)
@@ -766,7 +710,7 @@ def _is_silu(module: nn.Module) -> bool:
 
 
 def enable(model: nn.Module, swapped_norms: list[nn.Module], rotary_modules: list[types.ModuleType],
-           kernels: Any = TRITON_KERNELS) -> dict[str, int]:
+           kernels: KernelSet = TRITON_KERNELS) -> dict[str, int]:
     """Swap the fused forward into ``model``'s Llama-code decoder layers (``swapped_norms``: the norms
     ``fused_ops`` gave the fused forward; ``rotary_modules``: the modeling modules whose rotary it swapped),
     merging their projections. Returns {"layers", "merged", "head", "stack"}: the output head runs one row by
@@ -780,7 +724,7 @@ def enable(model: nn.Module, swapped_norms: list[nn.Module], rotary_modules: lis
     decoder = get_decoder() if callable(get_decoder) else None
     layers = list(getattr(decoder, "layers", None) or [])
     fused = [layer for layer in layers if _is_llama_layer(layer, swapped)]
-    through_lora = getattr(kernels, "layer_in", None) is not None  # (whole layers add LoRA deltas themselves)
+    through_lora = runs_whole_layers(kernels)  # (whole layers add LoRA deltas themselves)
     merged = 0
     for layer in fused:
         attn, mlp = layer.self_attn, layer.mlp
@@ -815,7 +759,7 @@ def enable(model: nn.Module, swapped_norms: list[nn.Module], rotary_modules: lis
         set_kernels(head, kernels)
         head.forward = types.MethodType(_one_row_head, head)
     # A kernel set that runs a decode step's layers in one call: the decoder's forward hands it the step.
-    swap_decoder = (getattr(kernels, "decode_layers", None) is not None and decoder is not None and bool(fused)
+    swap_decoder = (runs_whole_layers(kernels) and decoder is not None and bool(fused)
                     and same_code(type(decoder).forward, llama.LlamaModel.forward) and "forward" not in decoder.__dict__)
     if swap_decoder and decoder is not None:
         set_kernels(decoder, kernels)

@@ -39,6 +39,8 @@ import torch
 from torch import nn
 
 from llm_api.engine import fused_layers
+from llm_api.kernels.kernel_set import KernelSet
+from llm_api.kernels.triton_set import TRITON_KERNELS
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +153,7 @@ def enable(model: nn.Module, layers: bool = True, cpu_kernels_cache: str | None 
     return dict(NOTHING_FUSED)
 
 
-def install(model: nn.Module, layers: bool = True, kernels: Any = fused_layers.TRITON_KERNELS) -> dict[str, int]:
+def install(model: nn.Module, layers: bool = True, kernels: KernelSet = TRITON_KERNELS) -> dict[str, int]:
     """``enable`` without its device check, with the kernel set given (the Triton set runs on CPU only under
     Triton's interpreter: the tests, tests/engine/test_fused_layers.py)."""
     norms = fusable_norms(model)

@@ -60,7 +60,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------------
-# The kernel set's interface (llm_api.engine.fused_layers.TRITON_KERNELS is the other one)
+# The kernel set (llm_api.kernels.kernel_set.WholeLayerKernels; llm_api.kernels.triton_set is the other set)
 
 def takes(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and library.loaded()
