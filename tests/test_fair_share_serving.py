@@ -2,7 +2,9 @@
 while keyA sends valid load that took the engine from everyone before (issue 54's table, sized to a 2-core
 host), keyB's 40-token stream gets its first token and every next chunk without waiting for keyA's work;
 keyA's requests still complete; a call whose prompts together are over MAX_REQUEST_WORK is refused,
-naming the sum.
+naming the sum. And the operator's grant (``keyC priority=-10`` in LLM_API_KEY) does what fair share alone does
+not: keyC's requests at its best priority take every seat before keyB's stream gets one (without the grant, 0 of
+keyC's 20 requests had ended at keyB's first token; with it, 16).
 
 The loads: a /v1/completions prompt list (echo, logprobs 5, max_tokens 0); long prompts with long answers,
 ``n`` choices with logprobs and an echo beside them; loops of long prompts at the best priority
@@ -31,6 +33,7 @@ from bench.harness.standalone_server import StandaloneServer
 pytestmark = pytest.mark.server
 
 KEY_A, KEY_B = "tenant-a-0123456789", "tenant-b-0123456789"
+KEY_C, GRANT = "tenant-c-0123456789", -10  # the operator's grant: keyC's priorities count against other keys' to -10
 FIRST_TOKEN_LIMIT_S = max(2.0, 2 * STALL_LIMIT_S) if STALL_LIMIT_S > 1 else 2.0
 MARKER = "<|endoftext|>"
 WORK_LIMIT = 60_000  # MAX_REQUEST_WORK sized to the server's 16 sequences (the default, 262,144, to 64)
@@ -40,7 +43,8 @@ WORK_LIMIT = 60_000  # MAX_REQUEST_WORK sized to the server's 16 sequences (the 
 def two_keys(tmp_path_factory, embedded_model_path):
     # 160 MiB of float32 KV: ~3,600 tokens of the embedded model, fewer than keyA's loads ask for together.
     server = StandaloneServer(tmp_path_factory.mktemp("fair-share"), env={
-        "MODEL_PATH": str(embedded_model_path), "LLM_API_KEY": f"{KEY_A},{KEY_B}", "DTYPE": "float32",
+        "MODEL_PATH": str(embedded_model_path), "LLM_API_KEY": f"{KEY_A},{KEY_B},{KEY_C} priority={GRANT}",
+        "DTYPE": "float32",
         "KV_CACHE_MEMORY_MIB": "160", "MAX_NUM_SEQS": "16", "SCHEDULING_POLICY": "priority",
         "SPECULATIVE_TOKENS": "4", "MAX_REQUEST_WORK": str(WORK_LIMIT)})
     server.start()
@@ -85,8 +89,9 @@ class Load(threading.Thread):
             self.error = error
 
 
-def _witness(server) -> tuple[float, float, str]:
-    """keyB's 40-token native stream: (seconds to its first chunk, the largest gap between chunks, the text)."""
+def _witness(server, first_at: list[float] | None = None) -> tuple[float, float, str]:
+    """keyB's 40-token native stream: (seconds to its first chunk, the largest gap between chunks, the text);
+    the monotonic time of its first chunk appended to ``first_at``."""
     started = time.monotonic()
     first = None
     gap = 0.0
@@ -99,6 +104,8 @@ def _witness(server) -> tuple[float, float, str]:
             now = time.monotonic()
             if first is None:
                 first = now - started
+                if first_at is not None:
+                    first_at.append(now)
             else:
                 gap = max(gap, now - last)
             last = now
@@ -193,3 +200,36 @@ def test_the_best_priority_orders_only_its_own_keys_requests(two_keys):
             thread.join(120)
     # keyA's loop requests were answered: the priority is served, for its own key's order
     assert sent and all(load.status == 200 and load.error is None for load in sent), [(load.status, load.error) for load in sent]
+
+
+def test_a_granted_key_goes_first_and_holds_the_others_back(two_keys):
+    """keyC holds a grant (``priority=-10`` after its key in LLM_API_KEY) and sends more requests at priority -10
+    than the engine has seats (MAX_NUM_SEQS=16): its waiting requests are admitted before keyB's witness, which
+    fair share alone would seat at once (the tests above), so the witness's first token comes only after keyC's
+    waiting ones had seats, i.e. after several of keyC's requests ended. The grant is the operator's: a tier above
+    the others' shares (docs/reliability.md, "Fair share between keys")."""
+    ended: list[float] = []
+    body = {"text": "Count slowly from one to a hundred.", "max_new_tokens": 48, "ignore_eos": True,
+            "priority": GRANT}
+
+    class Timed(Load):
+        def run(self):
+            super().run()
+            ended.append(time.monotonic())
+
+    loads = [Timed(two_keys, "/predictions/" + two_keys.model_name, dict(body), key=KEY_C) for _ in range(20)]
+    for load in loads:
+        load.start()
+    _busy()
+    first_at: list[float] = []
+    first, _, text = _witness(two_keys, first_at)
+    for load in loads:
+        load.join(300)
+        assert load.error is None and load.status == 200, (load.status, load.error)
+    assert text.endswith(MARKER), text[-300:]
+    # 20 - 16 = 4 of keyC's requests waited for seats, each taking one before the witness could: at least four
+    # of keyC's requests ended before the witness's first token (three here: their ends are read by clients
+    # on other threads, a step's margin).
+    before = sum(end < first_at[0] for end in ended)
+    print(f"granted key: keyB's first token after {first:.2f} s, {before} of keyC's 20 requests ended before it")
+    assert before >= 3, f"only {before} of the granted key's requests ended before the other key's first token"
