@@ -16,7 +16,7 @@ import secrets
 from pathlib import Path
 from typing import Sequence
 
-from llm_api.model.settings import split_api_keys
+from llm_api.model.setting_values import split_api_keys
 from llm_api.service.owners import owner_of
 
 KEY_BYTES = 32
