@@ -11,7 +11,9 @@ In process, on the embedded model (float32) with a service that holds one live r
   read to the end leave the live table empty too;
 * admission leaves the request as the route built it: the parameters the engine runs (a token ceiling cut to
   the KV room, the compiled grammar) are the generation's own;
-* a key's priority grant (LLM_API_KEY's ``priority=N``) reaches the scheduler keyed by that key's owner.
+* a key's priority grant (LLM_API_KEY's ``priority=N``) reaches the scheduler keyed by that key's owner;
+* the longest request admission lets through (prompt + max_new_tokens = the engine's max_model_len) runs, one
+  token more is refused at admission (tests/test_admission_limits.py: each limit on its own).
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import pytest
 
 from llm_api.api.errors import ApiError
 from llm_api.api.request import GenerateRequest
+from llm_api.engine.request import FinishReason
 from llm_api.engine.sampling_params import SamplingParams
 from llm_api.model.settings import Settings
 from llm_api.protocols.native.route import native_encoder
 from llm_api.service.answer import Final, admit, encoded_parts
+from llm_api.service.events import Finished
 from llm_api.service.service import ModelService
 
 
@@ -117,3 +121,28 @@ def test_a_keys_priority_grant_reaches_the_scheduler_by_owner(embedded_lm_fp32, 
         assert dict(service.engine.scheduler.config.priority_grants) == {owner: -5}
     finally:
         service.shutdown()
+
+
+def test_what_admission_lets_through_the_engine_takes(one_at_a_time):
+    """The KV room admission holds a request to is the engine's own ``max_model_len`` (llm_api.service.admission):
+    the longest request admitted (prompt + max_new_tokens = max_model_len) runs to its length in the engine, and
+    one token more is a 400 at admission, before anything runs: the engine's own check never decides it."""
+    service = one_at_a_time
+    assert service.engine is not None and service.admission.kv_max_model_len == service.engine.max_model_len
+    limit = service.engine.max_model_len
+    hello = service.lm.tokenizer.encode("hello")[0]
+
+    def longest(extra: int) -> GenerateRequest:
+        return GenerateRequest(token_ids=[hello] * (limit - 2 + extra), params=SamplingParams(max_new_tokens=2,
+                                                                                               ignore_eos=True))
+
+    async def run():
+        with pytest.raises(ApiError) as refused:
+            await service.admit(longest(1), "over")
+        assert refused.value.status == 400 and refused.value.code == "prompt_too_long"
+        events = [event async for event in service.generate(longest(0), "longest")]
+        return events[-1]
+
+    end = asyncio.run(run())
+    assert isinstance(end, Finished) and end.error is None, end
+    assert end.reason == FinishReason.LENGTH and (end.num_prompt_tokens, end.num_generated_tokens) == (limit - 2, 2)

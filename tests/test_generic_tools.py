@@ -310,7 +310,7 @@ def test_the_embedded_models_prompt_holds_the_tools_as_data(embedded_checkpoint_
     from llm_api.api.prompt import PromptBuilder
 
     tokenizer = _tokenizer(embedded_checkpoint_path)
-    prompts = PromptBuilder(tokenizer, 4096)
+    prompts = PromptBuilder(tokenizer)
     assert prompts.tool_format is None
     request, _ = parse_chat(chat_body(tools=TOOLS, tool_choice="required"), "m", LIMITS)
     text = tokenizer.decode(prompts.token_ids(request))

@@ -208,9 +208,9 @@ def test_n_choices_and_logprobs_in_a_completion_answer():
     ("completions", {"prompt": "x", "logprobs": 5, "max_tokens": 2048}, ("max_tokens", "logprobs")),
 ])
 def test_the_work_limit_names_this_formats_fields(kind, extra, names):
-    """MAX_REQUEST_WORK (llm_api.api.request.request_work) counts the same factors on every route; its
+    """MAX_REQUEST_WORK (llm_api.service.admission.request_work) counts the same factors on every route; its
     refusal names them as this format spells them."""
-    from llm_api.api.request import request_work, work_refusal
+    from llm_api.service.admission import request_work, work_refusal
 
     request, _ = parse(kind, {"model": "smollm2", "n": 64, **extra})
     entries = request.params.logprobs + 1

@@ -119,7 +119,7 @@ def _chat(body: dict, limits: Limits = LIMITS):
 
 
 def test_template_kwargs_and_reasoning_effort_reach_the_template(tokenizer):
-    prompts = PromptBuilder(tokenizer, 2048)
+    prompts = PromptBuilder(tokenizer)
 
     def prompt(body: dict) -> str:
         request, _ = _chat(body)
@@ -167,12 +167,12 @@ def test_hostile_template_kwargs_are_refused_by_name(body, param):
 def test_kwargs_overriding_the_render_or_holding_control_tokens_are_refused(tokenizer, kwargs, param):
     request, _ = _chat({"chat_template_kwargs": kwargs})
     with pytest.raises(ApiError) as refused:
-        PromptBuilder(tokenizer, 2048).token_ids(request)
+        PromptBuilder(tokenizer).token_ids(request)
     assert refused.value.status == 400 and refused.value.param == param
 
 
 def test_assistant_reasoning_reaches_the_template_as_reasoning_content(tokenizer):
-    prompts = PromptBuilder(tokenizer, 2048)
+    prompts = PromptBuilder(tokenizer)
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     for field in ("reasoning", "reasoning_content"):
         messages = [{"role": "user", "content": "Hi"},

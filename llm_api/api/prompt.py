@@ -34,9 +34,9 @@ headed by its function's name (``calls_as_text``). All of it becomes message con
 tool definitions and earlier calls are refused for control text first all the same, so one request gets
 the same answer on every model.
 
-``too_long(request)`` refuses, before any tokenizing, a prompt whose characters cannot fit in
-``max_input_tokens`` tokens (no token of the vocabulary is longer than ``max_chars_per_token``
-characters), so a megabyte of text costs a length check, not a tokenizer run.
+``max_chars_per_token`` bounds the characters one token covers, so the service can refuse a prompt whose
+characters cannot fit MAX_INPUT_TOKENS before tokenizing it (``llm_api.service.admission``, which holds every
+limit: this module only tokenizes).
 """
 
 from __future__ import annotations
@@ -59,9 +59,8 @@ REASONING_KEYS = ("reasoning_content", "reasoning")  # an assistant turn's think
 
 
 class PromptBuilder:
-    def __init__(self, tokenizer, max_input_tokens: int):
+    def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.max_input_tokens = max_input_tokens
         self.tool_format = detect_tool_format(tokenizer)  # None: tools and calls in the generic form
         specials = sorted({t for t in tokenizer.all_special_tokens if t}, key=len, reverse=True)
         self._special_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in specials}
@@ -82,20 +81,9 @@ class PromptBuilder:
 
     # ----------------------------------------------------------------------------------------------
 
-    def too_long(self, request: GenerateRequest) -> ApiError | None:
-        """The refusal of a prompt that is over the limit whatever it tokenizes to, else None."""
-        chars = request.num_input_chars()
-        if chars > self.max_input_tokens * self.max_chars_per_token:
-            return ApiError(400, "prompt_too_long", f"the prompt has {chars} characters, more than "
-                            f"MAX_INPUT_TOKENS={self.max_input_tokens} tokens can hold; shorten it")
-        return None
-
     def token_ids(self, request: GenerateRequest) -> list[int]:
-        """The prompt's token ids (raises ApiError: no chat template, a template error, too long)."""
+        """The prompt's token ids (raises ApiError: no chat template, a template error)."""
         if request.token_ids is not None:  # (already checked below the vocabulary size by its format)
-            if len(request.token_ids) > self.max_input_tokens:
-                raise ApiError(400, "prompt_too_long", f"the prompt has {len(request.token_ids)} tokens; the limit "
-                               f"is MAX_INPUT_TOKENS={self.max_input_tokens}")
             return list(request.token_ids)
         return self.ids_of(request.text, request.messages, tools=request.tools, tool_prompt=request.tool_prompt,
                            template_kwargs=request.template_kwargs)
@@ -115,9 +103,6 @@ class PromptBuilder:
             ids = self._chat_ids(messages, tools, template_kwargs or {})
         else:
             ids = list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-        if len(ids) > self.max_input_tokens:
-            raise ApiError(400, "prompt_too_long",
-                           f"the prompt has {len(ids)} tokens; the limit is MAX_INPUT_TOKENS={self.max_input_tokens}")
         return ids
 
     # ----------------------------------------------------------------------------------------------

@@ -3,30 +3,6 @@
 Every front end turns its body into one of these (or a ``CancelRequest``) and hands it to the service;
 nothing below the request formats knows which format a request came in. ``Limits`` is what the server
 accepts, from the settings and the loaded model.
-
-``request_work`` is the one measure of what a request may cost (MAX_REQUEST_WORK bounds it; the service
-refuses a request over it before anything runs, ``work_refusal``). In units of one generated token:
-
-    work = prompt tokens x (1 + prompt logprob entries per token) x (n with echo, else 1)
-           + n x max_new_tokens x (1 + logprob entries per token)
-
-* the prompt is prefilled once, whatever ``n`` (the choices share its KV blocks): it adds, it does not
-  multiply, unless the answer echoes it (``echo``: every choice renders the prompt and its logprobs);
-* every choice may decode ``max_new_tokens`` tokens, each detokenized, encoded and sent: n x max_new_tokens;
-* with logprobs k, each of those tokens also renders k + 1 entries (the token's own and k alternatives:
-  text, bytes, a number) into the answer; an entry is counted as a whole token although it costs less
-  (``bench/render_cost.py``: 8-20 us and 33-97 bytes per entry against 14-77 us per token without
-  logprobs, on a 2-core EPYC), so the bound is conservative for rendering.
-
-The other limits bound each factor alone (MAX_INPUT_TOKENS, MAX_NUM_SEQS, MAX_NEW_TOKENS, 20 logprobs);
-only this bounds their product: 64 choices x 2,048 tokens x 21 entries (2.9 million units, an answer of
-hundreds of MB rendered on the event loop) is refused, a chat of 2,048 tokens with top_logprobs 20 (47,104
-units with a full prompt) is not. The measure uses what the request may ask for, not what it will use, so
-it is known before anything runs.
-
-A call with several prompts (``/v1/completions``' prompt list) is one request: the work of its prompts is
-summed against the same limit (``llm_api.service.answer.admit``, ``list_work_refusal``), so a list of 64
-prompts each just under the limit is refused, naming the sum.
 """
 
 from __future__ import annotations
@@ -35,7 +11,6 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from llm_api.api.errors import ApiError
 from llm_api.engine.sampling_params import SamplingParams
 from llm_api.structured.spec import Constraint
 
@@ -57,7 +32,7 @@ class Limits:
     vocab_size: int | None = None  # the model's logits width: logit_bias ids must be below it
     max_n: int = 128  # choices per request (MAX_NUM_SEQS: all n sequences run together)
     tool_format: "ToolFormat | None" = None  # how the model writes tool calls; None: no tools served
-    max_request_work: int | None = None  # MAX_REQUEST_WORK (request_work); None: no bound
+    max_request_work: int | None = None  # MAX_REQUEST_WORK (llm_api.service.admission.request_work); None: no bound
     reasoning_format: "ReasoningFormat | None" = None  # how answers split into reasoning and answer; None: not
     # tool_choice auto on a template without a tool format, in the generic form (GENERIC_TOOL_CHOICE_AUTO);
     # false: refused as vLLM refuses auto without a tool parser
@@ -80,7 +55,8 @@ def adapter_of(model: str, model_names: ModelNames) -> str | None:
 
 @dataclass(frozen=True)
 class WorkFields:
-    """What the request's format calls the fields ``request_work`` multiplies (its refusal names them)."""
+    """What the request's format calls the fields ``llm_api.service.admission.request_work`` multiplies (its
+    refusal names them)."""
 
     n: str = "n"
     max_new_tokens: str = "max_new_tokens"
@@ -105,7 +81,7 @@ class GenerateRequest:
     # A model without a tool format (llm_api.api.tools, generic form): the tools block added to the system
     # turn; the template is then not given ``tools`` (they are checked for control text all the same).
     tool_prompt: GenericPrompt | None = None
-    work_fields: WorkFields = field(default_factory=WorkFields)  # (the format's names, for work_refusal)
+    work_fields: WorkFields = field(default_factory=WorkFields)  # (the format's names, for the work refusal)
     # The LoRA adapter to answer with (None: the base model), and the field that named it (errors name it).
     adapter: str | None = None
     adapter_param: str = "adapter"
@@ -134,56 +110,6 @@ class GenerateRequest:
             return (chars + sum(len(json.dumps(x, ensure_ascii=False)) for x in calls + extra)
                     + len(self.tool_prompt.block if self.tool_prompt else ""))
         return 0
-
-
-def logprob_entries(logprobs: int | None) -> int:
-    """Entries one generated token renders: none without logprobs, else its own and ``logprobs`` more."""
-    return 0 if logprobs is None else logprobs + 1
-
-
-def request_work(num_prompt_tokens: int, params: SamplingParams, echo: bool = False) -> int:
-    """The module docstring's measure: prompt tokens x (1 + prompt logprob entries) x (n when echoed) + n x
-    max_new_tokens x (1 + logprob entries)."""
-    return (num_prompt_tokens * (1 + logprob_entries(params.prompt_logprobs)) * (params.n if echo else 1)
-            + params.n * params.max_new_tokens * (1 + logprob_entries(params.logprobs)))
-
-
-def work_refusal(request: GenerateRequest, num_prompt_tokens: int, limit: int | None,
-                 params: SamplingParams | None = None) -> ApiError | None:
-    """The 400 of a request whose work is over ``limit`` (MAX_REQUEST_WORK), else None. Before the prompt
-    is tokenized, ``num_prompt_tokens`` = 0 refuses what is over the limit whatever the prompt. ``params``: the
-    request's as they will run (a token limit cut to the KV room), else its own."""
-    params, names = params or request.params, request.work_fields
-    work = request_work(num_prompt_tokens, params, request.echo)
-    if limit is None or work <= limit:
-        return None
-    entries = logprob_entries(params.logprobs)
-    product = f"{names.n}={params.n} x {names.max_new_tokens}={params.max_new_tokens}"
-    if entries:
-        product += (f" x (1 + {entries} logprob entries per token: {names.logprobs}={params.logprobs} "
-                    f"alternatives and the token's own)")
-    prompt = f" + {num_prompt_tokens} prompt tokens" if num_prompt_tokens else ""
-    if num_prompt_tokens and request.echo and params.n > 1:
-        prompt += f" echoed in each of the {params.n} choices"
-    # The field to change first: what multiplies the most.
-    param = names.logprobs if entries else names.n if params.n > 1 else names.max_new_tokens
-    return ApiError(400, "work_limit_exceeded", f"this request asks for {product}{prompt} = {work:,} units of work; "
-                    f"the limit is MAX_REQUEST_WORK={limit:,} per request: ask for fewer choices, tokens or logprobs",
-                    param)
-
-
-def list_work_refusal(works: list[int], num_prompts: int, limit: int | None,
-                      prompt_param: str = "prompt") -> ApiError | None:
-    """The 400 of a call of ``num_prompts`` prompts whose first ones' work together (``works``: each prompt's
-    ``request_work``, in order, as they are tokenized) is already over ``limit``, else None."""
-    total = sum(works)
-    if limit is None or total <= limit:
-        return None
-    which = f"{num_prompts} prompts" if len(works) == num_prompts else f"first {len(works)} of {num_prompts} prompts"
-    return ApiError(400, "work_limit_exceeded", f"this request's {which} ask for {total:,} units of work "
-                    f"together (each prompt's prompt tokens and choices counted as for one request); the limit is "
-                    f"MAX_REQUEST_WORK={limit:,} per request: send fewer prompts, or fewer choices, tokens or "
-                    f"logprobs", prompt_param)
 
 
 @dataclass(frozen=True)

@@ -289,13 +289,13 @@ class Settings:
         "MAX_TOKENS_IN_FLIGHT", 1_048_576,
         "async mode: sum of prompt + `max_new_tokens` over live requests; more get 503", minimum=1)
     # The other caps bound each factor of a request's work alone; this bounds their product
-    # (llm_api.api.request.request_work).
+    # (llm_api.service.admission.request_work).
     max_request_work: int = setting(
         "MAX_REQUEST_WORK", 262_144,
         "one request's work: prompt tokens (x `n` when echoed) + `n` x `max_new_tokens` x (1 + logprob entries per "
         "token: the alternatives asked for and the token's own), a prompt list's prompts summed; above it 400 "
         "`work_limit_exceeded` naming the limit and the request's fields, on every generate route (formula: "
-        "`llm_api/api/request.py`)", minimum=1)
+        "`llm_api/service/admission.py`)", minimum=1)
     # The standalone server (llm_api serve). Its bearer keys (see api_keys), or one generated per start.
     api_key: str = setting(
         "LLM_API_KEY", "",

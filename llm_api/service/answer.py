@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable, Sequence, TypeVar, cast
 
 from llm_api.api.encoding import AnswerEncoder
-from llm_api.api.request import GenerateRequest, list_work_refusal
+from llm_api.api.request import GenerateRequest
 from llm_api.service.events import ChoiceFinished, Event, Finished, TextDelta
 
 if TYPE_CHECKING:  # (annotations only: the route table imports this module, and an edge that only routes,
@@ -91,7 +91,7 @@ async def admit(service: ModelService, request: GenerateRequest | Sequence[Gener
     the first refusal raised with the ones admitted before it released. ``marker``: text the detokenizer
     keeps out of the answer (the native end-of-stream marker); ``owner``: who sent it (``Call.owner``);
     ``tenant``: whose share of the engine it runs in (``Call.tenant``). The prompts of one call are one
-    request's work: their sum over MAX_REQUEST_WORK is refused (``list_work_refusal``)."""
+    request's work: their sum over MAX_REQUEST_WORK is refused (``Admission.prompt_list``)."""
     requests = [request] if isinstance(request, GenerateRequest) else list(request)
     if len(requests) == 1:  # (its own id: what a cancel names)
         return [await service.admit(requests[0], request_id, marker, owner, tenant)]
@@ -99,9 +99,7 @@ async def admit(service: ModelService, request: GenerateRequest | Sequence[Gener
     try:
         for p, one in enumerate(requests):
             admitted.append(await service.admit(one, f"{request_id}.{p}", marker, owner, tenant))
-            refusal = list_work_refusal([g.work for g in admitted], len(requests), service.limits.max_request_work)
-            if refusal is not None:
-                raise refusal
+            service.admission.prompt_list([g.work for g in admitted], len(requests))
     except BaseException:
         for generation in admitted:
             generation.release()

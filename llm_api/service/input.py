@@ -1,18 +1,14 @@
 """Input processing: a parsed request becomes what the engine takes, or its refusal (vLLM's input processor).
 
-``InputProcessor`` renders and tokenizes prompts (``PromptBuilder``), converts embeddings, checks every
-limit a request must meet on its own, and compiles its grammar; ``ModelService`` admits what it prepared
-against what all live requests share (capacity, labels, adapters). In the order a request meets them:
+``InputProcessor`` renders and tokenizes prompts (``PromptBuilder``), converts embeddings and compiles a
+request's grammar; every limit a request must meet is the ``Admission``'s (``llm_api.service.admission``), asked
+here in the order a request meets them:
 
-* ``check(request)``, before anything is tokenized: work over MAX_REQUEST_WORK whatever the prompt is
-  (``llm_api.api.request.work_refusal``), a prompt whose length in characters cannot fit MAX_INPUT_TOKENS,
-  the prompt's logprobs on the ``generate()`` reference path (the paged engine computes them);
-* ``prepare(request, owner, arrival)``: the token ids (or the embeddings tensor), then a prompt that became
-  no tokens (400 ``empty_prompt``), a token limit that is a ceiling (``max_tokens_fits``) cut to what the
-  KV cache holds after the prompt, the work with its tokens, prompt + ``max_new_tokens`` over what the KV
-  cache holds for one request (400 ``prompt_too_long``), the grammar (compiled on its own pool, by owner:
-  ``llm_api.service.grammars``; 400 naming the field when the library rejects it), and the request's
-  deadline (its ``timeout_s``, never beyond REQUEST_TIMEOUT_S) and cost in tokens for admission.
+* ``check(request)``, before anything is tokenized: ``Admission.before_tokens``;
+* ``prepare(request, owner, arrival)``: the token ids (or the embeddings tensor), then ``Admission.after_tokens``
+  (which gives the sampling parameters the engine runs), the grammar (compiled on its own pool, by owner:
+  ``llm_api.service.grammars``; 400 naming the field when the library rejects it), and the request's deadline
+  (its ``timeout_s``, never beyond REQUEST_TIMEOUT_S) and cost in tokens for admission.
 
 Prompts longer than ``OFF_LOOP_MIN_SIZE`` (characters, or embedding values) are prepared on a small thread
 pool, off the event loop, which also serves ``offload`` (large bodies) and the tokenizer routes
@@ -34,10 +30,11 @@ import torch
 
 from llm_api.api.errors import ApiError
 from llm_api.api.prompt import PromptBuilder
-from llm_api.api.request import GenerateRequest, Limits, TokenizeRequest, work_refusal
+from llm_api.api.request import GenerateRequest, Limits, TokenizeRequest
 from llm_api.model.loader import LoadedModel
 from llm_api.engine.sampling_params import SamplingParams
 from llm_api.model.settings import Settings
+from llm_api.service.admission import Admission
 from llm_api.service.grammars import GrammarCompilation
 
 # Prompts longer than this (characters, or embedding values) are prepared on the thread pool: below it
@@ -60,19 +57,17 @@ class Prepared:
 
 
 class InputProcessor:
-    def __init__(self, settings: Settings, lm: LoadedModel, limits: Limits, kv_max_model_len: int | None,
-                 path_name: str):
+    def __init__(self, settings: Settings, lm: LoadedModel, limits: Limits, admission: Admission):
         self.settings = settings
         self.lm = lm
         self.limits = limits
-        self._kv_max_model_len = kv_max_model_len  # None: no paged KV cache (the reference path)
-        self._path_name = path_name
+        self.admission = admission
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="llm-prepare")
         self.grammars = GrammarCompilation(lm.tokenizer, _logits_width(lm.model), lm.eos_token_ids)
 
     @functools.cached_property
     def prompts(self) -> PromptBuilder:
-        return PromptBuilder(self.lm.tokenizer, self.settings.max_input_tokens)
+        return PromptBuilder(self.lm.tokenizer)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -87,17 +82,8 @@ class InputProcessor:
     # a generation request
 
     def check(self, request: GenerateRequest) -> None:
-        """The refusals that need no tokens (module docstring)."""
-        refusal = work_refusal(request, 0, self.limits.max_request_work) or self.prompts.too_long(request)
-        if refusal is not None:
-            raise refusal
-        if request.params.prompt_logprobs is not None and self._kv_max_model_len is None:
-            raise ApiError(400, "unsupported_parameter", "'echo' with 'logprobs' (the prompt's logprobs) needs the "
-                           f"paged engine; this model runs on the {self._path_name}", "echo")
-        if request.params.pooling is not None and (self._kv_max_model_len is None or
-                                                   not callable(getattr(self.lm.model, "get_decoder", None))):
-            raise ApiError(400, "unsupported_model", "embeddings need the paged engine and a decoder model; this "
-                           f"model runs on the {self._path_name}", "input")
+        """The refusals that need no tokens (``Admission.before_tokens``)."""
+        self.admission.before_tokens(request, self.prompts.max_chars_per_token)
 
     async def prepare(self, request: GenerateRequest, owner: str, arrival: float) -> Prepared:
         """Tokenize, check and compile (module docstring): ``Prepared.params`` are what the engine runs; the
@@ -108,17 +94,7 @@ class InputProcessor:
         else:
             assert prompt_embeds is not None  # _prompt gives ids or embeddings
             num_prompt_tokens = int(prompt_embeds.shape[0])
-        if num_prompt_tokens == 0:  # (the engine has nothing to prefill: an answer needs one token to follow)
-            raise ApiError(400, "empty_prompt", "the prompt becomes no tokens (it holds only characters the "
-                           "tokenizer drops); send text the model can read")
-        params = request.params
-        room = None if self._kv_max_model_len is None else self._kv_max_model_len - num_prompt_tokens
-        if request.max_tokens_fits and room is not None and 1 <= room < params.max_new_tokens:
-            params = dataclasses.replace(params, max_new_tokens=room)
-        refusal = work_refusal(request, num_prompt_tokens, self.limits.max_request_work, params)
-        if refusal is not None:
-            raise refusal
-        self._check_fits(num_prompt_tokens, params.max_new_tokens)
+        params = self.admission.after_tokens(request, num_prompt_tokens)
         deadline = arrival + min(request.timeout_s or self.settings.request_timeout_s, self.settings.request_timeout_s)
         if request.constraint is not None:
             params = dataclasses.replace(params, grammar=await self.grammars.compile(request.constraint, deadline, owner))
@@ -142,14 +118,6 @@ class InputProcessor:
     def _embeds_tensor(self, request: GenerateRequest) -> torch.Tensor:
         return torch.tensor(request.inputs_embeds, dtype=cast(torch.dtype, self.lm.model.dtype), device=self.lm.device)
 
-    def _check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
-        limit = self._kv_max_model_len
-        if limit is not None and num_prompt_tokens + max_new_tokens > limit:
-            raise ApiError(400, "prompt_too_long",
-                           f"prompt ({num_prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
-                           f"{limit} tokens the KV cache can hold for one request (KV_CACHE_MEMORY_MIB, "
-                           f"MAX_INPUT_TOKENS, MAX_NEW_TOKENS)")
-
     # ------------------------------------------------------------------------------------------
     # the tokenizer routes
 
@@ -157,23 +125,33 @@ class InputProcessor:
         """The ids a prompt or chat becomes, exactly as ``prepare`` would tokenize it (ApiError when it
         cannot be served: over MAX_INPUT_TOKENS, no chat template)."""
         as_generate = GenerateRequest(text=request.text, messages=request.messages)
-        refusal = self.prompts.too_long(as_generate)
-        if refusal is not None:
-            raise refusal
+        self._fits_before_tokens(as_generate)
         work = functools.partial(self.prompts.ids_of, request.text, request.messages, request.add_special_tokens)
         if as_generate.num_input_chars() < OFF_LOOP_MIN_SIZE:
-            return work()
-        return await asyncio.get_running_loop().run_in_executor(self._pool, work)
+            ids = work()
+        else:
+            ids = await asyncio.get_running_loop().run_in_executor(self._pool, work)
+        return self._fits_in_tokens(ids)
 
     async def count_prompt_tokens(self, request: GenerateRequest) -> int:
         """How many tokens ``request``'s prompt is, exactly as ``prepare`` would tokenize it (Anthropic's
         count_tokens), with the same refusals (over MAX_INPUT_TOKENS, a template error)."""
-        refusal = self.prompts.too_long(request)
+        self._fits_before_tokens(request)
+        if request.num_input_chars() < OFF_LOOP_MIN_SIZE:
+            return len(self._fits_in_tokens(self.prompts.token_ids(request)))
+        ids = await asyncio.get_running_loop().run_in_executor(self._pool, self.prompts.token_ids, request)
+        return len(self._fits_in_tokens(ids))
+
+    def _fits_before_tokens(self, request: GenerateRequest) -> None:
+        refusal = self.admission.prompt_size(request, self.prompts.max_chars_per_token)
         if refusal is not None:
             raise refusal
-        if request.num_input_chars() < OFF_LOOP_MIN_SIZE:
-            return len(self.prompts.token_ids(request))
-        return len(await asyncio.get_running_loop().run_in_executor(self._pool, self.prompts.token_ids, request))
+
+    def _fits_in_tokens(self, ids: list[int]) -> list[int]:
+        refusal = self.admission.prompt_tokens(len(ids))
+        if refusal is not None:
+            raise refusal
+        return ids
 
     async def detokenize(self, token_ids: list[int]) -> str:
         work = functools.partial(self.lm.tokenizer.decode, token_ids)

@@ -30,10 +30,11 @@ then:
 A request with ``params.n`` > 1 is one engine request of n sequences: every ``TextDelta`` and
 ``ChoiceFinished`` names its choice (``index``), each choice has its own detokenizer and stop strings (a
 choice that meets one is ended alone, in the engine too), and ``Finished`` comes once every choice
-ended; an error (cancel, deadline, engine failure) ends them all at once. Admission counts prompt + n x
-``max_new_tokens`` against MAX_TOKENS_IN_FLIGHT, the budget all live requests share (503 when it is
-spent: a busy server, retry later); MAX_REQUEST_WORK is one request's own bound (400: the request as asked
-can never be served), and counts logprob entries too, which hold no KV blocks.
+ended; an error (cancel, deadline, engine failure) ends them all at once. Every limit a request must meet
+is the ``Admission``'s (``llm_api.service.admission``): it counts prompt + n x ``max_new_tokens`` against
+MAX_TOKENS_IN_FLIGHT, the budget all live requests share (503 when it is spent: a busy server, retry later);
+MAX_REQUEST_WORK is one request's own bound (400: the request as asked can never be served), and counts logprob
+entries too, which hold no KV blocks.
 
 With ``params.logprobs`` set, each ``TextDelta`` carries the ``LogprobItem`` of the tokens whose text it
 releases (text the detokenizer held back keeps its tokens' logprobs for the delta that releases it):
@@ -60,17 +61,17 @@ from typing import AsyncGenerator
 from llm_api.api.errors import ApiError, echo, internal_error, model_not_found
 from llm_api.api.logprobs import TokenTexts
 from llm_api.api.reasoning import reasoning_format
-from llm_api.api.request import GenerateRequest, Limits, request_work
+from llm_api.api.request import GenerateRequest, Limits
 from llm_api.api.tools import detect_tool_format
 from llm_api.engine.engine import EngineConfig, LLMEngine
 from llm_api.engine.reference import ReferenceCore
-from llm_api.engine.scheduler import PromptTooLongError
 from llm_api.engine.support import unsupported_reason
 from llm_api.model.host_memory import release_freed_heap
 from llm_api.model.loader import LoadedModel, load
 from llm_api.lora.config import AdapterError
 from llm_api.lora.registry import AdapterInUseError, AdapterPathError, LoraRegistry
 from llm_api.model.settings import ConfigError, Settings
+from llm_api.service.admission import Admission, request_work
 from llm_api.service.engine_loop import EngineLoop
 from llm_api.service.events import Event, Finished
 from llm_api.service.input import InputProcessor, Prepared
@@ -95,8 +96,10 @@ class ModelService:
                              priority_scheduling=settings.scheduling_policy == "priority")
         self.lora: LoraRegistry | None = self._build_lora() if settings.lora_enabled else None
         self.engine: LLMEngine | None = self._build_engine() if settings.engine == "paged" else None
-        self.inputs = InputProcessor(settings, lm, self.limits,
-                                     self.engine.max_model_len if self.engine is not None else None, self.path_name)
+        self.admission = Admission(self.limits, self.engine.max_model_len if self.engine is not None else None,
+                                   self.path_name, callable(getattr(lm.model, "get_decoder", None)),
+                                   settings.max_num_seqs + settings.max_waiting_requests, settings.max_tokens_in_flight)
+        self.inputs = InputProcessor(settings, lm, self.limits, self.admission)
         core = self.engine if self.engine is not None else ReferenceCore(lm.model, lm.eos_token_ids,
                                                                          lm.tokenizer.pad_token_id)
         self.loop = EngineLoop(core)
@@ -256,7 +259,7 @@ class ModelService:
         if label is not None and label in self._labels:  # (another request took it while we tokenized)
             raise ApiError(409, "duplicate_request_id", f"a request with request_id {echo(label)} is still running")
         lora_id = self._lora_id(request)  # (again: it may have been unloaded while the prompt was tokenized)
-        self._admit(prepared.cost)
+        self.admission.capacity(len(self._live), self._tokens_in_flight, prepared.cost)
         generation = Generation(self, request_id, request, prepared, marker, arrival, lora_id, tenant)
         if lora_id and request.adapter is not None:
             self.lora_requests[request.adapter] += 1
@@ -267,16 +270,6 @@ class ModelService:
         self._tokens_in_flight += prepared.cost
         logger.info("request %s: %s, %d prompt tokens", request_id, request.input_kind, prepared.num_prompt_tokens)
         return generation
-
-    def _admit(self, cost: int) -> None:
-        max_live = self.settings.max_num_seqs + self.settings.max_waiting_requests
-        if len(self._live) >= max_live:
-            raise ApiError(503, "overloaded", f"the server is busy: {len(self._live)} requests in flight "
-                           f"(MAX_NUM_SEQS + MAX_WAITING_REQUESTS = {max_live}); retry later")
-        if self._tokens_in_flight + cost > self.settings.max_tokens_in_flight:
-            raise ApiError(503, "overloaded", f"the server is busy: {self._tokens_in_flight} tokens in flight, this "
-                           f"request needs {cost} more (MAX_TOKENS_IN_FLIGHT={self.settings.max_tokens_in_flight}); "
-                           f"retry later")
 
     def _release(self, generation: "Generation") -> None:
         if self._live.get(generation.request_id) is generation:
@@ -382,8 +375,6 @@ class Generation:
             end = state.end
         except TimeoutError:
             end = state.failed(ApiError(408, "timeout", "the request exceeded its deadline"))
-        except PromptTooLongError as exc:
-            end = state.failed(ApiError(400, "prompt_too_long", str(exc)))
         except Exception:  # an engine failure ends this stream with an error, never a hang
             logger.exception("request %s failed", self.request_id)
             end = state.failed(internal_error())

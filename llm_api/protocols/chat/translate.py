@@ -13,7 +13,7 @@ are in the one route table, ``llm_api.protocols.table``). Contract:
   parameters we cannot honour are refused by name rather than silently ignored. ``best_of`` and ``suffix``
   (completions) are taken only at their neutral values (null or 1, null or ""). What ``n``, the
   token limit, the logprobs and the prompt may cost together is bounded by MAX_REQUEST_WORK
-  (``llm_api.api.request.request_work``): a request over it gets 400 ``work_limit_exceeded`` naming them.
+  (``llm_api.service.admission.request_work``): a request over it gets 400 ``work_limit_exceeded`` naming them.
 * ``n`` > 1: every choice and chunk carries its ``index``; a stream interleaves the choices' chunks, each
   choice ends with its own ``finish_reason`` chunk; ``usage`` counts the tokens of all choices. With a
   ``seed``, choice 0 is what n = 1 would give and the others are seeded from it (distinct, reproducible).

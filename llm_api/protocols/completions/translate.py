@@ -25,6 +25,7 @@ from llm_api.protocols.common.openai import validate_call
 from llm_api.protocols.common.openai_call import OpenAICall
 from llm_api.protocols.common.sampling import check_token_range, to_sampling_params
 from llm_api.protocols.completions.schema import NEUTRAL_VALUES, CompletionBody
+from llm_api.service.admission import over_input_limit
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 
@@ -86,9 +87,9 @@ def _prompts(value: Any, limits: Limits) -> list[str | list[int]]:
         if not isinstance(item, list) or not item or not all(_is_token_id(x) for x in item):
             raise ApiError(400, "invalid_type", f"'{param}' must be a non-empty string or a non-empty list of "
                            "token ids (integers)", param)
-        if len(item) > limits.max_input_tokens:
-            raise ApiError(400, "prompt_too_long", f"'{param}' has {len(item)} tokens; the limit is "
-                           f"MAX_INPUT_TOKENS={limits.max_input_tokens}", param)
+        too_long = over_input_limit(len(item), limits.max_input_tokens)
+        if too_long is not None:
+            raise ApiError(400, "prompt_too_long", f"'{param}' {too_long}", param)
         vocab_size = limits.vocab_size
         bad = next((x for x in item if x < 0 or (vocab_size is not None and x >= vocab_size)), None)
         if bad is not None:

@@ -10,8 +10,7 @@ import asyncio
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
-from llm_api.api.errors import internal_error
-from llm_api.api.request import list_work_refusal
+from llm_api.api.errors import ApiError, internal_error
 from llm_api.protocols.embeddings.translate import embeddings_answer, parse_embeddings
 from llm_api.protocols.route import Answer, Call, RouteContext, Whole
 from llm_api.service.answer import admit, parse_large
@@ -34,11 +33,12 @@ async def embeddings(ctx: RouteContext, call: Call, params: dict[str, str]) -> A
         generations = await admit(service, part, f"{call.request_id}.{start // wave}", ctx.marker, call.owner,
                                   call.tenant)
         works += [g.work for g in generations]
-        refusal = list_work_refusal(works, len(parsed.requests), service.limits.max_request_work, "input")
-        if refusal is not None:
+        try:
+            service.admission.prompt_list(works, len(parsed.requests), "input")
+        except ApiError:
             for generation in generations:
                 generation.release()
-            raise refusal
+            raise
         ends = await asyncio.gather(*(_end(g) for g in generations))
         for end in ends:
             if end.error is not None:

@@ -15,6 +15,7 @@ from llm_api.api.request import MAX_SEED, Limits
 from llm_api.api.validation import decode_json
 from llm_api.protocols.common.checks import PRIORITY_RANGE
 from llm_api.engine.sampling_params import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from llm_api.service.admission import over_input_limit
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_TEMPERATURE = 100.0
@@ -116,9 +117,9 @@ class NativeBody(BaseModel):
     @classmethod
     def _embeds_fit(cls, value, info: ValidationInfo):
         limits = _limits(info)
-        if value is not None and len(value) > limits.max_input_tokens:
-            raise fail("prompt_too_long", f"has {len(value)} positions; the limit is "
-                                          f"MAX_INPUT_TOKENS={limits.max_input_tokens}")
+        too_long = None if value is None else over_input_limit(len(value), limits.max_input_tokens, "positions")
+        if too_long is not None:
+            raise fail("prompt_too_long", too_long)
         width = limits.hidden_size
         if value is not None and width is not None:
             for i, row in enumerate(value):

@@ -19,7 +19,7 @@ rule ``root``), see ``llm_api.api.constraints``. Anything else raises ``ApiError
 a request that asks for them without it is refused, naming the field, and existing clients see no
 change. ``presence_penalty`` / ``frequency_penalty`` (-2..2) and ``logit_bias`` (``{"<token id>": bias}``,
 -100..100) work with either output. What ``n``, ``max_new_tokens``, ``logprobs`` and the prompt may cost
-together is bounded by MAX_REQUEST_WORK (``llm_api.api.request.request_work``): the service refuses a
+together is bounded by MAX_REQUEST_WORK (``llm_api.service.admission.request_work``): the service refuses a
 request over it with 400 ``work_limit_exceeded``, naming these fields.
 """
 
