@@ -34,11 +34,9 @@ worse rank), preempts running sequences of a worse rank for room like a better p
 and is never a victim of the shares of owners at a worse rank. With one owner (every request's owner "", the
 default) none of this changes anything.
 
-``schedule()`` returns a ``SchedulerOutput``: per scheduled request, its new tokens, whether it samples,
-and the block ids it got this step (``new_block_ids``; all of its blocks when ``is_new``, i.e. admitted or
-resumed after preemption), plus the ids of requests that finished or were preempted since the last
-output. The model runner keeps its own copy of each request's block table from these deltas (vLLM v1's
-shape), so nothing below the scheduler depends on how the scheduler stores its lists.
+``schedule()`` returns a ``SchedulerOutput`` (``llm_api.engine.scheduler_output``): per scheduled request,
+its new tokens, whether it samples and the block ids it got this step, plus the ids of requests that left
+the running set since the last output: deltas the model runner keeps its own block tables from.
 
 ``update()`` takes the token sampled for each sequence whose scheduled tokens reached its end, appends
 it, finishes the sequence at EOS (unless ``ignore_eos``), at ``max_new_tokens`` or at ``max_model_len``,
@@ -75,6 +73,7 @@ from typing import Any, Mapping, Sequence
 from llm_api.engine.block_pool import BlockPool, hash_block
 from llm_api.engine.fair_share import FairShare
 from llm_api.engine.request import FinishReason, Request, RequestOutput, RequestStatus, TokenLogprob
+from llm_api.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from llm_api.engine.speculative.drafter import Drafter
 
 
@@ -91,31 +90,6 @@ class SchedulerConfig:
     # Owner -> its grant N (LLM_API_KEY's "key priority=N"): its requests rank max(N, min(priority, 0)) against
     # other owners' (Request.rank); an owner without one ranks 0 whatever its priorities.
     priority_grants: Mapping[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
-    samples: bool  # this step reaches the request's last token, so a new token is sampled for it
-    new_block_ids: list[int] = field(default_factory=list)  # blocks it got this step, in table order
-    is_new: bool = False  # admitted, resumed, forked or copied on write: new_block_ids is its whole table
-    forks: list[Request] = field(default_factory=list)  # siblings that start from this row's logits (n > 1)
-    # Speculative decoding: tokens scheduled after the request's last token (num_new_tokens = 1 + len);
-    # the runner returns a logits row for each of its 1 + len positions.
-    draft_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    preempted_request_ids: list[str] = field(default_factory=list)  # seq ids
-    # Sequences (seq ids) that left the running set since the previous output (finished, aborted,
-    # preempted): the model runner drops its copy of their block tables.
-    ended_request_ids: list[str] = field(default_factory=list)
-    # (source block, destination block): K/V to copy before this step's forward (copy on write).
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
