@@ -22,15 +22,10 @@ import pytest
 
 from llm_api.model.settings import ConfigError, Settings
 from llm_api.service.owners import owner_of
-from llm_api.protocols.responses.store import (
-    ENTRY_OVERHEAD_BYTES,
-    WAL_LIMIT_BYTES,
-    MemoryResponseStore,
-    SqliteResponseStore,
-    StoreLimits,
-    entry_cost,
-    open_response_store,
-)
+from llm_api.protocols.responses.store import open_response_store
+from llm_api.protocols.responses.store.interface import ENTRY_OVERHEAD_BYTES, StoreLimits, entry_cost
+from llm_api.protocols.responses.store.memory import MemoryResponseStore
+from llm_api.protocols.responses.store.sqlite import WAL_LIMIT_BYTES, SqliteResponseStore
 
 ALICE = owner_of("Bearer alice-key-123")
 BOB = owner_of("Bearer bob-key-4567")

@@ -20,7 +20,7 @@ from llm_api.engine.attention import AttentionBackend
 from llm_api.engine.kv_cache import DeviceMemory, KVCacheLayout, PagedKVCache, cuda_layer_devices
 from llm_api.engine.model_runner import ModelRunner
 from llm_api.engine.request import Request
-from llm_api.engine.scheduler import ScheduledRequest, SchedulerOutput
+from llm_api.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from llm_api.engine.sampling_params import SamplingParams
 
 

@@ -55,7 +55,7 @@ from llm_api.engine.cuda_graphs import DecodeGraphRunner, DecodeRow
 from llm_api.engine.kv_cache import PagedKVCache
 from llm_api.engine.request import Request
 from llm_api.engine.sampler import prompt_logprobs
-from llm_api.engine.scheduler import ScheduledRequest, SchedulerOutput
+from llm_api.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from llm_api.lora.context import lora_step
 from llm_api.model.placement import execution_device
 

@@ -34,11 +34,9 @@ worse rank), preempts running sequences of a worse rank for room like a better p
 and is never a victim of the shares of owners at a worse rank. With one owner (every request's owner "", the
 default) none of this changes anything.
 
-``schedule()`` returns a ``SchedulerOutput``: per scheduled request, its new tokens, whether it samples,
-and the block ids it got this step (``new_block_ids``; all of its blocks when ``is_new``, i.e. admitted or
-resumed after preemption), plus the ids of requests that finished or were preempted since the last
-output. The model runner keeps its own copy of each request's block table from these deltas (vLLM v1's
-shape), so nothing below the scheduler depends on how the scheduler stores its lists.
+``schedule()`` returns a ``SchedulerOutput`` (``llm_api.engine.scheduler_output``): per scheduled request,
+its new tokens, whether it samples and the block ids it got this step, plus the ids of requests that left
+the running set since the last output: deltas the model runner keeps its own block tables from.
 
 ``update()`` takes the token sampled for each sequence whose scheduled tokens reached its end, appends
 it, finishes the sequence at EOS (unless ``ignore_eos``), at ``max_new_tokens`` or at ``max_model_len``,
@@ -72,9 +70,11 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from llm_api.engine.block_pool import BlockPool, hash_block
+from llm_api.engine.block_pool import BlockPool
 from llm_api.engine.fair_share import FairShare
 from llm_api.engine.request import FinishReason, Request, RequestOutput, RequestStatus, TokenLogprob
+from llm_api.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from llm_api.engine.sequence_blocks import SequenceBlocks
 from llm_api.engine.speculative.drafter import Drafter
 
 
@@ -91,31 +91,6 @@ class SchedulerConfig:
     # Owner -> its grant N (LLM_API_KEY's "key priority=N"): its requests rank max(N, min(priority, 0)) against
     # other owners' (Request.rank); an owner without one ranks 0 whatever its priorities.
     priority_grants: Mapping[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
-    samples: bool  # this step reaches the request's last token, so a new token is sampled for it
-    new_block_ids: list[int] = field(default_factory=list)  # blocks it got this step, in table order
-    is_new: bool = False  # admitted, resumed, forked or copied on write: new_block_ids is its whole table
-    forks: list[Request] = field(default_factory=list)  # siblings that start from this row's logits (n > 1)
-    # Speculative decoding: tokens scheduled after the request's last token (num_new_tokens = 1 + len);
-    # the runner returns a logits row for each of its 1 + len positions.
-    draft_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    preempted_request_ids: list[str] = field(default_factory=list)  # seq ids
-    # Sequences (seq ids) that left the running set since the previous output (finished, aborted,
-    # preempted): the model runner drops its copy of their block tables.
-    ended_request_ids: list[str] = field(default_factory=list)
-    # (source block, destination block): K/V to copy before this step's forward (copy on write).
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -138,6 +113,7 @@ class Scheduler:
         self.drafter = drafter
         self.block_pool = block_pool
         self.block_size = block_pool.block_size
+        self.blocks = SequenceBlocks(block_pool)  # each sequence's blocks: taken, cached, released
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
@@ -253,7 +229,7 @@ class Scheduler:
             draft = (self._draft(request, budget, len(self.running) - 1 - index, output.block_copies)
                      if speculate else [])
             num_new_tokens += len(draft)
-            while not self._allocate_slots(request, num_new_tokens, copies=output.block_copies):
+            while not self.blocks.allocate_slots(request, num_new_tokens, copies=output.block_copies):
                 victim = self._victim(index)
                 self.running.remove(victim)
                 self._preempt(victim, output)
@@ -293,20 +269,20 @@ class Scheduler:
                 self._drop_head(queues, owner)
                 continue
             num_siblings = len(self._unforked.get(request.seq_id, ()))
-            hit_block_ids = self._find_cached_blocks(request)
+            hit_block_ids = self.blocks.find_cached_blocks(request)
             num_hit_tokens = len(hit_block_ids) * self.block_size
             num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
             # Another owner of its rank or a better one waits: this one stays within its share.
             if usage is not None and any(rank <= request.rank for o, rank in head_ranks.items() if o != owner):
                 held_seqs, held_blocks = usage.get(owner, (0, 0))
                 if not fair.within_share(held_seqs + 1 + num_siblings,
-                                         held_blocks + sum(self._blocks_to_take(request, num_new_tokens, hit_block_ids))):
+                                         held_blocks + sum(self.blocks.blocks_to_take(request, num_new_tokens, hit_block_ids))):
                     del queues[owner]
                     continue
             if num_seqs + 1 + num_siblings > self.config.max_num_seqs:
                 break  # its n sequences will run together: wait until they fit
             num_blocks_before = len(request.block_ids)
-            if not self._allocate_slots(request, num_new_tokens, hit_block_ids):
+            if not self.blocks.allocate_slots(request, num_new_tokens, hit_block_ids):
                 break
             self._drop_head(queues, owner)
             self.waiting.remove(request)
@@ -351,7 +327,7 @@ class Scheduler:
                 outputs.append(self._append_verified(scheduled, sampled_token_ids, sampled_logprobs))
                 continue
             request.num_computed_tokens += scheduled.num_new_tokens
-            self._cache_full_blocks(request)
+            self.blocks.cache_full_blocks(request)
             if not scheduled.samples:
                 continue
             siblings = scheduled.forks
@@ -403,7 +379,7 @@ class Scheduler:
         if reason is not None:
             self._finish(request, reason)  # (frees the blocks: nothing to register)
         else:
-            self._cache_full_blocks(request)  # (after the append: the hashes need the accepted tokens)
+            self.blocks.cache_full_blocks(request)  # (after the append: the hashes need the accepted tokens)
         return RequestOutput(request.request_id, appended, reason is not None, reason, request.index,
                              tuple(logprobs[: len(appended)]) if logprobs else None,
                              num_cached_tokens=max(request.num_cached_tokens, 0))
@@ -463,80 +439,13 @@ class Scheduler:
         num_needed = _cdiv(request.num_computed_tokens + 1 + len(draft), self.block_size) - len(request.block_ids)
         if num_needed > 0 and self.block_pool.num_free_blocks - num_needed < num_behind:
             return []
-        if not self._allocate_slots(request, 1 + len(draft), copies=copies):
+        if not self.blocks.allocate_slots(request, 1 + len(draft), copies=copies):
             return []
         return draft
-
-    def _allocate_slots(self, request: Request, num_new_tokens: int, hit_block_ids: Sequence[int] = (),
-                        copies: list[tuple[int, int]] | None = None) -> bool:
-        """Give the request enough blocks for ``num_new_tokens`` more tokens; False if too few are free.
-        A running request about to write into a block it shares gets a copy of it (``copies``)."""
-        pool = self.block_pool
-        num_needed, num_hits_from_free = self._blocks_to_take(request, num_new_tokens, hit_block_ids)
-        copy_tail = copies is not None and self._writes_shared_block(request)
-        if num_needed + num_hits_from_free + copy_tail > pool.num_free_blocks:
-            return False
-        if copy_tail:
-            assert copies is not None  # (copy_tail is False without it)
-            shared = request.block_ids[-1]
-            request.block_ids[-1] = pool.allocate(1)[0]
-            pool.free([shared])  # (still held by the other sharers)
-            copies.append((shared, request.block_ids[-1]))
-        pool.touch(hit_block_ids)
-        request.block_ids.extend(hit_block_ids)
-        if num_needed > 0:
-            request.block_ids.extend(pool.allocate(num_needed))
-        return True
-
-    def _blocks_to_take(self, request: Request, num_new_tokens: int, hit_block_ids: Sequence[int]) -> tuple[int, int]:
-        """(new blocks to allocate, cached hit blocks now in the free queue) for ``num_new_tokens`` more tokens
-        of the request after ``hit_block_ids``: both come out of the free blocks."""
-        num_computed = request.num_computed_tokens + len(hit_block_ids) * self.block_size
-        num_needed = _cdiv(num_computed + num_new_tokens, self.block_size) - len(request.block_ids) - len(hit_block_ids)
-        # Hit blocks that nobody holds are in the free queue: taking them leaves fewer to allocate.
-        return num_needed, sum(1 for b in hit_block_ids if self.block_pool.ref_counts[b] == 0)
 
     def _num_running_seqs(self) -> int:
         """Running sequences, with the siblings a running choice 0 still prefilling will fork."""
         return len(self.running) + sum(len(self._unforked.get(r.seq_id, ())) for r in self.running)
-
-    def _writes_shared_block(self, request: Request) -> bool:
-        """The next token's K/V go into the request's last block, and another sequence holds it too. (Only
-        a forked prompt's blocks are shared, and a sequence holds no blocks past them until it decodes,
-        so the block written next is the last one whenever it is shared, drafts included.)"""
-        return (request.num_computed_tokens % self.block_size != 0 and bool(request.block_ids)
-                and self.block_pool.ref_counts[request.block_ids[-1]] > 1)
-
-    def _find_cached_blocks(self, request: Request) -> list[int]:
-        if (not (self.block_pool.enable_prefix_caching and request.uses_prefix_cache) or request.needs_prompt_logits
-                or request.needs_prompt_hidden):
-            return []
-        self._extend_block_hashes(request)
-        # Keep at least the last token to compute: its logits give the next token.
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hit_block_ids = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block_id = self.block_pool.lookup(block_hash)
-            if block_id is None:
-                break
-            hit_block_ids.append(block_id)
-        return hit_block_ids
-
-    def _extend_block_hashes(self, request: Request) -> None:
-        hashes = request.block_hashes
-        bs = self.block_size
-        while len(hashes) < request.num_tokens // bs:
-            start = len(hashes) * bs
-            hashes.append(hash_block(hashes[-1] if hashes else request.prefix_salt, request.token_ids(start, start + bs)))
-
-    def _cache_full_blocks(self, request: Request) -> None:
-        num_full_blocks = request.num_computed_tokens // self.block_size
-        if not request.uses_prefix_cache or num_full_blocks <= request.num_cached_blocks:
-            return
-        self._extend_block_hashes(request)
-        for i in range(request.num_cached_blocks, num_full_blocks):
-            self.block_pool.cache_full_block(request.block_ids[i], request.block_hashes[i])
-        request.num_cached_blocks = num_full_blocks
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         if token_id in self.eos_token_ids and not request.params.ignore_eos:
@@ -622,10 +531,10 @@ class Scheduler:
 
     def _needs(self, request: Request) -> tuple[int, int]:
         """(blocks, sequence slots) a waiting request needs to be admitted with its first chunk."""
-        hit_block_ids = self._find_cached_blocks(request)
+        hit_block_ids = self.blocks.find_cached_blocks(request)
         num_new_tokens = min(request.num_tokens - len(hit_block_ids) * self.block_size,
                              self.config.max_num_batched_tokens)
-        return (sum(self._blocks_to_take(request, num_new_tokens, hit_block_ids)),
+        return (sum(self.blocks.blocks_to_take(request, num_new_tokens, hit_block_ids)),
                 1 + len(self._unforked.get(request.seq_id, ())))
 
     def _usage(self) -> dict[str, tuple[int, int]]:
@@ -676,7 +585,7 @@ class Scheduler:
         return {owner: tokens for owner, tokens in reserved.items() if tokens}
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
-        self._release_blocks(request)
+        self.blocks.release(request)
         self._untold.discard(request.seq_id)  # resumed, it reports its whole table anyway
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -694,7 +603,7 @@ class Scheduler:
             self._ended_request_ids.append(request.seq_id)
         elif request.status is RequestStatus.UNFORKED and request in self._unforked.get(request.request_id, ()):
             self._unforked[request.request_id].remove(request)  # aborted alone: choice 0 must not fork it
-        self._release_blocks(request)
+        self.blocks.release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.seq_id]
@@ -705,9 +614,3 @@ class Scheduler:
         group.remove(request)
         if not group:
             del self.groups[request.request_id]
-
-    def _release_blocks(self, request: Request) -> None:
-        self.block_pool.free(request.block_ids)
-        request.block_ids = []
-        request.num_computed_tokens = 0
-        request.num_cached_blocks = 0

@@ -59,7 +59,7 @@ from llm_api.layers.quantized import QuantizedLinear
 from llm_api.engine.model_runner import ModelRunner
 from llm_api.engine.request import Request
 from llm_api.engine.sampling_params import SamplingParams
-from llm_api.engine.scheduler import ScheduledRequest, SchedulerOutput
+from llm_api.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from llm_api.model import cpu
 
 logger = logging.getLogger(__name__)

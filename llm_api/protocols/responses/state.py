@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator
 
 from llm_api.model.settings import Settings
-from llm_api.protocols.responses.store import ResponseStore, open_response_store
+from llm_api.protocols.responses.store import open_response_store
+from llm_api.protocols.responses.store.interface import ResponseStore
 
 
 logger = logging.getLogger(__name__)
