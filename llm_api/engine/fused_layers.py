@@ -353,7 +353,7 @@ def _paged_metadata(attn: nn.Module, kwargs: dict):
     metadata = kwargs.get(METADATA_KWARG)
     if module.config._attn_implementation != ATTENTION_NAME or metadata is None:
         return None
-    return metadata if callable(getattr(metadata.backend, "attend", None)) else None
+    return metadata if metadata.backend.attends_stored_rows else None
 
 
 def _mlp(mlp: nn.Module, hidden_states: torch.Tensor, kernels: KernelSet) -> torch.Tensor:
@@ -506,7 +506,7 @@ def _paged_step(attn_implementation: str, kernels: KernelSet, kwargs: dict, rows
 
     metadata = kwargs.get(METADATA_KWARG)
     if (metadata is None or not runs_whole_layers(kernels) or attn_implementation != ATTENTION_NAME
-            or metadata.backend.name != "torch" or metadata.query_start_loc[-1] != rows
+            or not metadata.backend.kernel_set_may_attend or metadata.query_start_loc[-1] != rows
             or len(metadata.query_start_loc) != len(metadata.context_lens_list) + 1):
         return None
     return metadata

@@ -53,3 +53,18 @@ def test_a_set_missing_one_member_is_not_one():
     assert isinstance(partial, KernelSet)
     assert not isinstance(partial, WholeLayerKernels)
     assert not runs_whole_layers(partial)  # type: ignore[arg-type]
+
+
+def test_what_a_fused_forward_may_ask_of_an_attention_backend_is_declared():
+    """A forward asks the backend's declared capabilities (llm_api.engine.attention.base), never its name or
+    whether it happens to have a method: the Triton backend attends rows its caller stored (its rotary kernel
+    wrote them), the torch backend's attention is what the C set's paged_decode computes itself."""
+    from llm_api.engine.attention.base import AttentionBackend
+    from llm_api.engine.attention.torch_backend import TorchBackend
+    from llm_api.engine.attention.triton_backend import TritonBackend
+
+    assert (TritonBackend.attends_stored_rows, TritonBackend.kernel_set_may_attend) == (True, False)
+    assert (TorchBackend.attends_stored_rows, TorchBackend.kernel_set_may_attend) == (False, True)
+    assert TorchBackend.attend is AttentionBackend.attend  # (the base's refusal: it declares no such call)
+    with pytest.raises(NotImplementedError):
+        TorchBackend().attend(None, 0, None, 1.0, None, None)  # type: ignore[arg-type]

@@ -60,6 +60,12 @@ class PagedAttentionMetadata:
 class AttentionBackend(ABC):
     name: ClassVar[str]
     supports_cuda_graphs: ClassVar[bool] = False
+    # What a fused forward may ask of the backend, declared (never probed for): ``attend`` (the layer call
+    # after a store the caller made itself, in its rotary kernel), and whether a kernel set's own paged
+    # attention (``llm_api.kernels.kernel_set.WholeLayerKernels.paged_decode``: the same math over the same pool)
+    # may stand in for this backend's.
+    attends_stored_rows: ClassVar[bool] = False
+    kernel_set_may_attend: ClassVar[bool] = False
 
     def metadata(self, **fields) -> PagedAttentionMetadata:
         """This step's metadata for this backend (the runner passes the packed step's fields)."""
@@ -70,6 +76,12 @@ class AttentionBackend(ABC):
                 value: torch.Tensor, scaling: float, sliding_window: int | None,
                 softcap: float | None) -> torch.Tensor:
         """query [T, Hq, D], key/value [T, Hkv, D] of this step -> out [T, Hq, D]; stores key/value first."""
+
+    def attend(self, metadata: PagedAttentionMetadata, layer_idx: int, query: torch.Tensor, scaling: float,
+               sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+        """``forward`` without its store (the step's K/V rows already in the cache), where
+        ``attends_stored_rows``."""
+        raise NotImplementedError(f"the {self.name} attention backend does not attend stored rows")
 
 
 def paged_attention_forward(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,

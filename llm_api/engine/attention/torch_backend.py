@@ -138,6 +138,7 @@ def decode_attention(query, key_cache, value_cache, block_tables, key_mask, scal
 class TorchBackend(AttentionBackend):
     name = "torch"
     supports_cuda_graphs = False  # padding rows (slot -1) would be stored by index_copy_
+    kernel_set_may_attend = True  # (a gather and SDPA per layer: the C set's paged_decode is the same math)
 
     def __init__(self, pad_ratio: float = PAD_RATIO):
         self.workspace = GatherWorkspace()

@@ -31,6 +31,7 @@ def kernel_inputs(metadata: PagedAttentionMetadata, device: torch.device):
 class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
+    attends_stored_rows = True
 
     def forward(self, metadata, layer_idx, query, key, value, scaling, sliding_window, softcap):
         key_cache, value_cache = metadata.key_caches[layer_idx], metadata.value_caches[layer_idx]
