@@ -47,7 +47,8 @@ from llm_api.engine.kv_cache import PagedKVCache, choose_num_blocks, cuda_layer_
 from llm_api.engine.memory_profile import profile_device_memory, profile_sequence_lengths
 from llm_api.engine.model_runner import ModelRunner
 from llm_api.engine.request import FinishReason, Request, RequestOutput
-from llm_api.engine.scheduler import PromptTooLongError, Scheduler, SchedulerConfig
+from llm_api.engine.scheduler import PromptTooLongError, Scheduler
+from llm_api.engine.scheduler_config import SchedulerConfig
 from llm_api.engine.speculative.drafter import Drafter, SpeculativeConfig
 from llm_api.engine.speculative.verify import split_drafted_rows, verify
 from llm_api.layers.quantized import embedding_dtype

@@ -34,6 +34,11 @@ worse rank), preempts running sequences of a worse rank for room like a better p
 and is never a victim of the shares of owners at a worse rank. With one owner (every request's owner "", the
 default) none of this changes anything.
 
+The rules that take room from running sequences for others (for a better rank or priority, for a share,
+the victim when memory is short, a prefill chunk's reservation) are ``llm_api.engine.precedence``'s, which
+``Scheduler`` derives from; its limits are ``SchedulerConfig`` (``llm_api.engine.scheduler_config``); each
+sequence's blocks (prefix hits, allocation, copy on write, release) are ``llm_api.engine.sequence_blocks``'.
+
 ``schedule()`` returns a ``SchedulerOutput`` (``llm_api.engine.scheduler_output``): per scheduled request,
 its new tokens, whether it samples and the block ids it got this step, plus the ids of requests that left
 the running set since the last output: deltas the model runner keeps its own block tables from.
@@ -66,13 +71,15 @@ prefix cache registers only blocks that are full of accepted tokens.
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from llm_api.engine.block_pool import BlockPool
 from llm_api.engine.fair_share import FairShare
+from llm_api.engine.precedence import Precedence
 from llm_api.engine.request import FinishReason, Request, RequestOutput, RequestStatus, TokenLogprob
+from llm_api.engine.scheduler_config import SchedulerConfig
 from llm_api.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from llm_api.engine.sequence_blocks import SequenceBlocks
 from llm_api.engine.speculative.drafter import Drafter
@@ -80,17 +87,6 @@ from llm_api.engine.speculative.drafter import Drafter
 
 class PromptTooLongError(ValueError):
     """The prompt can never be served: it does not leave room for one token within the limit."""
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int  # most tokens (prompt + output) one request may reach; fits in the block pool
-    max_loras: int = 0  # LoRA adapters running at once (MAX_LORAS); 0: no adapters are served
-    # Owner -> its grant N (LLM_API_KEY's "key priority=N"): its requests rank max(N, min(priority, 0)) against
-    # other owners' (Request.rank); an owner without one ranks 0 whatever its priorities.
-    priority_grants: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -106,7 +102,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class Scheduler:
+class Scheduler(Precedence):
     def __init__(self, config: SchedulerConfig, block_pool: BlockPool, eos_token_ids: set[int],
                  drafter: Drafter | None = None):
         self.config = config
@@ -443,10 +439,6 @@ class Scheduler:
             return []
         return draft
 
-    def _num_running_seqs(self) -> int:
-        """Running sequences, with the siblings a running choice 0 still prefilling will fork."""
-        return len(self.running) + sum(len(self._unforked.get(r.seq_id, ())) for r in self.running)
-
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         if token_id in self.eos_token_ids and not request.params.ignore_eos:
             return FinishReason.STOP
@@ -455,134 +447,6 @@ class Scheduler:
         if request.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH
         return None
-
-    def _preempt_for_priority(self, output: SchedulerOutput) -> None:
-        """Preempt running sequences worse than the first waiting request (the best rank, then the best
-        priority: with one owner, the queue's first), worst and newest first, while it lacks a sequence slot or
-        the blocks for its first chunk: its owner's of a worse priority and any owner's of a worse rank; nothing
-        when none is worse. Priorities compare only within an owner: a key's priority never preempts another
-        key's sequences unless a grant gave it a better rank. (A request held back by MAX_LORAS is left to
-        wait.)"""
-        if not self.waiting or not self.running:
-            return
-        head = min(self._waiting_heads().values(), key=lambda r: (r.rank, r.priority))
-        worse = [r for r in self.running
-                 if r.rank > head.rank or (r.owner == head.owner and r.priority > head.priority)]
-        if not worse:
-            return
-        if self._lora_blocked(head, {r.lora_id for r in self.running if r.lora_id}):
-            return
-        num_blocks, num_seqs = self._needs(head)
-        while worse:  # (running is in rank order, and in priority order within an owner: the last is the worst)
-            if (self._num_running_seqs() + num_seqs <= self.config.max_num_seqs
-                    and num_blocks <= self.block_pool.num_free_blocks):
-                return
-            victim = worse.pop()
-            self.running.remove(victim)
-            self._preempt(victim, output)
-
-    def _preempt_for_share(self, output: SchedulerOutput) -> None:
-        """With several owners active: the least-served waiting owner of the best rank whose next request would
-        leave it within its share, but which lacks a sequence slot or the blocks for its first chunk, gets them
-        from the owner furthest over its share (that owner's newest sequences of the waiting request's rank or
-        a worse one first), never from an owner within its share."""
-        fair = self.fair
-        if fair.num_active < 2 or not self.waiting or not self.running:
-            return
-        heads = self._waiting_heads()
-        running_loras = {r.lora_id for r in self.running if r.lora_id}
-        usage = self._usage()
-        for owner in sorted(heads, key=lambda o: (heads[o].rank, fair.served_of(o))):
-            head = heads[owner]
-            if self._lora_blocked(head, running_loras):
-                continue
-            num_blocks, num_seqs = self._needs(head)
-            held_seqs, held_blocks = usage.get(owner, (0, 0))
-            if not fair.within_share(held_seqs + num_seqs, held_blocks + num_blocks):
-                continue
-            while not (self._num_running_seqs() + num_seqs <= self.config.max_num_seqs
-                       and num_blocks <= self.block_pool.num_free_blocks):
-                over = [(fair.overshoot(*held), o) for o, held in usage.items() if o != owner]
-                worst, victim_owner = max(over, default=(0.0, ""))
-                if worst <= 1:
-                    return  # nobody is over its share: the owner waits like anyone
-                victim = next((r for r in reversed(self.running) if r.owner == victim_owner and r.rank >= head.rank),
-                              None)
-                if victim is None:
-                    return  # what that owner holds ranks better than the waiting request
-                self.running.remove(victim)
-                victim_seqs = 1 + len(self._unforked.get(victim.seq_id, ()))
-                held = usage[victim_owner]
-                usage[victim_owner] = (held[0] - victim_seqs, held[1] - len(victim.block_ids))
-                self._preempt(victim, output)
-            return
-
-    def _waiting_heads(self) -> dict[str, Request]:
-        """Each owner's first waiting request (the queue is in each owner's own order)."""
-        heads: dict[str, Request] = {}
-        for waiting in self.waiting:
-            heads.setdefault(waiting.owner, waiting)
-        return heads
-
-    def _lora_blocked(self, request: Request, running_loras: set[int]) -> bool:
-        """The request's adapter cannot join: MAX_LORAS other adapters run (``running_loras``: their ids)."""
-        return bool(request.lora_id) and request.lora_id not in running_loras and \
-            len(running_loras) >= self.config.max_loras
-
-    def _needs(self, request: Request) -> tuple[int, int]:
-        """(blocks, sequence slots) a waiting request needs to be admitted with its first chunk."""
-        hit_block_ids = self.blocks.find_cached_blocks(request)
-        num_new_tokens = min(request.num_tokens - len(hit_block_ids) * self.block_size,
-                             self.config.max_num_batched_tokens)
-        return (sum(self.blocks.blocks_to_take(request, num_new_tokens, hit_block_ids)),
-                1 + len(self._unforked.get(request.seq_id, ())))
-
-    def _usage(self) -> dict[str, tuple[int, int]]:
-        """Each owner's running sequences (with the siblings its choice 0s will fork) and the blocks they hold."""
-        seqs: Counter[str] = Counter()
-        blocks: Counter[str] = Counter()
-        for request in self.running:
-            seqs[request.owner] += 1 + len(self._unforked.get(request.seq_id, ()))
-            blocks[request.owner] += len(request.block_ids)
-        return {owner: (seqs[owner], blocks[owner]) for owner in seqs}
-
-    def _victim(self, index: int) -> Request:
-        """The sequence to preempt when memory is short while ``running[index]`` is being scheduled: among those
-        not yet scheduled this step (``running[index:]``) of the worst rank, the newest of the owner furthest
-        over its share; with one owner, the last one (the newest of the worst priority)."""
-        if self.fair.num_active < 2:
-            return self.running[-1]
-        worst_rank = max(r.rank for r in self.running[index:])
-        candidates = [r for r in self.running[index:] if r.rank == worst_rank]
-        usage = self._usage()
-        owner = max({r.owner for r in candidates}, key=lambda o: self.fair.overshoot(*usage[o]))
-        return next(r for r in reversed(candidates) if r.owner == owner)
-
-    def _reservations(self) -> dict[str, int]:
-        """With several owners active: per owner, the tokens its prefill chunks leave this step to the first
-        chunks of other owners' waiting requests, those of owners of a better rank, or of its rank and served no
-        more than it, within their share (at most half the budget). Empty when nobody waits or one owner is
-        active."""
-        fair = self.fair
-        if fair.num_active < 2 or not self.waiting:
-            return {}
-        heads = self._waiting_heads()
-        usage = self._usage()
-        wanted: list[tuple[tuple[int, float], str, int]] = []
-        for owner, head in heads.items():
-            held_seqs, held_blocks = usage.get(owner, (0, 0))
-            num_blocks, num_seqs = self._needs(head)
-            if fair.within_share(held_seqs + num_seqs, held_blocks + num_blocks):
-                wanted.append(((head.rank, fair.served_of(owner)), owner, head.num_tokens))
-        half = self.config.max_num_batched_tokens // 2
-        running_ranks: dict[str, int] = {}
-        for request in self.running:
-            running_ranks[request.owner] = min(request.rank, running_ranks.get(request.owner, request.rank))
-        reserved = {}
-        for owner, rank in running_ranks.items():
-            standing = (rank, fair.served_of(owner))
-            reserved[owner] = min(half, sum(tokens for s, o, tokens in wanted if o != owner and s <= standing))
-        return {owner: tokens for owner, tokens in reserved.items() if tokens}
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         self.blocks.release(request)

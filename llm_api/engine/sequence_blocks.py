@@ -17,8 +17,8 @@ one sequence (``Request``) at a time:
 * ``release``: gives its blocks back (preempted, finished or aborted) and forgets what it had computed, so a
   resumed sequence recomputes.
 
-Whom to preempt or what to leave waiting when blocks run short is the scheduler's (``llm_api.engine.scheduler``):
-this module only counts and takes.
+Whom to preempt or what to leave waiting when blocks run short is the scheduler's (``llm_api.engine.scheduler``,
+``llm_api.engine.precedence``): this module only counts and takes.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Fair share between owners in the scheduler: one named test per rule (llm_api/engine/fair_share.py and
-llm_api/engine/scheduler.py). No model, no torch.
+"""Fair share between owners in the scheduler: one named test per rule (llm_api/engine/fair_share.py,
+llm_api/engine/scheduler.py and llm_api/engine/precedence.py). No model, no torch.
 
 Rules: the least-served owner's request is admitted first; an owner that starts sending is lifted to the
 least counter among the active owners; while another owner waits, an owner is capped at its share of the
@@ -18,7 +18,8 @@ from llm_api.engine.block_pool import BlockPool
 from llm_api.engine.fair_share import DECODE_WEIGHT, PREFILL_WEIGHT, FairShare
 from llm_api.engine.request import Request
 from llm_api.engine.sampling_params import SamplingParams
-from llm_api.engine.scheduler import Scheduler, SchedulerConfig
+from llm_api.engine.scheduler import Scheduler
+from llm_api.engine.scheduler_config import SchedulerConfig
 
 BLOCK_SIZE = 4
 

@@ -13,7 +13,8 @@ from llm_api.engine.block_pool import BlockPool
 from llm_api.engine.request import Request
 from llm_api.engine.sampler import sequence_seed
 from llm_api.engine.sampling_params import SamplingParams
-from llm_api.engine.scheduler import Scheduler, SchedulerConfig
+from llm_api.engine.scheduler import Scheduler
+from llm_api.engine.scheduler_config import SchedulerConfig
 
 from engine_helpers import assert_engine_idle, get_model, greedy, make_engine, random_prompt, reference_greedy
 

@@ -18,7 +18,8 @@ from llm_api.engine.block_pool import BlockPool
 from llm_api.engine.model_runner import BlockTables
 from llm_api.engine.request import FinishReason, Request, RequestStatus
 from llm_api.engine.sampling_params import SamplingParams
-from llm_api.engine.scheduler import PromptTooLongError, Scheduler, SchedulerConfig
+from llm_api.engine.scheduler import PromptTooLongError, Scheduler
+from llm_api.engine.scheduler_config import SchedulerConfig
 
 BLOCK_SIZE = 4
 
