@@ -395,7 +395,6 @@ def test_the_environment_rule_can_fail(tmp_path):
 MAX_MODULE_LINES = 600
 OVER_THE_LINE_LIMIT = {
     "llm_api.engine.fused_layers": "replaced by the model layer we own (issue 53, item 1)",
-    "llm_api.engine.scheduler": "split into its concepts (issue 53)",
 }
 
 
