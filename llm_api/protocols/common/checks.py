@@ -23,7 +23,7 @@ from llm_api.api.errors import ApiError, echo
 from llm_api.api.reasoning import answer_only
 from llm_api.api.request import GenerateRequest, Limits
 from llm_api.api.tools import ToolFormat
-from llm_api.api.validation import decode_json
+from llm_api.protocols.common.validation import decode_json
 from llm_api.model.settings import PRIORITY_MAX, PRIORITY_MIN
 from llm_api.structured.spec import Constraint
 

@@ -9,10 +9,10 @@ from pydantic import (AllowInfNan, BaseModel, BeforeValidator, ConfigDict, Stric
                       ValidationInfo, field_validator)
 
 from llm_api.api.errors import ApiError
-from llm_api.api.fields import (Flag, Integer, LogitBias, NonEmptyText, Number, StopStrings, Text, WholeNumber, fail,
-                                from_form_json)
+from llm_api.protocols.common.fields import (Flag, Integer, LogitBias, NonEmptyText, Number, StopStrings, Text,
+                                             WholeNumber, fail, from_form_json)
 from llm_api.api.request import MAX_SEED, Limits
-from llm_api.api.validation import decode_json
+from llm_api.protocols.common.validation import decode_json
 from llm_api.protocols.common.checks import PRIORITY_RANGE
 from llm_api.engine.sampling_params import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
