@@ -20,7 +20,7 @@ import asyncio
 
 import pytest
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.api.request import GenerateRequest
 from llm_api.engine.sampling_params import SamplingParams
 from llm_api.model.settings import Settings

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.api.request import Limits
 from llm_api.protocols.embeddings.translate import MAX_INPUTS, parse_embeddings
 

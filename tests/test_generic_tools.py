@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from llm_api.api.constraints import plan_tools
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.protocols.chat.translate import parse_chat
 from llm_api.protocols.common.openai_call import OpenAICall
 from llm_api.api.request import Limits

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("xgrammar")
 
 from llm_api.api.constraints import json_schema_constraint, tool_constraint  # noqa: E402
-from llm_api.api.errors import ApiError  # noqa: E402
+from llm_api.errors import ApiError  # noqa: E402
 from llm_api.api.tools import HERMES  # noqa: E402
 from llm_api.service.grammars import GrammarCompilation  # noqa: E402
 from llm_api.structured.spec import Constraint, GrammarSpec  # noqa: E402

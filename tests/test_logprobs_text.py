@@ -2,7 +2,7 @@
 
 import json
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.api.logprobs import LogprobItem, TokenTexts, TokenText
 from llm_api.protocols.native.encoder import NativeStream
 from llm_api.engine.request import FinishReason, TokenLogprob

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from llm_api.api.detokenizer import TextStream
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.api.reasoning import QWEN3
 from llm_api.api.request import Limits
 from llm_api.api.tools import HERMES

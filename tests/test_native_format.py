@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.protocols.native.translate import parse_request
 from llm_api.api.request import Limits
 

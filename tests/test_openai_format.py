@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.engine.request import FinishReason
 from llm_api.protocols.chat.translate import parse_chat
 from llm_api.protocols.common.openai import models_list

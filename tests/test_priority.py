@@ -13,7 +13,7 @@ import time
 import pytest
 
 from bench.harness import hostile
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.api.request import Limits
 from llm_api.protocols.chat.translate import parse_chat
 from llm_api.protocols.completions.translate import parse_completions

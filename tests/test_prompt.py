@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.api.prompt import PromptBuilder
 from llm_api.api.request import GenerateRequest
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.protocols.chat.translate import parse_chat
 from llm_api.protocols.common.openai_call import OpenAICall
 from llm_api.api.prompt import PromptBuilder

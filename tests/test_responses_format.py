@@ -31,7 +31,7 @@ import pydantic
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.api.request import Limits
 from llm_api.protocols.responses.encoder import ResponsesCall
 from llm_api.protocols.responses.schema import MAX_INPUT_ITEMS

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.protocols.native.translate import parse_request
 from llm_api.protocols.chat.translate import parse_chat
 from llm_api.protocols.completions.translate import parse_completions

@@ -13,7 +13,7 @@ import torch
 
 from llm_api.protocols.common.openai_call import OpenAICall
 from llm_api.api.constraints import tool_constraint
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.api.tools import (HERMES, LLAMA3_JSON, ToolCallDelta, ToolCallParser, arguments_schema, detect_tool_format,
                                tool_grammar)
 from llm_api.engine.request import FinishReason

@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from llm_api.api.errors import ApiError, internal_error
+from llm_api.errors import ApiError, internal_error
 from llm_api.protocols.common.openai_call import OpenAICall
 from llm_api.protocols.messages.encoder import MessagesCall
 from llm_api.protocols.native.encoder import NativeStream

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.api.request import Limits
 from llm_api.api.tools import GENERIC, GenericPrompt, ToolFormat, arguments_schema, generic_tool_prompt, tool_grammar
 from llm_api.structured.spec import Constraint, GrammarError, GrammarLimits, GrammarSpec, check_limits

@@ -46,7 +46,7 @@ import inspect
 import re
 import uuid
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.api.request import GenerateRequest
 from llm_api.api.tools import GenericPrompt, calls_as_text, detect_tool_format
 

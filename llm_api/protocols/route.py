@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
 
 from llm_api.api.encoding import AnswerEncoder
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.protocols.responses.state import Responses
 from llm_api.service.answer import Parts
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 
-from llm_api.api.errors import ApiError, echo
+from llm_api.errors import ApiError, echo
 from llm_api.protocols.chat import route as chat
 from llm_api.protocols.completions import route as completions
 from llm_api.protocols.embeddings import route as embeddings

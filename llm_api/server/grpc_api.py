@@ -34,7 +34,7 @@ from typing import AsyncGenerator
 
 import grpc
 
-from llm_api.api.errors import ApiError, internal_error
+from llm_api.errors import ApiError, internal_error
 from llm_api.proto import inference_pb2, inference_pb2_grpc
 from llm_api.server.http_api import ServerState, new_request_id
 from llm_api.service.owners import single_authorization

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 
 from aiohttp import web
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.model.settings import Settings
 from llm_api.server.auth import BearerAuth
 from llm_api.server.connections import ConnectionGuard

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.api.logprobs import LogprobItem
 from llm_api.engine.request import FinishReason
 

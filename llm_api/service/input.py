@@ -32,7 +32,7 @@ from typing import Any, Callable, cast
 
 import torch
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.api.prompt import PromptBuilder
 from llm_api.api.request import GenerateRequest, Limits, TokenizeRequest, work_refusal
 from llm_api.model.loader import LoadedModel

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from llm_api.api.detokenizer import StreamDelta, TextStream
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.api.logprobs import LogprobItem, TokenTexts
 from llm_api.engine.request import FinishReason, RequestOutput
 from llm_api.engine.sampling_params import SamplingParams

@@ -57,7 +57,7 @@ from contextlib import aclosing
 from typing import AsyncGenerator
 
 
-from llm_api.api.errors import ApiError, echo, internal_error, model_not_found
+from llm_api.errors import ApiError, echo, internal_error, model_not_found
 from llm_api.api.logprobs import TokenTexts
 from llm_api.api.reasoning import reasoning_format
 from llm_api.api.request import GenerateRequest, Limits, request_work

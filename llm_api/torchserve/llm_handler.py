@@ -30,7 +30,7 @@ from contextlib import aclosing
 
 from ts.torch_handler.base_handler import BaseHandler
 
-from llm_api.api.errors import ApiError, internal_error
+from llm_api.errors import ApiError, internal_error
 from llm_api.model.settings import ConfigError, Settings
 from llm_api.service.answer import Chunk
 from llm_api.service.owners import request_credential, torchserve_owner

@@ -63,7 +63,7 @@ from __future__ import annotations
 from typing import Any, Collection
 
 from llm_api.api.constraints import ToolPlan, json_object_constraint, json_schema_constraint, plan_tools
-from llm_api.api.errors import ApiError, echo
+from llm_api.errors import ApiError, echo
 from llm_api.api.reasoning import template_variables
 from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, GenerateRequest, Limits, ModelNames, WorkFields, adapter_of
 from llm_api.protocols.chat.schema import ChatBody, ChatMessage, ToolDefinition

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from llm_api.api.constraints import ToolPlan, ignore_eos_conflict
-from llm_api.api.errors import ApiError, echo
+from llm_api.errors import ApiError, echo
 from llm_api.api.reasoning import answer_only
 from llm_api.api.request import GenerateRequest, Limits
 from llm_api.api.tools import ToolFormat

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Collection, Iterable
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 
-from llm_api.api.errors import ApiError, echo, model_not_found
+from llm_api.errors import ApiError, echo, model_not_found
 from llm_api.protocols.common.fields import (Integer, LogitBias, Number, StopStrings, StrictFlag, StrictWholeNumber,
                                              Text, field_path, first_error, is_type_error, message_of, unknown_fields)
 from llm_api.api.request import MAX_SEED, Limits, ModelNames, adapter_of, names_of

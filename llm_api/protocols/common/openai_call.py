@@ -11,7 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.api.logprobs import LogprobItem, openai_chat_logprobs, openai_completion_logprobs
 from llm_api.api.reasoning import AnswerText, ReasoningFormat, ReasoningParser, ReasoningText
 from llm_api.api.tools import ToolCallDelta, ToolCallParser, ToolFormat

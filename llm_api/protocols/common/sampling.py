@@ -10,7 +10,7 @@ body asks for (the native API checks its ``max_new_tokens`` in its schema).
 
 from __future__ import annotations
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.api.request import Limits
 from llm_api.engine.sampling_params import SamplingParams
 

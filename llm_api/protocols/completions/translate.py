@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Collection
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.api.request import GenerateRequest, Limits, ModelNames, WorkFields, adapter_of
 from llm_api.protocols.common.checks import check_priority
 from llm_api.protocols.common.openai import validate_call

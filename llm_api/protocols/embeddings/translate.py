@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from pydantic import ValidationError
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.api.request import GenerateRequest, Limits, ModelNames, adapter_of
 from llm_api.protocols.common.openai import api_error, check_model, decode_body
 from llm_api.protocols.common.sampling import to_sampling_params

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hmac
 import json
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.protocols.common.validation import decode_json
 from llm_api.protocols.route import Answer, Call, RouteContext, Whole
 

@@ -24,7 +24,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.api.logprobs import LogprobItem
 from llm_api.api.reasoning import AnswerText, ReasoningFormat, ReasoningParser
 from llm_api.api.tools import ToolCallDelta, ToolCallParser, ToolFormat

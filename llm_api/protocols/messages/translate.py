@@ -32,7 +32,7 @@ answer's encoder is ``llm_api.protocols.messages.encoder.MessagesCall``. Contrac
 * ``POST v1/messages/count_tokens``: the same body without the generation fields -> ``{"input_tokens"}``,
   the prompt's tokens exactly as ``v1/messages`` renders it (tools included).
 * Errors: ``{"type": "error", "error": {"type", "message"}}`` with Anthropic's type for the status
-  (``llm_api.api.errors.ANTHROPIC_ERROR_TYPES``); a stream that breaks after it began ends with an
+  (``llm_api.errors.ANTHROPIC_ERROR_TYPES``); a stream that breaks after it began ends with an
   ``error`` event. Auth: ``x-api-key`` as well as ``Authorization: Bearer`` (``llm_api.service.owners``).
 """
 
@@ -43,7 +43,7 @@ from typing import Any, Collection
 from pydantic import BaseModel, ValidationError
 
 from llm_api.api.constraints import ToolPlan, json_schema_constraint, plan_tools
-from llm_api.api.errors import ApiError, echo
+from llm_api.errors import ApiError, echo
 from llm_api.api.request import GenerateRequest, Limits, ModelNames, WorkFields, adapter_of
 from llm_api.protocols.common.checks import apply_output
 from llm_api.protocols.common.openai import api_error, check_model, decode_body

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from llm_api.api.errors import ApiError, hide_marker
+from llm_api.errors import ApiError, hide_marker
 from llm_api.api.logprobs import LogprobItem, native_logprobs
 from llm_api.engine.request import FinishReason
 

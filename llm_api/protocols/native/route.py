@@ -14,7 +14,7 @@ import logging
 
 from typing import TYPE_CHECKING, Any, Mapping
 
-from llm_api.api.errors import ApiError, model_not_found
+from llm_api.errors import ApiError, model_not_found
 from llm_api.protocols.native.encoder import GRPC_MAX_MESSAGE_BYTES, NativeStream
 from llm_api.protocols.native.translate import parse_request
 from llm_api.api.request import CancelRequest, GenerateRequest

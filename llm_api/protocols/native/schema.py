@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal, cast
 from pydantic import (AllowInfNan, BaseModel, BeforeValidator, ConfigDict, Strict, TypeAdapter, ValidationError,
                       ValidationInfo, field_validator)
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.protocols.common.fields import (Flag, Integer, LogitBias, NonEmptyText, Number, StopStrings, Text,
                                              WholeNumber, fail, from_form_json)
 from llm_api.api.request import MAX_SEED, Limits

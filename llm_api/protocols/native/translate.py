@@ -30,7 +30,7 @@ from typing import Any, Mapping
 from pydantic import ValidationError
 
 from llm_api.api.constraints import ebnf_constraint, json_schema_constraint, regex_constraint
-from llm_api.api.errors import ApiError, echo
+from llm_api.errors import ApiError, echo
 from llm_api.protocols.common.fields import first_error, message_of, unknown_fields
 from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, INPUT_FIELDS, CancelRequest, GenerateRequest, Limits
 from llm_api.protocols.common.validation import decode_json

@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.api.logprobs import LogprobItem
 from llm_api.api.reasoning import AnswerText, ReasoningFormat, ReasoningParser, ReasoningText
 from llm_api.api.tools import ToolCallDelta, ToolCallParser, ToolFormat

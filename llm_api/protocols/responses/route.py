@@ -36,7 +36,7 @@ import logging
 from contextlib import aclosing
 from typing import TYPE_CHECKING, AsyncGenerator, Callable
 
-from llm_api.api.errors import ApiError, echo, internal_error
+from llm_api.errors import ApiError, echo, internal_error
 from llm_api.protocols.responses.encoder import ResponsesCall
 from llm_api.protocols.responses.translate import continued, parse_responses
 from llm_api.api.request import GenerateRequest

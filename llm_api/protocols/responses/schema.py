@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
-from llm_api.api.errors import ApiError, echo
+from llm_api.errors import ApiError, echo
 from llm_api.protocols.common.fields import Integer, Number, StrictFlag, StrictWholeNumber, Text, check_text, fail
 from llm_api.api.reasoning import REASONING_EFFORTS
 from llm_api.protocols.common.checks import PRIORITY_RANGE
