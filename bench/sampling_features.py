@@ -134,7 +134,7 @@ def n_round(engine, tokenizer, args, mode: str, round_index: int) -> dict:
 
 def main():
     args = parse_args()
-    from llm_api.api.logprobs import TokenTexts
+    from llm_api.text.logprobs import TokenTexts
     from llm_api.engine.engine import EngineConfig, LLMEngine
 
     if args.threads:

@@ -22,7 +22,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "llm_api"
 # structured: below the request formats (they build grammar specs) and the engine (it runs the matchers);
 # it needs nothing from lora, model or kernels.
 RANK = {"torchserve": 0, "server": 0, "scale_out": 0, "client": 0, "protocols": 0.5, "service": 1, "api": 2,
-        "errors": 2.5, "engine": 3,
+        "text": 2, "errors": 2.5, "engine": 3,
         "structured": 3.2, "lora": 3.5, "model": 4, "layers": 4.5, "kernels": 5, "proto": 5}
 TORCH_FREE = {"llm_api.engine.scheduler", "llm_api.engine.block_pool", "llm_api.engine.request",
               "llm_api.engine.sampling_params", "llm_api.engine.speculative.drafter",

@@ -1,4 +1,4 @@
-"""Forced tool calls on a model whose chat template has no tool-call format (llm_api.api.tools, the generic
+"""Forced tool calls on a model whose chat template has no tool-call format (llm_api.text.tools, the generic
 ``json`` form; llm_api.api.constraints.plan_tools), without a server.
 
 What the tests prove:
@@ -30,7 +30,7 @@ from llm_api.errors import ApiError
 from llm_api.protocols.chat.translate import parse_chat
 from llm_api.protocols.common.openai_call import OpenAICall
 from llm_api.api.request import Limits
-from llm_api.api.tools import (AUTO_QUESTION_NUDGE, AUTO_RESULT_NUDGE, GENERIC, HERMES, GenericPrompt, ToolCallDelta,
+from llm_api.text.tools import (AUTO_QUESTION_NUDGE, AUTO_RESULT_NUDGE, GENERIC, HERMES, GenericPrompt, ToolCallDelta,
                                ToolCallParser, calls_as_text, generic_tool_prompt, tool_grammar, with_tool_prompt)
 from llm_api.engine.request import FinishReason
 

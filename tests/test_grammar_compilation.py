@@ -12,7 +12,7 @@ pytest.importorskip("xgrammar")
 
 from llm_api.api.constraints import json_schema_constraint, tool_constraint  # noqa: E402
 from llm_api.errors import ApiError  # noqa: E402
-from llm_api.api.tools import HERMES  # noqa: E402
+from llm_api.text.tools import HERMES  # noqa: E402
 from llm_api.service.grammars import GrammarCompilation  # noqa: E402
 from llm_api.structured.spec import Constraint, GrammarSpec  # noqa: E402
 

@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from llm_api.api.detokenizer import TextStream
+from llm_api.text.detokenizer import TextStream
 from llm_api.errors import ApiError
-from llm_api.api.reasoning import QWEN3
+from llm_api.text.reasoning import QWEN3
 from llm_api.api.request import Limits
-from llm_api.api.tools import HERMES
+from llm_api.text.tools import HERMES
 from llm_api.engine.request import FinishReason
 from llm_api.protocols import table
 from llm_api.protocols.messages.encoder import MessagesCall

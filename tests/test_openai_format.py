@@ -155,7 +155,7 @@ def test_sampling_parameters_are_translated():
 
 
 def _item(token_id, text, logprob, top=()):
-    from llm_api.api.logprobs import LogprobItem, TokenText
+    from llm_api.text.logprobs import LogprobItem, TokenText
 
     def token(i, t):
         return TokenText(i, t, t.encode())

@@ -36,8 +36,8 @@ from llm_api.api.request import Limits
 from llm_api.protocols.responses.encoder import ResponsesCall
 from llm_api.protocols.responses.schema import MAX_INPUT_ITEMS
 from llm_api.protocols.responses.translate import continued, parse_responses
-from llm_api.api.reasoning import QWEN3, THINK_END, answer_only
-from llm_api.api.tools import GENERIC, HERMES, generic_tool_prompt
+from llm_api.text.reasoning import QWEN3, THINK_END, answer_only
+from llm_api.text.tools import GENERIC, HERMES, generic_tool_prompt
 from llm_api.engine.request import FinishReason
 
 MODEL = "smollm2"

@@ -14,7 +14,7 @@ from llm_api.protocols.native.translate import parse_request
 from llm_api.protocols.chat.translate import parse_chat
 from llm_api.protocols.completions.translate import parse_completions
 from llm_api.api.request import Limits
-from llm_api.api.tools import HERMES
+from llm_api.text.tools import HERMES
 
 LIMITS = Limits(max_input_tokens=2048, max_new_tokens=2048, hidden_size=576, tool_format=HERMES)
 NO_TOOLS = Limits(max_input_tokens=2048, max_new_tokens=2048, hidden_size=576)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llm_api.errors import ApiError
-from llm_api.api.logprobs import LogprobItem
+from llm_api.text.logprobs import LogprobItem
 from llm_api.engine.request import FinishReason
 
 

@@ -58,10 +58,10 @@ from typing import AsyncGenerator
 
 
 from llm_api.errors import ApiError, echo, internal_error, model_not_found
-from llm_api.api.logprobs import TokenTexts
-from llm_api.api.reasoning import reasoning_format
+from llm_api.text.logprobs import TokenTexts
+from llm_api.text.reasoning import reasoning_format
 from llm_api.api.request import GenerateRequest, Limits, request_work
-from llm_api.api.tools import detect_tool_format
+from llm_api.text.tools import detect_tool_format
 from llm_api.engine.engine import EngineConfig, LLMEngine
 from llm_api.engine.reference import ReferenceCore
 from llm_api.engine.scheduler import PromptTooLongError

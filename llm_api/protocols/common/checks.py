@@ -20,9 +20,9 @@ from typing import Any
 
 from llm_api.api.constraints import ToolPlan, ignore_eos_conflict
 from llm_api.errors import ApiError, echo
-from llm_api.api.reasoning import answer_only
+from llm_api.text.reasoning import answer_only
 from llm_api.api.request import GenerateRequest, Limits
-from llm_api.api.tools import ToolFormat
+from llm_api.text.tools import ToolFormat
 from llm_api.protocols.common.validation import decode_json
 from llm_api.model.settings import PRIORITY_MAX, PRIORITY_MIN
 from llm_api.structured.spec import Constraint

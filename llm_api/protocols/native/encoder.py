@@ -30,7 +30,7 @@ import json
 from dataclasses import dataclass, field
 
 from llm_api.errors import ApiError, hide_marker
-from llm_api.api.logprobs import LogprobItem, native_logprobs
+from llm_api.text.logprobs import LogprobItem, native_logprobs
 from llm_api.engine.request import FinishReason
 
 OUTPUT_FORMATS = ("text", "jsonl")

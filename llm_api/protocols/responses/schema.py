@@ -10,7 +10,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Dis
 
 from llm_api.errors import ApiError, echo
 from llm_api.protocols.common.fields import Integer, Number, StrictFlag, StrictWholeNumber, Text, check_text, fail
-from llm_api.api.reasoning import REASONING_EFFORTS
+from llm_api.text.reasoning import REASONING_EFFORTS
 from llm_api.protocols.common.checks import PRIORITY_RANGE
 from llm_api.protocols.common.openai import ToolName
 

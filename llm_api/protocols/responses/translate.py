@@ -77,7 +77,7 @@ from pydantic import ValidationError
 from llm_api.api.constraints import ToolPlan, json_object_constraint, json_schema_constraint, plan_tools
 from llm_api.errors import ApiError, echo
 from llm_api.protocols.common.fields import field_path, first_error, is_type_error, message_of, unknown_fields
-from llm_api.api.reasoning import template_variables
+from llm_api.text.reasoning import template_variables
 from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, GenerateRequest, Limits, ModelNames, WorkFields, adapter_of
 from llm_api.protocols.common.checks import (TOOL_CHOICES, apply_output, call_arguments, check_priority,
                                              tool_choice_keyword)
