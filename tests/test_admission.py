@@ -20,12 +20,12 @@ import asyncio
 
 import pytest
 
-from llm_api.errors import ApiError
-from llm_api.api.request import GenerateRequest
 from llm_api.engine.sampling_params import SamplingParams
+from llm_api.errors import ApiError
 from llm_api.model.settings import Settings
 from llm_api.protocols.native.route import native_encoder
 from llm_api.service.answer import Final, admit, encoded_parts
+from llm_api.service.request import GenerateRequest
 from llm_api.service.service import ModelService
 
 
@@ -82,7 +82,7 @@ def test_admission_leaves_the_request_as_the_route_built_it(one_at_a_time):
     own parameters; the request object is not changed by admission (so a route may read it afterwards)."""
     import copy
 
-    from llm_api.api.constraints import json_object_constraint
+    from llm_api.service.constraints import json_object_constraint
 
     service = one_at_a_time
     built = GenerateRequest(text="Once upon a time", params=SamplingParams(max_new_tokens=100_000),

@@ -6,7 +6,7 @@ import pytest
 
 from llm_api.errors import ApiError
 from llm_api.protocols.native.translate import parse_request
-from llm_api.api.request import Limits
+from llm_api.service.request import Limits
 
 LIMITS = Limits(max_input_tokens=8, max_new_tokens=100, hidden_size=4, vocab_size=1000, max_n=8)
 
@@ -141,7 +141,7 @@ def test_invalid_requests(obj, type_, needle):
 
 
 def test_cancel_request():
-    from llm_api.api.request import CancelRequest
+    from llm_api.service.request import CancelRequest
 
     assert parse_request(body({"cancel": "abc"}), LIMITS) == CancelRequest("abc")
     refused(body({"cancel": "abc", "text": "x"}), "invalid_request", "only the field")
@@ -173,7 +173,7 @@ def test_request_work_is_one_bound_on_the_product():
     """MAX_REQUEST_WORK's measure: prompt + n x max_new_tokens x (1 + logprob entries), the entries of a token
     being its own and its `logprobs` alternatives; the refusal names the product, the limit and the field
     that multiplies most."""
-    from llm_api.api.request import request_work, work_refusal
+    from llm_api.service.request import request_work, work_refusal
 
     limits = Limits(max_input_tokens=2048, max_new_tokens=2048, vocab_size=1000, max_n=64)
     extreme = parse_request(body({"text": "x", "n": 64, "max_new_tokens": 2048, "logprobs": 20, "output": "jsonl"}),

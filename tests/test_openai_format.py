@@ -4,13 +4,13 @@ import json
 
 import pytest
 
-from llm_api.errors import ApiError
 from llm_api.engine.request import FinishReason
+from llm_api.errors import ApiError
 from llm_api.protocols.chat.translate import parse_chat
 from llm_api.protocols.common.openai import models_list
 from llm_api.protocols.common.openai_call import OpenAICall
 from llm_api.protocols.completions.translate import parse_completions
-from llm_api.api.request import Limits
+from llm_api.service.request import Limits
 
 LIMITS = Limits(max_input_tokens=2048, max_new_tokens=2048, hidden_size=576, vocab_size=49152, max_n=64)
 
@@ -208,9 +208,9 @@ def test_n_choices_and_logprobs_in_a_completion_answer():
     ("completions", {"prompt": "x", "logprobs": 5, "max_tokens": 2048}, ("max_tokens", "logprobs")),
 ])
 def test_the_work_limit_names_this_formats_fields(kind, extra, names):
-    """MAX_REQUEST_WORK (llm_api.api.request.request_work) counts the same factors on every route; its
+    """MAX_REQUEST_WORK (llm_api.service.request.request_work) counts the same factors on every route; its
     refusal names them as this format spells them."""
-    from llm_api.api.request import request_work, work_refusal
+    from llm_api.service.request import request_work, work_refusal
 
     request, _ = parse(kind, {"model": "smollm2", "n": 64, **extra})
     entries = request.params.logprobs + 1

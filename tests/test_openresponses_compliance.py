@@ -43,10 +43,10 @@ from typing import Any
 
 import pytest
 
-from llm_api.api.request import Limits
-from llm_api.protocols.responses.translate import parse_responses
-from llm_api.text.tools import HERMES
 from llm_api.engine.request import FinishReason
+from llm_api.protocols.responses.translate import parse_responses
+from llm_api.service.request import Limits
+from llm_api.text.tools import HERMES
 
 MODEL = "smollm2"
 

@@ -453,7 +453,7 @@ class Settings:
         "`<think>`, Qwen3 style when the template writes `</think>` otherwise, none without think tags), "
         "`deepseek_r1`, `qwen3`, `none` (never split)",
         choices=("none", "auto", "deepseek_r1", "qwen3"))
-    generic_tool_choice_auto: bool = setting(  # llm_api.text.tools, llm_api.api.constraints.plan_tools
+    generic_tool_choice_auto: bool = setting(  # llm_api.text.tools, llm_api.service.constraints.plan_tools
         "GENERIC_TOOL_CHOICE_AUTO", True,
         "`tool_choice` `auto` (the default with tools) on a chat template without a tool-call format, in the "
         "generic form (text or a call; see Tool calls); `false` refuses it with a 400 naming `tool_choice`, as "
@@ -558,13 +558,13 @@ class Settings:
         "MAX_TOKENS_IN_FLIGHT", 1_048_576,
         "async mode: sum of prompt + `max_new_tokens` over live requests; more get 503", minimum=1)
     # The other caps bound each factor of a request's work alone; this bounds their product
-    # (llm_api.api.request.request_work).
+    # (llm_api.service.request.request_work).
     max_request_work: int = setting(
         "MAX_REQUEST_WORK", 262_144,
         "one request's work: prompt tokens (x `n` when echoed) + `n` x `max_new_tokens` x (1 + logprob entries per "
         "token: the alternatives asked for and the token's own), a prompt list's prompts summed; above it 400 "
         "`work_limit_exceeded` naming the limit and the request's fields, on every generate route (formula: "
-        "`llm_api/api/request.py`)", minimum=1)
+        "`llm_api/service/request.py`)", minimum=1)
     # The standalone server (llm_api serve). Its bearer keys (see api_keys), or one generated per start.
     api_key: str = setting(
         "LLM_API_KEY", "",

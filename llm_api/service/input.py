@@ -5,7 +5,7 @@ limit a request must meet on its own, and compiles its grammar; ``ModelService``
 against what all live requests share (capacity, labels, adapters). In the order a request meets them:
 
 * ``check(request)``, before anything is tokenized: work over MAX_REQUEST_WORK whatever the prompt is
-  (``llm_api.api.request.work_refusal``), a prompt whose length in characters cannot fit MAX_INPUT_TOKENS,
+  (``llm_api.service.request.work_refusal``), a prompt whose length in characters cannot fit MAX_INPUT_TOKENS,
   the prompt's logprobs on the ``generate()`` reference path (the paged engine computes them);
 * ``prepare(request, owner, arrival)``: the token ids (or the embeddings tensor), then a prompt that became
   no tokens (400 ``empty_prompt``), a token limit that is a ceiling (``max_tokens_fits``) cut to what the
@@ -32,13 +32,13 @@ from typing import Any, Callable, cast
 
 import torch
 
-from llm_api.errors import ApiError
-from llm_api.api.prompt import PromptBuilder
-from llm_api.api.request import GenerateRequest, Limits, TokenizeRequest, work_refusal
-from llm_api.model.loader import LoadedModel
 from llm_api.engine.sampling_params import SamplingParams
+from llm_api.errors import ApiError
+from llm_api.model.loader import LoadedModel
 from llm_api.model.settings import Settings
 from llm_api.service.grammars import GrammarCompilation
+from llm_api.service.prompt import PromptBuilder
+from llm_api.service.request import GenerateRequest, Limits, TokenizeRequest, work_refusal
 
 # Prompts longer than this (characters, or embedding values) are prepared on the thread pool: below it
 # the work (well under a millisecond) costs less than the hand-off.

@@ -11,11 +11,11 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 from llm_api.errors import internal_error
-from llm_api.api.request import list_work_refusal
 from llm_api.protocols.embeddings.translate import embeddings_answer, parse_embeddings
 from llm_api.protocols.route import Answer, Call, RouteContext, Whole
 from llm_api.service.answer import admit, parse_large
 from llm_api.service.events import Finished
+from llm_api.service.request import list_work_refusal
 
 if TYPE_CHECKING:  # (annotations only: the route table loads without the engine and torch)
     from llm_api.service.service import Generation

@@ -1,4 +1,4 @@
-"""The encoder of Anthropic Messages answers (``MessagesCall``, an ``llm_api.api.encoding.AnswerEncoder``).
+"""The encoder of Anthropic Messages answers (``MessagesCall``, an ``llm_api.service.encoding.AnswerEncoder``).
 
 One answer (Anthropic has no ``n``) made of content blocks in the order the model wrote them: ``thinking``
 (a reasoning model's think block, split by ``llm_api.text.reasoning``), ``text``, and ``tool_use`` (calls
@@ -24,12 +24,12 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from llm_api.engine.request import FinishReason
 from llm_api.errors import ApiError
+from llm_api.protocols.common.openai import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE
 from llm_api.text.logprobs import LogprobItem
 from llm_api.text.reasoning import AnswerText, ReasoningFormat, ReasoningParser
 from llm_api.text.tools import ToolCallDelta, ToolCallParser, ToolFormat
-from llm_api.engine.request import FinishReason
-from llm_api.protocols.common.openai import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE
 
 TOOL_ID_PREFIX = "toolu_"
 

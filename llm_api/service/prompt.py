@@ -47,7 +47,7 @@ import re
 import uuid
 
 from llm_api.errors import ApiError
-from llm_api.api.request import GenerateRequest
+from llm_api.service.request import GenerateRequest
 from llm_api.text.tools import GenericPrompt, calls_as_text, detect_tool_format
 
 # What transformers' render gives every template besides the special tokens (a kwarg may not replace them).

@@ -35,8 +35,8 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from llm_api.errors import ApiError
 from llm_api.engine.sampling_params import SamplingParams
+from llm_api.errors import ApiError
 from llm_api.structured.spec import Constraint
 
 if TYPE_CHECKING:

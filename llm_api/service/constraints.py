@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from llm_api.errors import ApiError
-from llm_api.api.request import Limits
-from llm_api.text.tools import GENERIC, GenericPrompt, ToolFormat, arguments_schema, generic_tool_prompt, tool_grammar
+from llm_api.service.request import Limits
 from llm_api.structured.spec import Constraint, GrammarError, GrammarLimits, GrammarSpec, check_limits
+from llm_api.text.tools import GENERIC, GenericPrompt, ToolFormat, arguments_schema, generic_tool_prompt, tool_grammar
 
 MAX_SOURCE_CHARS = GrammarLimits().max_source_chars  # what check_limits allows a grammar's source
 
