@@ -24,12 +24,12 @@ import platform
 import random
 import time
 
-from llm_api.api.detokenizer import TextStream
-from llm_api.api.logprobs import TokenTexts
-from llm_api.protocols.native.encoder import NativeStream
-from llm_api.protocols.common.openai_call import OpenAICall
 from llm_api.engine.request import FinishReason, TokenLogprob
 from llm_api.model.settings import Settings
+from llm_api.protocols.common.openai_call import OpenAICall
+from llm_api.protocols.native.encoder import NativeStream
+from llm_api.text.detokenizer import TextStream
+from llm_api.text.logprobs import TokenTexts
 
 
 def parse_args():

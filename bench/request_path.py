@@ -36,9 +36,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 async def _drive(num_requests: int, num_tokens: int, num_stops: int, logprobs: int | None) -> dict:
-    from llm_api.api.request import GenerateRequest
     from llm_api.engine.sampling_params import SamplingParams
     from llm_api.model.settings import Settings
+    from llm_api.service.request import GenerateRequest
     from llm_api.service.service import ModelService
 
     settings = Settings.from_env({**os.environ, "DTYPE": "float32", "KV_CACHE_MEMORY_MIB": "128",

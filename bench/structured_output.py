@@ -129,9 +129,9 @@ def compile_times(args, compiler: GrammarCompiler) -> dict:
 
 
 async def stalls(args, settings: Settings, lm) -> dict:
-    from llm_api.api.constraints import json_schema_constraint
-    from llm_api.api.request import GenerateRequest
+    from llm_api.service.constraints import json_schema_constraint
     from llm_api.service.events import TextDelta
+    from llm_api.service.request import GenerateRequest
     from llm_api.service.service import ModelService
 
     service = ModelService(settings, lm)

@@ -22,14 +22,14 @@ import asyncio
 
 import pytest
 
-from llm_api.api.errors import ApiError
-from llm_api.api.request import GenerateRequest
 from llm_api.engine.request import FinishReason
 from llm_api.engine.sampling_params import SamplingParams
+from llm_api.errors import ApiError
 from llm_api.model.settings import Settings
 from llm_api.protocols.native.route import native_encoder
 from llm_api.service.answer import Final, admit, encoded_parts
 from llm_api.service.events import Finished
+from llm_api.service.request import GenerateRequest
 from llm_api.service.service import ModelService
 
 
@@ -86,7 +86,7 @@ def test_admission_leaves_the_request_as_the_route_built_it(one_at_a_time):
     own parameters; the request object is not changed by admission (so a route may read it afterwards)."""
     import copy
 
-    from llm_api.api.constraints import json_object_constraint
+    from llm_api.service.constraints import json_object_constraint
 
     service = one_at_a_time
     built = GenerateRequest(text="Once upon a time", params=SamplingParams(max_new_tokens=100_000),

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from llm_api.api.errors import ApiError
-from llm_api.api.request import GenerateRequest, Limits
+from llm_api.errors import ApiError
+from llm_api.service.request import GenerateRequest, Limits
 from llm_api.engine.sampling_params import SamplingParams
 from llm_api.service.admission import Admission
 

@@ -1,8 +1,9 @@
 """The package's layers, read from the import statements: no module imports from a layer above it.
 
 Layers, top to bottom (docs/architecture.md): the edges (``torchserve``, ``server``, ``scale_out``, ``client``) ->
-``protocols`` (one folder per API and the route table) -> ``service`` -> ``api`` -> ``engine`` -> ``structured`` ->
-``lora`` -> ``model`` -> ``layers`` -> ``kernels`` (and the generated ``proto`` stubs). A module may import its own layer and
+``protocols`` (one folder per API and the route table) -> ``service`` (with the request it serves) -> ``text``
+(model-family text handling) -> ``errors`` -> ``engine`` -> ``structured`` -> ``lora`` -> ``model`` -> ``layers`` ->
+``kernels`` (and the generated ``proto`` stubs). A module may import its own layer and
 the layers below. Besides: no import circle anywhere in the package (every import statement counts: module
 level, ``TYPE_CHECKING`` blocks and inside functions); only ``llm_api.torchserve`` imports TorchServe (``ts``),
 only ``llm_api.scale_out`` imports Ray (an optional extra);
@@ -19,10 +20,12 @@ import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "llm_api"
+# text: model-family text handling (tool formats, reasoning, detokenizer, logprobs), below the service and the
+# request formats that use it; errors: ApiError, raised by every layer from text up, none below.
 # structured: below the request formats (they build grammar specs) and the engine (it runs the matchers);
 # it needs nothing from lora, model or kernels.
-RANK = {"torchserve": 0, "server": 0, "scale_out": 0, "client": 0, "protocols": 0.5, "service": 1, "api": 2, "engine": 3,
-        "structured": 3.2, "lora": 3.5, "model": 4, "layers": 4.5, "kernels": 5, "proto": 5}
+RANK = {"torchserve": 0, "server": 0, "scale_out": 0, "client": 0, "protocols": 0.5, "service": 1, "text": 2,
+        "errors": 2.5, "engine": 3, "structured": 3.2, "lora": 3.5, "model": 4, "layers": 4.5, "kernels": 5, "proto": 5}
 TORCH_FREE = {"llm_api.engine.scheduler", "llm_api.engine.scheduler_config", "llm_api.engine.scheduler_output",
               "llm_api.engine.precedence", "llm_api.engine.sequence_blocks", "llm_api.engine.block_pool",
               "llm_api.engine.request", "llm_api.engine.sampling_params", "llm_api.engine.speculative.drafter",
@@ -301,7 +304,7 @@ def test_every_route_is_one_table_line_served_by_the_edges():
 # One translation to the engine's sampling parameters: every API's body becomes SamplingParams through
 # llm_api.protocols.common.sampling.to_sampling_params, so a default or a rule cannot differ between APIs.
 SAMPLING_BUILDER = "llm_api.protocols.common.sampling"
-ABOVE_THE_ENGINE = ("protocols", "api", "service", "torchserve", "server", "client")
+ABOVE_THE_ENGINE = ("protocols", "service", "text", "errors", "torchserve", "server", "client")
 
 
 def _builds_sampling_params(path: Path) -> bool:

@@ -53,7 +53,7 @@ def test_agents_sdk_default_loop_finishes(async_frontend, model_class):
 
     result, streamed, events = asyncio.run(run_both())
     # The whole loop, run and streamed: one call of the tool, then an answer in text from its result (the
-    # generic form's nudges, llm_api.api.tools.GenericPrompt; greedy, so the same both times).
+    # generic form's nudges, llm_api.text.tools.GenericPrompt; greedy, so the same both times).
     assert calls == ["Paris", "Paris"], calls
     assert isinstance(result.final_output, str) and "sunny" in result.final_output.lower(), result.final_output
     assert isinstance(streamed.final_output, str) and streamed.final_output == result.final_output

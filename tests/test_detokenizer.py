@@ -2,7 +2,7 @@
 
 import pytest
 
-from llm_api.api.detokenizer import IncrementalDetokenizer, TextStream
+from llm_api.text.detokenizer import IncrementalDetokenizer, TextStream
 
 MARKER = "<|endoftext|>"
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from llm_api.api.errors import ApiError
-from llm_api.api.request import Limits
+from llm_api.errors import ApiError
 from llm_api.protocols.embeddings.translate import MAX_INPUTS, parse_embeddings
+from llm_api.service.request import Limits
 
 LIMITS = Limits(max_input_tokens=2048, max_new_tokens=256, hidden_size=576, vocab_size=49152)
 TEXTS = ["The cat sat on the mat.", "A cat was sitting on a mat.", "Stock prices fell sharply today."]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from llm_api.api.errors import DEFAULT_RETRY_AFTER_S, ApiError, echo, hide_marker, status_phrase
+from llm_api.errors import DEFAULT_RETRY_AFTER_S, ApiError, echo, hide_marker, status_phrase
 
 MARKER = "<|endoftext|>"
 

@@ -1,5 +1,5 @@
-"""Forced tool calls on a model whose chat template has no tool-call format (llm_api.api.tools, the generic
-``json`` form; llm_api.api.constraints.plan_tools), without a server.
+"""Forced tool calls on a model whose chat template has no tool-call format (llm_api.text.tools, the generic
+``json`` form; llm_api.service.constraints.plan_tools), without a server.
 
 What the tests prove:
 
@@ -25,14 +25,14 @@ import jsonschema
 import pytest
 import torch
 
-from llm_api.api.constraints import plan_tools
-from llm_api.api.errors import ApiError
+from llm_api.engine.request import FinishReason
+from llm_api.errors import ApiError
 from llm_api.protocols.chat.translate import parse_chat
 from llm_api.protocols.common.openai_call import OpenAICall
-from llm_api.api.request import Limits
-from llm_api.api.tools import (AUTO_QUESTION_NUDGE, AUTO_RESULT_NUDGE, GENERIC, HERMES, GenericPrompt, ToolCallDelta,
+from llm_api.service.constraints import plan_tools
+from llm_api.service.request import Limits
+from llm_api.text.tools import (AUTO_QUESTION_NUDGE, AUTO_RESULT_NUDGE, GENERIC, HERMES, GenericPrompt, ToolCallDelta,
                                ToolCallParser, calls_as_text, generic_tool_prompt, tool_grammar, with_tool_prompt)
-from llm_api.engine.request import FinishReason
 
 NESTED = {"type": "object", "properties": {
     "place": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -307,7 +307,7 @@ def test_the_prompt_block_and_earlier_calls_in_the_turns():
 
 
 def test_the_embedded_models_prompt_holds_the_tools_as_data(embedded_checkpoint_path):
-    from llm_api.api.prompt import PromptBuilder
+    from llm_api.service.prompt import PromptBuilder
 
     tokenizer = _tokenizer(embedded_checkpoint_path)
     prompts = PromptBuilder(tokenizer)

@@ -10,11 +10,11 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
-from llm_api.api.constraints import json_schema_constraint, tool_constraint  # noqa: E402
-from llm_api.api.errors import ApiError  # noqa: E402
-from llm_api.api.tools import HERMES  # noqa: E402
+from llm_api.errors import ApiError  # noqa: E402
+from llm_api.service.constraints import json_schema_constraint, tool_constraint  # noqa: E402
 from llm_api.service.grammars import GrammarCompilation  # noqa: E402
 from llm_api.structured.spec import Constraint, GrammarSpec  # noqa: E402
+from llm_api.text.tools import HERMES  # noqa: E402
 
 # About 2 to 4 s of compile each on one core (distinct string-length bounds), under the limits.
 SLOW = [{"type": "object", "properties": {"a": {"type": "string", "maxLength": 100 + i}}} for i in range(4)]

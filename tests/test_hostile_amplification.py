@@ -17,7 +17,7 @@ stream running beside the hostile requests (``bench/harness/hostile.py``):
   top_logprobs 20, and n = 4 choices of as many tokens with 20 logprobs each (180,224 units and the
   prompt's).
 
-The limit's formula and default are in ``llm_api.api.request``; the figures from a run are in
+The limit's formula and default are in ``llm_api.service.request``; the figures from a run are in
 docs/reliability.md ("Hostile input, by class").
 """
 

@@ -49,7 +49,7 @@ from bench.harness.hostile import (MARKER, Answer, Witness, error_type, native_p
 pytestmark = pytest.mark.server
 
 TURN_TOKENS = ("<|im_start|>", "<|im_end|>")
-MAX_STOP_CHARS = 256  # llm_api.api.fields.MAX_STOP_STRING_CHARS
+MAX_STOP_CHARS = 256  # llm_api.protocols.common.fields.MAX_STOP_STRING_CHARS
 MAX_STOPS = {"native": 16, "openai": 4}
 PROMPT = "Say hi."
 NATIVE_ROUTES = ("native-text", "native-jsonl")

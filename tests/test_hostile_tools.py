@@ -9,7 +9,7 @@ What the tests prove:
   in the OpenAI error shape whose ``param`` names the field, on the servers without a tool format
   (``async_frontend``: the embedded model's template renders no tools) and on one with it
   (``hermes_server``); the answers never hold the end-of-stream marker nor echo the hostile name in full;
-* on a server without a tool format (the generic form, ``llm_api.api.tools``): ``auto`` (or no
+* on a server without a tool format (the generic form, ``llm_api.text.tools``): ``auto`` (or no
   ``tool_choice``), ``required`` and named calls are served (their calls parse back, arguments objects),
   never ignored; with ``required``, 10,000 tools,
   over-limit schemas, a schema allowing non-object arguments, duplicate names and control-token text in

@@ -2,10 +2,10 @@
 
 import json
 
-from llm_api.api.errors import ApiError
-from llm_api.api.logprobs import LogprobItem, TokenTexts, TokenText
-from llm_api.protocols.native.encoder import NativeStream
 from llm_api.engine.request import FinishReason, TokenLogprob
+from llm_api.errors import ApiError
+from llm_api.protocols.native.encoder import NativeStream
+from llm_api.text.logprobs import LogprobItem, TokenTexts, TokenText
 
 MARKER = "<|endoftext|>"
 

@@ -9,16 +9,16 @@ import json
 
 import pytest
 
-from llm_api.api.detokenizer import TextStream
-from llm_api.api.errors import ApiError
-from llm_api.api.reasoning import QWEN3
-from llm_api.api.request import Limits
-from llm_api.api.tools import HERMES
 from llm_api.engine.request import FinishReason
+from llm_api.errors import ApiError
 from llm_api.protocols import table
 from llm_api.protocols.messages.encoder import MessagesCall
 from llm_api.protocols.messages.translate import parse_count_tokens, parse_messages
 from llm_api.protocols.route import error_body
+from llm_api.service.request import Limits
+from llm_api.text.detokenizer import TextStream
+from llm_api.text.reasoning import QWEN3
+from llm_api.text.tools import HERMES
 
 anthropic = pytest.importorskip("anthropic")
 LIMITS = Limits(max_input_tokens=2048, max_new_tokens=256)  # no tool format: the generic form

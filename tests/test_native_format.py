@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.protocols.native.translate import parse_request
-from llm_api.api.request import Limits
+from llm_api.service.request import Limits
 
 LIMITS = Limits(max_input_tokens=8, max_new_tokens=100, hidden_size=4, vocab_size=1000, max_n=8)
 
@@ -141,7 +141,7 @@ def test_invalid_requests(obj, type_, needle):
 
 
 def test_cancel_request():
-    from llm_api.api.request import CancelRequest
+    from llm_api.service.request import CancelRequest
 
     assert parse_request(body({"cancel": "abc"}), LIMITS) == CancelRequest("abc")
     refused(body({"cancel": "abc", "text": "x"}), "invalid_request", "only the field")

@@ -4,13 +4,13 @@ import json
 
 import pytest
 
-from llm_api.api.errors import ApiError
 from llm_api.engine.request import FinishReason
+from llm_api.errors import ApiError
 from llm_api.protocols.chat.translate import parse_chat
 from llm_api.protocols.common.openai import models_list
 from llm_api.protocols.common.openai_call import OpenAICall
 from llm_api.protocols.completions.translate import parse_completions
-from llm_api.api.request import Limits
+from llm_api.service.request import Limits
 
 LIMITS = Limits(max_input_tokens=2048, max_new_tokens=2048, hidden_size=576, vocab_size=49152, max_n=64)
 
@@ -155,7 +155,7 @@ def test_sampling_parameters_are_translated():
 
 
 def _item(token_id, text, logprob, top=()):
-    from llm_api.api.logprobs import LogprobItem, TokenText
+    from llm_api.text.logprobs import LogprobItem, TokenText
 
     def token(i, t):
         return TokenText(i, t, t.encode())

@@ -25,7 +25,7 @@ The image case is allowed to fail: the embedded model reads text only, so the se
 ``input_image`` part with a well-formed 400 (OpenAI's error body naming the field). Every other case must
 pass: 5 of upstream's 6, and its later streamed tool case. Upstream's tool cases leave the choice to the
 model (``tool_choice`` auto); the embedded SmolLM2 has no tool format, and in the generic form its prompt
-nudges it to call (``llm_api.api.tools.GenericPrompt``), which it then does for the weather question. The
+nudges it to call (``llm_api.text.tools.GenericPrompt``), which it then does for the weather question. The
 same cases with the call forced (ours) pass on any model. The cases run greedy
 (upstream sends no temperature; sampled, "Count from 1 to 5." sometimes ran past the 256-token default). Known divergence, on
 purpose: the ``error`` stream event keeps OpenAI's shape (code, message, param at the top; OpenResponses
@@ -43,10 +43,10 @@ from typing import Any
 
 import pytest
 
-from llm_api.api.request import Limits
-from llm_api.protocols.responses.translate import parse_responses
-from llm_api.api.tools import HERMES
 from llm_api.engine.request import FinishReason
+from llm_api.protocols.responses.translate import parse_responses
+from llm_api.service.request import Limits
+from llm_api.text.tools import HERMES
 
 MODEL = "smollm2"
 
@@ -365,7 +365,7 @@ def _feed(call, text: str) -> str:
 
 
 def test_every_event_and_item_of_a_reasoning_and_calling_answer_is_valid():
-    from llm_api.api.reasoning import QWEN3
+    from llm_api.text.reasoning import QWEN3
     from dataclasses import replace
 
     limits = replace(THINKING, reasoning_format=QWEN3)

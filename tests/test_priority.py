@@ -13,12 +13,12 @@ import time
 import pytest
 
 from bench.harness import hostile
-from llm_api.api.errors import ApiError
-from llm_api.api.request import Limits
+from llm_api.errors import ApiError
 from llm_api.protocols.chat.translate import parse_chat
 from llm_api.protocols.completions.translate import parse_completions
 from llm_api.protocols.native.translate import parse_request
 from llm_api.protocols.responses.translate import parse_responses
+from llm_api.service.request import Limits
 
 FCFS = Limits(max_input_tokens=2048, max_new_tokens=2048, hidden_size=576, vocab_size=49152, max_n=64)
 PRIORITY = Limits(max_input_tokens=2048, max_new_tokens=2048, hidden_size=576, vocab_size=49152, max_n=64,

@@ -1,5 +1,5 @@
 """The reasoning parser, the reasoning grammar, chat_template_kwargs / reasoning_effort and reasoning fields of
-chat messages, without a server (llm_api.api.reasoning, llm_api.protocols.chat, llm_api.api.prompt).
+chat messages, without a server (llm_api.text.reasoning, llm_api.protocols.chat, llm_api.service.prompt).
 
 The template is tests/assets/qwen3_reasoning.jinja on the embedded model's tokenizer; the grammar tests
 compile with the real xgrammar compiler over that tokenizer (with <think> and </think> added, as Qwen3 has)."""
@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from llm_api.api.errors import ApiError
+from llm_api.engine.request import FinishReason
+from llm_api.errors import ApiError
 from llm_api.protocols.chat.translate import parse_chat
 from llm_api.protocols.common.openai_call import OpenAICall
-from llm_api.api.prompt import PromptBuilder
-from llm_api.api.reasoning import (DEEPSEEK_R1, QWEN3, AnswerText, ReasoningParser, ReasoningText,
-                                   detect_reasoning_format, reasoning_format, reasoning_grammar, split_reasoning)
-from llm_api.api.request import Limits
-from llm_api.api.tools import HERMES
+from llm_api.service.prompt import PromptBuilder
+from llm_api.service.request import Limits
 from llm_api.structured.spec import GrammarSpec
-from llm_api.engine.request import FinishReason
+from llm_api.text.reasoning import (DEEPSEEK_R1, QWEN3, AnswerText, ReasoningParser, ReasoningText,
+                                   detect_reasoning_format, reasoning_format, reasoning_grammar, split_reasoning)
+from llm_api.text.tools import HERMES
 
 TEMPLATE = Path(__file__).parent / "assets" / "qwen3_reasoning.jinja"
 LIMITS = Limits(2048, 256, reasoning_format=QWEN3, tool_format=HERMES)

@@ -31,14 +31,14 @@ import pydantic
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
-from llm_api.api.errors import ApiError
-from llm_api.api.request import Limits
+from llm_api.engine.request import FinishReason
+from llm_api.errors import ApiError
 from llm_api.protocols.responses.encoder import ResponsesCall
 from llm_api.protocols.responses.schema import MAX_INPUT_ITEMS
 from llm_api.protocols.responses.translate import continued, parse_responses
-from llm_api.api.reasoning import QWEN3, THINK_END, answer_only
-from llm_api.api.tools import GENERIC, HERMES, generic_tool_prompt
-from llm_api.engine.request import FinishReason
+from llm_api.service.request import Limits
+from llm_api.text.reasoning import QWEN3, THINK_END, answer_only
+from llm_api.text.tools import GENERIC, HERMES, generic_tool_prompt
 
 MODEL = "smollm2"
 LIMITS = Limits(max_input_tokens=2048, max_new_tokens=512, vocab_size=49152, tool_format=HERMES)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.protocols import table
 from llm_api.protocols.route import Route, error_body
 

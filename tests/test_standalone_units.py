@@ -6,7 +6,7 @@ import stat
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.protocols.tokenize.encoder import tokenize_answer
 from llm_api.protocols.tokenize.translate import parse_detokenize, parse_tokenize
 from llm_api.server.auth import BearerAuth, resolve_key

@@ -9,12 +9,12 @@ import json
 
 import pytest
 
-from llm_api.api.errors import ApiError
-from llm_api.protocols.native.translate import parse_request
+from llm_api.errors import ApiError
 from llm_api.protocols.chat.translate import parse_chat
 from llm_api.protocols.completions.translate import parse_completions
-from llm_api.api.request import Limits
-from llm_api.api.tools import HERMES
+from llm_api.protocols.native.translate import parse_request
+from llm_api.service.request import Limits
+from llm_api.text.tools import HERMES
 
 LIMITS = Limits(max_input_tokens=2048, max_new_tokens=2048, hidden_size=576, tool_format=HERMES)
 NO_TOOLS = Limits(max_input_tokens=2048, max_new_tokens=2048, hidden_size=576)
@@ -235,7 +235,7 @@ def test_the_size_walk_never_counts_more_than_the_schema_writes():
     and a schema of exactly the limit's length passes it (the written source's own check decides)."""
     import random
 
-    from llm_api.api.constraints import MAX_SOURCE_CHARS, source_chars
+    from llm_api.service.constraints import MAX_SOURCE_CHARS, source_chars
 
     def compact(value) -> int:
         return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")))

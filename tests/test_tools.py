@@ -1,4 +1,4 @@
-"""Tool-call formats (llm_api.api.tools): detection from chat templates, the streaming parser, and the
+"""Tool-call formats (llm_api.text.tools): detection from chat templates, the streaming parser, and the
 grammar that makes every call well formed (random walks through it with the embedded tokenizer)."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import jsonschema
 import pytest
 import torch
 
-from llm_api.protocols.common.openai_call import OpenAICall
-from llm_api.api.constraints import tool_constraint
-from llm_api.api.errors import ApiError
-from llm_api.api.tools import (HERMES, LLAMA3_JSON, ToolCallDelta, ToolCallParser, arguments_schema, detect_tool_format,
-                               tool_grammar)
 from llm_api.engine.request import FinishReason
+from llm_api.errors import ApiError
+from llm_api.protocols.common.openai_call import OpenAICall
+from llm_api.service.constraints import tool_constraint
+from llm_api.text.tools import (HERMES, LLAMA3_JSON, ToolCallDelta, ToolCallParser, arguments_schema, detect_tool_format,
+                               tool_grammar)
 
 ASSETS = Path(__file__).parent / "assets"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},

@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from llm_api.api.errors import ApiError, internal_error
+from llm_api.errors import ApiError, internal_error
 from llm_api.protocols.common.openai_call import OpenAICall
 from llm_api.protocols.messages.encoder import MessagesCall
 from llm_api.protocols.native.encoder import NativeStream
@@ -28,8 +28,8 @@ MARKER = "<|endoftext|>"
 
 
 def _responses_call() -> ResponsesCall:
-    from llm_api.api.request import Limits
     from llm_api.protocols.responses.translate import parse_responses
+    from llm_api.service.request import Limits
 
     limits = Limits(max_input_tokens=2048, max_new_tokens=512, vocab_size=49152)
     _, call = parse_responses(json.dumps({"model": "m", "input": "Hi", "stream": True}).encode(), "m", limits)

@@ -27,7 +27,7 @@ class ConfigError(ValueError):
 def parse_marker(raw: str) -> str:
     """END_OF_STREAM_TOKEN: at least 2 characters, starting with one that can only occur inside a JSON
     string of an error object (so an error can always be written without the marker in it, see
-    llm_api.api.errors.hide_marker), and without line breaks."""
+    llm_api.errors.hide_marker), and without line breaks."""
     allowed = "at least 2 characters, no line breaks, not starting with a space, digit, '-' or one of {}[]\":,\\"
     if len(raw) < 2 or raw[0] in ' \t{}[]":,\\-0123456789' or any(c in raw for c in "\r\n"):
         raise ConfigError(f"END_OF_STREAM_TOKEN={raw!r} is not supported; allowed values: {allowed}")

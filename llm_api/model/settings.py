@@ -177,14 +177,14 @@ class Settings:
         "END_OF_STREAM_TOKEN", "<|endoftext|>",
         "the marker that ends every stream: 2+ characters, no line breaks, not starting with a space, digit, `-` or "
         "one of `{}[]\":,\\` (so an error object can always be written without it)", parse=parse_marker)
-    reasoning_parser: str = setting(  # llm_api.api.reasoning
+    reasoning_parser: str = setting(  # llm_api.text.reasoning
         "REASONING_PARSER", "auto",
         "how a reasoning model's `<think>` block is split from its answer (chat `reasoning` / `reasoning_content`; "
         "see Reasoning models): `auto` (from the chat template: DeepSeek-R1 style when the generation prompt opens "
         "`<think>`, Qwen3 style when the template writes `</think>` otherwise, none without think tags), "
         "`deepseek_r1`, `qwen3`, `none` (never split)",
         choices=("none", "auto", "deepseek_r1", "qwen3"))
-    generic_tool_choice_auto: bool = setting(  # llm_api.api.tools, llm_api.api.constraints.plan_tools
+    generic_tool_choice_auto: bool = setting(  # llm_api.text.tools, llm_api.service.constraints.plan_tools
         "GENERIC_TOOL_CHOICE_AUTO", True,
         "`tool_choice` `auto` (the default with tools) on a chat template without a tool-call format, in the "
         "generic form (text or a call; see Tool calls); `false` refuses it with a 400 naming `tool_choice`, as "

@@ -25,10 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
 
-from llm_api.api.encoding import AnswerEncoder
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.protocols.responses.state import Responses
 from llm_api.service.answer import Parts
+from llm_api.service.encoding import AnswerEncoder
 
 if TYPE_CHECKING:  # (annotations only: the table of routes loads without the engine and torch)
     from llm_api.service.service import ModelService

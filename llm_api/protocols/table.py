@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import functools
 
-from llm_api.api.errors import ApiError, echo
+from llm_api.errors import ApiError, echo
+from llm_api.model.settings import Settings
 from llm_api.protocols.chat import route as chat
 from llm_api.protocols.completions import route as completions
 from llm_api.protocols.embeddings import route as embeddings
@@ -30,7 +31,6 @@ from llm_api.protocols.messages import route as messages
 from llm_api.protocols.native import route as native
 from llm_api.protocols.probes import route as probes
 from llm_api.protocols.responses import route as responses
-from llm_api.model.settings import Settings
 from llm_api.protocols.responses.state import open_responses
 from llm_api.protocols.route import Answer, ApiStates, Call, Route, RouteContext
 from llm_api.protocols.tokenize import route as tokenizer

@@ -31,7 +31,7 @@ import logging
 from contextlib import aclosing
 from typing import AsyncGenerator
 
-from llm_api.api.errors import ApiError, internal_error
+from llm_api.errors import ApiError, internal_error
 from llm_api.protocols.route import JSON_CONTENT_TYPE, Answer, Whole
 from llm_api.service.answer import Chunk, Final, Refusal
 

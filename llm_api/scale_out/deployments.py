@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 from urllib.parse import parse_qsl
 
-from llm_api.api.errors import ApiError, internal_error
+from llm_api.errors import ApiError, internal_error
 from llm_api.model.settings import Settings
 from llm_api.protocols.route import Call, RouteContext, Streamed, Whole, error_body
 from llm_api.protocols.table import BY_NAME, answer, error_shape, find, is_public, open_api_states

@@ -34,13 +34,13 @@ from typing import AsyncGenerator
 
 import grpc
 
-from llm_api.api.errors import ApiError, internal_error
+from llm_api.errors import ApiError, internal_error
 from llm_api.proto import inference_pb2, inference_pb2_grpc
-from llm_api.server.http_api import ServerState, new_request_id
-from llm_api.service.owners import single_authorization
 from llm_api.protocols.route import Call, RouteContext, Whole
 from llm_api.protocols.table import BY_NAME, answer
 from llm_api.protocols.wire import wire
+from llm_api.server.http_api import ServerState, new_request_id
+from llm_api.service.owners import single_authorization
 
 logger = logging.getLogger(__name__)
 # The route's refusals that are a call's status rather than an answer (every other refusal is one message

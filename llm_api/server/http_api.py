@@ -33,8 +33,11 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 
 from aiohttp import web
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.model.settings import Settings
+from llm_api.protocols.route import Answer, ApiStates, Call, RouteContext, Whole, error_body
+from llm_api.protocols.table import answer, error_shape, find, is_public
+from llm_api.protocols.wire import wire
 from llm_api.server.auth import BearerAuth
 from llm_api.server.connections import ConnectionGuard
 from llm_api.server.lifecycle import Lifecycle
@@ -50,9 +53,6 @@ from llm_api.server.transport import (
 )
 from llm_api.service.answer import Final
 from llm_api.service.owners import MISSING_KEY, request_credential
-from llm_api.protocols.route import Answer, ApiStates, Call, RouteContext, Whole, error_body
-from llm_api.protocols.table import answer, error_shape, find, is_public
-from llm_api.protocols.wire import wire
 
 if TYPE_CHECKING:  # (annotations only: the route table loads without the engine and torch)
     from llm_api.service.service import ModelService

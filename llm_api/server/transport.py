@@ -60,7 +60,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 from llm_api.model.settings import Settings
 from llm_api.server.connections import ConnectionLimits
 

@@ -55,8 +55,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from llm_api.api.errors import ApiError
-from llm_api.api.request import GenerateRequest, Limits
+from llm_api.errors import ApiError
+from llm_api.service.request import GenerateRequest, Limits
 from llm_api.engine.sampling_params import SamplingParams
 
 

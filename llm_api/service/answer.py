@@ -12,7 +12,7 @@ between are the same and live here, so the two edges cannot drift apart:
   every request admitted before it released. A route admits before it answers, so a refusal (4xx, 503)
   leaves the route as a raised ``ApiError``, before the edge writes anything: its one way out.
 * ``encoded_parts(generations, encoder)``: the admitted requests' events (text deltas and choice ends of
-  every choice, then one ``Finished``) through any ``AnswerEncoder`` (``llm_api.api.encoding``: native,
+  every choice, then one ``Finished``) through any ``AnswerEncoder`` (``llm_api.service.encoding``: native,
   OpenAI chat/completions, responses) into what the client receives, as ``Part``s: ``Chunk`` (send it now,
   the answer is a 200 from here on), then exactly one of ``Final`` (the last payload of a 200 answer,
   possibly the whole answer when nothing was streamed) or ``Refusal`` (the request failed after admission
@@ -33,9 +33,9 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable, Sequence, TypeVar, cast
 
-from llm_api.api.encoding import AnswerEncoder
-from llm_api.api.request import GenerateRequest
+from llm_api.service.encoding import AnswerEncoder
 from llm_api.service.events import ChoiceFinished, Event, Finished, TextDelta
+from llm_api.service.request import GenerateRequest
 
 if TYPE_CHECKING:  # (annotations only: the route table imports this module, and an edge that only routes,
     # the Ray ingress, must not load torch with the engine)

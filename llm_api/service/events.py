@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from llm_api.api.errors import ApiError
-from llm_api.api.logprobs import LogprobItem
 from llm_api.engine.request import FinishReason
+from llm_api.errors import ApiError
+from llm_api.text.logprobs import LogprobItem
 
 
 @dataclass(frozen=True)

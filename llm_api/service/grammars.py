@@ -44,8 +44,8 @@ from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from llm_api.api.constraints import grammar_refusal
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
+from llm_api.service.constraints import grammar_refusal
 from llm_api.structured.compiler import CompiledGrammar, GrammarCompiler
 from llm_api.structured.spec import Constraint, GrammarError
 

@@ -28,14 +28,14 @@ from typing import Any, Callable, cast
 
 import torch
 
-from llm_api.api.errors import ApiError
-from llm_api.api.prompt import PromptBuilder
-from llm_api.api.request import GenerateRequest, Limits, TokenizeRequest
-from llm_api.model.loader import LoadedModel
 from llm_api.engine.sampling_params import SamplingParams
+from llm_api.errors import ApiError
+from llm_api.model.loader import LoadedModel
 from llm_api.model.settings import Settings
 from llm_api.service.admission import Admission
 from llm_api.service.grammars import GrammarCompilation
+from llm_api.service.prompt import PromptBuilder
+from llm_api.service.request import GenerateRequest, Limits, TokenizeRequest
 
 # Prompts longer than this (characters, or embedding values) are prepared on the thread pool: below it
 # the work (well under a millisecond) costs less than the hand-off.

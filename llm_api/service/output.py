@@ -28,12 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from llm_api.api.detokenizer import StreamDelta, TextStream
-from llm_api.api.errors import ApiError
-from llm_api.api.logprobs import LogprobItem, TokenTexts
 from llm_api.engine.request import FinishReason, RequestOutput
 from llm_api.engine.sampling_params import SamplingParams
+from llm_api.errors import ApiError
 from llm_api.service.events import ChoiceFinished, Event, Finished, TextDelta
+from llm_api.text.detokenizer import StreamDelta, TextStream
+from llm_api.text.logprobs import LogprobItem, TokenTexts
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 from typing import Mapping, Sequence
 
-from llm_api.api.errors import ApiError
+from llm_api.errors import ApiError
 
 
 def single_authorization(values: Sequence[str]) -> str | None:

@@ -58,18 +58,14 @@ from contextlib import aclosing
 from typing import AsyncGenerator
 
 
-from llm_api.api.errors import ApiError, echo, internal_error, model_not_found
-from llm_api.api.logprobs import TokenTexts
-from llm_api.api.reasoning import reasoning_format
-from llm_api.api.request import GenerateRequest, Limits
-from llm_api.api.tools import detect_tool_format
 from llm_api.engine.engine import EngineConfig, LLMEngine
 from llm_api.engine.reference import ReferenceCore
 from llm_api.engine.support import unsupported_reason
-from llm_api.model.host_memory import release_freed_heap
-from llm_api.model.loader import LoadedModel, load
+from llm_api.errors import ApiError, echo, internal_error, model_not_found
 from llm_api.lora.config import AdapterError
 from llm_api.lora.registry import AdapterInUseError, AdapterPathError, LoraRegistry
+from llm_api.model.host_memory import release_freed_heap
+from llm_api.model.loader import LoadedModel, load
 from llm_api.model.settings import ConfigError, Settings
 from llm_api.service.admission import Admission, request_work
 from llm_api.service.engine_loop import EngineLoop
@@ -78,6 +74,10 @@ from llm_api.service.input import InputProcessor, Prepared
 from llm_api.service.metrics import ServingMetrics, Sink
 from llm_api.service.output import Echo, RequestState
 from llm_api.service.owners import priority_grants
+from llm_api.service.request import GenerateRequest, Limits
+from llm_api.text.logprobs import TokenTexts
+from llm_api.text.reasoning import reasoning_format
+from llm_api.text.tools import detect_tool_format
 
 logger = logging.getLogger(__name__)
 

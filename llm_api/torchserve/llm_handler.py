@@ -30,13 +30,13 @@ from contextlib import aclosing
 
 from ts.torch_handler.base_handler import BaseHandler
 
-from llm_api.api.errors import ApiError, internal_error
+from llm_api.errors import ApiError, internal_error
 from llm_api.model.settings import ConfigError, Settings
-from llm_api.service.answer import Chunk
-from llm_api.service.owners import request_credential, torchserve_owner
 from llm_api.protocols.route import Answer, ApiStates, Call, RouteContext, Whole, error_body
 from llm_api.protocols.table import answer, error_shape, find, open_api_states
 from llm_api.protocols.wire import wire
+from llm_api.service.answer import Chunk
+from llm_api.service.owners import request_credential, torchserve_owner
 from llm_api.service.service import ModelService
 from llm_api.torchserve.metrics_sink import TorchServeMetricSink
 from llm_api.torchserve.reply import Reply

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from ts.handler_utils.utils import send_intermediate_predict_response
 
-from llm_api.api.errors import status_phrase
+from llm_api.errors import status_phrase
 from llm_api.protocols.native.encoder import TEXT_CONTENT_TYPE
 
 MAX_MESSAGE_CHARS = 16 * 1024

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from llm_api.api.fields import Integer, StrictFlag, StrictWholeNumber, Text, nonempty_list
+from llm_api.protocols.common.fields import Integer, StrictFlag, StrictWholeNumber, Text, nonempty_list
 from llm_api.protocols.common.openai import OpenAIBody, ToolName
 
 MAX_CHAT_TOP_LOGPROBS = 20

@@ -17,13 +17,13 @@ are in the one route table, ``llm_api.protocols.table``). Contract:
 * ``n`` > 1: every choice and chunk carries its ``index``; a stream interleaves the choices' chunks, each
   choice ends with its own ``finish_reason`` chunk; ``usage`` counts the tokens of all choices. With a
   ``seed``, choice 0 is what n = 1 would give and the others are seeded from it (distinct, reproducible).
-* logprobs (``llm_api.api.logprobs``): with the text they belong to, in every chunk of a stream and in
+* logprobs (``llm_api.text.logprobs``): with the text they belong to, in every chunk of a stream and in
   the answer's choices (chat: ``logprobs.content``; completions: ``tokens``, ``token_logprobs``,
   ``top_logprobs``, ``text_offset``).
 * Structured output and tools (chat): ``response_format`` (``text``, ``json_object``, ``json_schema``)
-  becomes a grammar the answer must follow (``llm_api.api.constraints``). ``tools`` are rendered by the
+  becomes a grammar the answer must follow (``llm_api.service.constraints``). ``tools`` are rendered by the
   model's chat template and, with ``tool_choice`` ``auto`` (the default with tools), ``required`` or a
-  named function, the answer runs under the tool grammar of the model's format (``llm_api.api.tools``);
+  named function, the answer runs under the tool grammar of the model's format (``llm_api.text.tools``);
   ``none`` renders no tools and allows no call. A template without a tool format (the embedded SmolLM2)
   gets every choice in the generic form (the tools listed in a system block, a call decoded as
   ``{"name", "arguments"}`` under the tool's schema; with ``auto`` the model answers in text or starts a
@@ -38,7 +38,7 @@ are in the one route table, ``llm_api.protocols.table``). Contract:
   ``store`` for that), ``service_tier`` (echoed in the answer and every chunk; every request runs alike),
   ``modalities`` (``["text"]`` only), ``prediction`` (``{"type": "content", "content"}``; not used to draft:
   the n-gram drafter already proposes from the prompt). Any other unknown field is a 400 naming it.
-* Reasoning models (``llm_api.api.reasoning``): ``chat_template_kwargs`` (an object of at most 16
+* Reasoning models (``llm_api.text.reasoning``): ``chat_template_kwargs`` (an object of at most 16
   identifier keys and 8 KiB of JSON) are extra variables of the chat template's render;
   ``reasoning_effort`` (none | minimal | low | medium | high | xhigh) reaches the template as the variable
   ``reasoning_effort``, and "none" also as ``enable_thinking`` false (Qwen3's switch); a kwarg that
@@ -62,16 +62,16 @@ from __future__ import annotations
 
 from typing import Any, Collection
 
-from llm_api.api.constraints import ToolPlan, json_object_constraint, json_schema_constraint, plan_tools
-from llm_api.api.errors import ApiError, echo
-from llm_api.api.reasoning import template_variables
-from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, GenerateRequest, Limits, ModelNames, WorkFields, adapter_of
+from llm_api.errors import ApiError, echo
 from llm_api.protocols.chat.schema import ChatBody, ChatMessage, ToolDefinition
 from llm_api.protocols.common.checks import apply_output, call_arguments, check_priority, tool_choice_keyword
 from llm_api.protocols.common.openai import validate_call
 from llm_api.protocols.common.openai_call import OpenAICall
 from llm_api.protocols.common.sampling import check_token_range, to_sampling_params
+from llm_api.service.constraints import ToolPlan, json_object_constraint, json_schema_constraint, plan_tools
+from llm_api.service.request import DEFAULT_MAX_NEW_TOKENS, GenerateRequest, Limits, ModelNames, WorkFields, adapter_of
 from llm_api.structured.spec import Constraint
+from llm_api.text.reasoning import template_variables
 
 
 def parse_chat(body: Any, model_name: ModelNames, limits: Limits, adapters: Collection[str] = (),
@@ -126,7 +126,7 @@ def _check_tool_call_arguments(messages: list[ChatMessage]) -> None:
 
 def _structured_output(call: ChatBody, limits: Limits) -> Constraint | ToolPlan | None:
     """response_format, tools, tool_choice, parallel_tool_calls -> the response format's constraint, or the
-    plan of the tools (``llm_api.api.constraints.plan_tools``: with ``auto`` a text answer follows the
+    plan of the tools (``llm_api.service.constraints.plan_tools``: with ``auto`` a text answer follows the
     response format; a forced call ignores it, as OpenAI does), or None."""
     constraint = None
     text_schema = None  # the response format as a JSON schema (for a text answer beside tools)

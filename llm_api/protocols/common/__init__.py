@@ -10,4 +10,7 @@
   types, the 400 of a pydantic error, the model check, ``v1/models``) and the body fields chat and
   completions share; ``openai_call``: the encoder of chat and completions (one class, its ``kind`` picks
   the shape).
+* ``fields``: the field rules of the bodies, as pydantic types (every API's ``schema`` declares its fields with
+  them), and pydantic's errors as ``ApiError``; ``validation``: bodies (and form fields carrying JSON) decoded
+  as strict JSON (``decode_json``).
 """

@@ -9,7 +9,7 @@
 * ``check_priority``: a request's ``priority`` (vLLM's field: an integer, lower first), taken only under
   SCHEDULING_POLICY=priority; otherwise anything but 0 is refused naming ``priority`` (as vLLM refuses it
   without its priority policy), so a client never believes it was served ahead when it was not.
-* ``apply_output``: a response format's constraint, or the plan of the tools (``llm_api.api.constraints.
+* ``apply_output``: a response format's constraint, or the plan of the tools (``llm_api.service.constraints.
   plan_tools``), set on the request; then the ``ignore_eos`` refusal; then, for a model with a reasoning
   parser, the constraint applied to the answer after the think block (``answer_only``).
 """
@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from llm_api.api.constraints import ToolPlan, ignore_eos_conflict
-from llm_api.api.errors import ApiError, echo
-from llm_api.api.reasoning import answer_only
-from llm_api.api.request import GenerateRequest, Limits
-from llm_api.api.tools import ToolFormat
-from llm_api.api.validation import decode_json
+from llm_api.errors import ApiError, echo
 from llm_api.model.setting_values import PRIORITY_MAX, PRIORITY_MIN
+from llm_api.protocols.common.validation import decode_json
+from llm_api.service.constraints import ToolPlan, ignore_eos_conflict
+from llm_api.service.request import GenerateRequest, Limits
 from llm_api.structured.spec import Constraint
+from llm_api.text.reasoning import answer_only
+from llm_api.text.tools import ToolFormat
 
 TOOL_CHOICES = ("none", "auto", "required")
 PRIORITY_RANGE = (PRIORITY_MIN, PRIORITY_MAX)  # (an int32, as vLLM's field is on the wire; plenty of levels)

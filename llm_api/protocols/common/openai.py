@@ -17,12 +17,12 @@ from typing import Annotated, Any, Collection, Iterable
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 
-from llm_api.api.errors import ApiError, echo, model_not_found
-from llm_api.api.fields import (Integer, LogitBias, Number, StopStrings, StrictFlag, StrictWholeNumber, Text,
-                                field_path, first_error, is_type_error, message_of, unknown_fields)
-from llm_api.api.request import MAX_SEED, Limits, ModelNames, adapter_of, names_of
-from llm_api.api.validation import decode_json
+from llm_api.errors import ApiError, echo, model_not_found
 from llm_api.protocols.common.checks import PRIORITY_RANGE
+from llm_api.protocols.common.fields import (Integer, LogitBias, Number, StopStrings, StrictFlag, StrictWholeNumber,
+                                             Text, field_path, first_error, is_type_error, message_of, unknown_fields)
+from llm_api.protocols.common.validation import decode_json
+from llm_api.service.request import MAX_SEED, Limits, ModelNames, adapter_of, names_of
 
 SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
 JSON_CONTENT_TYPE = "application/json"

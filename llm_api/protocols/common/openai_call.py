@@ -11,12 +11,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from llm_api.api.errors import ApiError
-from llm_api.api.logprobs import LogprobItem, openai_chat_logprobs, openai_completion_logprobs
-from llm_api.api.reasoning import AnswerText, ReasoningFormat, ReasoningParser, ReasoningText
-from llm_api.api.tools import ToolCallDelta, ToolCallParser, ToolFormat
 from llm_api.engine.request import FinishReason
+from llm_api.errors import ApiError
 from llm_api.protocols.common.openai import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, sse as _sse
+from llm_api.text.logprobs import LogprobItem, openai_chat_logprobs, openai_completion_logprobs
+from llm_api.text.reasoning import AnswerText, ReasoningFormat, ReasoningParser, ReasoningText
+from llm_api.text.tools import ToolCallDelta, ToolCallParser, ToolFormat
 
 
 @dataclass

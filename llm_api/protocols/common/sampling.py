@@ -10,9 +10,9 @@ body asks for (the native API checks its ``max_new_tokens`` in its schema).
 
 from __future__ import annotations
 
-from llm_api.api.errors import ApiError
-from llm_api.api.request import Limits
 from llm_api.engine.sampling_params import SamplingParams
+from llm_api.errors import ApiError
+from llm_api.service.request import Limits
 
 
 def check_token_range(value: int | None, param: str, limits: Limits, lowest: int = 1, note: str = "") -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llm_api.api.fields import Integer, StrictFlag
+from llm_api.protocols.common.fields import Integer, StrictFlag
 from llm_api.protocols.common.openai import OpenAIBody
 
 MAX_COMPLETION_LOGPROBS = 5

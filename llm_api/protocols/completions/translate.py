@@ -18,14 +18,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Collection
 
-from llm_api.api.errors import ApiError
-from llm_api.api.request import GenerateRequest, Limits, ModelNames, WorkFields, adapter_of
+from llm_api.errors import ApiError
 from llm_api.protocols.common.checks import check_priority
 from llm_api.protocols.common.openai import validate_call
 from llm_api.protocols.common.openai_call import OpenAICall
 from llm_api.protocols.common.sampling import check_token_range, to_sampling_params
 from llm_api.protocols.completions.schema import NEUTRAL_VALUES, CompletionBody
 from llm_api.service.admission import over_input_limit
+from llm_api.service.request import GenerateRequest, Limits, ModelNames, WorkFields, adapter_of
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 

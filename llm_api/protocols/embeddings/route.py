@@ -10,7 +10,7 @@ import asyncio
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
-from llm_api.api.errors import ApiError, internal_error
+from llm_api.errors import ApiError, internal_error
 from llm_api.protocols.embeddings.translate import embeddings_answer, parse_embeddings
 from llm_api.protocols.route import Answer, Call, RouteContext, Whole
 from llm_api.service.answer import admit, parse_large

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from llm_api.api.fields import Integer, Text
+from llm_api.protocols.common.fields import Integer, Text
 
 
 class EmbeddingsBody(BaseModel):

@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from pydantic import ValidationError
 
-from llm_api.api.errors import ApiError
-from llm_api.api.request import GenerateRequest, Limits, ModelNames, adapter_of
+from llm_api.errors import ApiError
 from llm_api.protocols.common.openai import api_error, check_model, decode_body
 from llm_api.protocols.common.sampling import to_sampling_params
 from llm_api.protocols.embeddings.schema import EmbeddingsBody
+from llm_api.service.request import GenerateRequest, Limits, ModelNames, adapter_of
 
 if TYPE_CHECKING:  # (the route table loads without torch; the answer is made where the engine runs)
     import torch

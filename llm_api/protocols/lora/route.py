@@ -18,8 +18,8 @@ from __future__ import annotations
 import hmac
 import json
 
-from llm_api.api.errors import ApiError
-from llm_api.api.validation import decode_json
+from llm_api.errors import ApiError
+from llm_api.protocols.common.validation import decode_json
 from llm_api.protocols.route import Answer, Call, RouteContext, Whole
 
 MAX_FIELD_CHARS = 4096

@@ -1,8 +1,8 @@
-"""The encoder of Anthropic Messages answers (``MessagesCall``, an ``llm_api.api.encoding.AnswerEncoder``).
+"""The encoder of Anthropic Messages answers (``MessagesCall``, an ``llm_api.service.encoding.AnswerEncoder``).
 
 One answer (Anthropic has no ``n``) made of content blocks in the order the model wrote them: ``thinking``
-(a reasoning model's think block, split by ``llm_api.api.reasoning``), ``text``, and ``tool_use`` (calls
-parsed by ``llm_api.api.tools``; ids ``toolu_...``, ``input`` the arguments' object).
+(a reasoning model's think block, split by ``llm_api.text.reasoning``), ``text``, and ``tool_use`` (calls
+parsed by ``llm_api.text.tools``; ids ``toolu_...``, ``input`` the arguments' object).
 
 * Not streamed: one ``message`` object: ``id``, ``type``, ``role``, ``model``, ``content``, ``stop_reason``
   (``end_turn``: the model ended; ``stop_sequence`` with ``stop_sequence`` naming the string;
@@ -24,12 +24,12 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from llm_api.api.errors import ApiError
-from llm_api.api.logprobs import LogprobItem
-from llm_api.api.reasoning import AnswerText, ReasoningFormat, ReasoningParser
-from llm_api.api.tools import ToolCallDelta, ToolCallParser, ToolFormat
 from llm_api.engine.request import FinishReason
+from llm_api.errors import ApiError
 from llm_api.protocols.common.openai import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE
+from llm_api.text.logprobs import LogprobItem
+from llm_api.text.reasoning import AnswerText, ReasoningFormat, ReasoningParser
+from llm_api.text.tools import ToolCallDelta, ToolCallParser, ToolFormat
 
 TOOL_ID_PREFIX = "toolu_"
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from llm_api.api.fields import Integer, Number, StopStrings, StrictFlag, StrictWholeNumber, Text, nonempty_list
+from llm_api.protocols.common.fields import Integer, Number, StopStrings, StrictFlag, StrictWholeNumber, Text, nonempty_list
 from llm_api.protocols.common.openai import ToolName  # (Anthropic's rule for tool names is OpenAI's)
 
 MAX_STOP_SEQUENCES = 16

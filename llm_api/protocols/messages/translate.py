@@ -19,7 +19,7 @@ answer's encoder is ``llm_api.protocols.messages.encoder.MessagesCall``. Contrac
   before the turn's text; ``thinking`` (assistant: the template's ``reasoning_content``);
   ``redacted_thinking`` (left out: it is encrypted for Anthropic's models). Images, documents and server
   tools are refused by name (this server serves text models and runs no tools).
-* Tools run as on chat completions (``llm_api.api.constraints.plan_tools``): rendered by the chat template
+* Tools run as on chat completions (``llm_api.service.constraints.plan_tools``): rendered by the chat template
   in its tool format, or in the generic form for a template without one; the answer runs under the tool
   grammar and its calls come back as ``tool_use`` blocks (``stop_reason`` tool_use). ``any`` is chat's
   ``required``; several calls in one answer unless ``disable_parallel_tool_use`` (the generic form makes one
@@ -32,7 +32,7 @@ answer's encoder is ``llm_api.protocols.messages.encoder.MessagesCall``. Contrac
 * ``POST v1/messages/count_tokens``: the same body without the generation fields -> ``{"input_tokens"}``,
   the prompt's tokens exactly as ``v1/messages`` renders it (tools included).
 * Errors: ``{"type": "error", "error": {"type", "message"}}`` with Anthropic's type for the status
-  (``llm_api.api.errors.ANTHROPIC_ERROR_TYPES``); a stream that breaks after it began ends with an
+  (``llm_api.errors.ANTHROPIC_ERROR_TYPES``); a stream that breaks after it began ends with an
   ``error`` event. Auth: ``x-api-key`` as well as ``Authorization: Bearer`` (``llm_api.service.owners``).
 """
 
@@ -42,15 +42,15 @@ from typing import Any, Collection
 
 from pydantic import BaseModel, ValidationError
 
-from llm_api.api.constraints import ToolPlan, json_schema_constraint, plan_tools
-from llm_api.api.errors import ApiError, echo
-from llm_api.api.request import GenerateRequest, Limits, ModelNames, WorkFields, adapter_of
+from llm_api.errors import ApiError, echo
 from llm_api.protocols.common.checks import apply_output
 from llm_api.protocols.common.openai import api_error, check_model, decode_body
 from llm_api.protocols.common.sampling import to_sampling_params
 from llm_api.protocols.messages.encoder import MessagesCall
 from llm_api.protocols.messages.schema import (BLOCKS, UNSERVED_BLOCKS, CountTokensBody, Message, MessagesBody,
                                                TextBlock, ToolDefinition, ToolResultBlock, ToolUseBlock)
+from llm_api.service.constraints import ToolPlan, json_schema_constraint, plan_tools
+from llm_api.service.request import GenerateRequest, Limits, ModelNames, WorkFields, adapter_of
 from llm_api.structured.spec import Constraint
 
 TEXT_JOIN = "\n\n"  # between the text blocks of one turn

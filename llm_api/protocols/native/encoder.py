@@ -29,9 +29,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from llm_api.api.errors import ApiError, hide_marker
-from llm_api.api.logprobs import LogprobItem, native_logprobs
 from llm_api.engine.request import FinishReason
+from llm_api.errors import ApiError, hide_marker
+from llm_api.text.logprobs import LogprobItem, native_logprobs
 
 OUTPUT_FORMATS = ("text", "jsonl")
 TEXT_CONTENT_TYPE = "text/plain; charset=utf-8"  # output "text"

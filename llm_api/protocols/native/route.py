@@ -14,12 +14,12 @@ import logging
 
 from typing import TYPE_CHECKING, Any, Mapping
 
-from llm_api.api.errors import ApiError, model_not_found
+from llm_api.errors import ApiError, model_not_found
 from llm_api.protocols.native.encoder import GRPC_MAX_MESSAGE_BYTES, NativeStream
 from llm_api.protocols.native.translate import parse_request
-from llm_api.api.request import CancelRequest, GenerateRequest
 from llm_api.protocols.route import Answer, Call, RouteContext, Streamed, Whole
 from llm_api.service.answer import admit, encoded_parts, parse_sized, row_size
+from llm_api.service.request import CancelRequest, GenerateRequest
 
 if TYPE_CHECKING:  # (annotations only: the route table loads without the engine and torch)
     from llm_api.service.service import ModelService

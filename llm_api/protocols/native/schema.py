@@ -8,13 +8,13 @@ from typing import Annotated, Any, Literal, cast
 from pydantic import (AllowInfNan, BaseModel, BeforeValidator, ConfigDict, Strict, TypeAdapter, ValidationError,
                       ValidationInfo, field_validator)
 
-from llm_api.api.errors import ApiError
-from llm_api.api.fields import (Flag, Integer, LogitBias, NonEmptyText, Number, StopStrings, Text, WholeNumber, fail,
-                                from_form_json)
-from llm_api.api.request import MAX_SEED, Limits
-from llm_api.api.validation import decode_json
-from llm_api.protocols.common.checks import PRIORITY_RANGE
 from llm_api.engine.sampling_params import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from llm_api.errors import ApiError
+from llm_api.protocols.common.checks import PRIORITY_RANGE
+from llm_api.protocols.common.fields import (Flag, Integer, LogitBias, NonEmptyText, Number, StopStrings, Text,
+                                             WholeNumber, fail, from_form_json)
+from llm_api.protocols.common.validation import decode_json
+from llm_api.service.request import MAX_SEED, Limits
 from llm_api.service.admission import over_input_limit
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")

@@ -9,10 +9,10 @@ field's type (structured fields as JSON text).
 A control request ``{"cancel": "<x-request-id>"}`` parses to ``CancelRequest``. Otherwise the request
 carries exactly one input (``text``, ``messages`` or ``inputs_embeds``: vectors of the model's hidden
 size) and generation parameters, declared by ``NativeBody`` with the shared field rules of
-``llm_api.api.fields``, and at most one structured-output constraint: ``json_schema`` (an object, or its
-JSON text in form fields and gRPC), ``regex`` (the whole answer matches it) or ``grammar`` (EBNF, root
-rule ``root``), see ``llm_api.api.constraints``. Anything else raises ``ApiError`` (4xx, ``invalid_parameter`` /
-``invalid_input`` / ``unknown_field`` / ...) naming the field, for that request alone.
+``llm_api.protocols.common.fields``, and at most one structured-output constraint: ``json_schema`` (an object,
+or its JSON text in form fields and gRPC), ``regex`` (the whole answer matches it) or ``grammar`` (EBNF, root
+rule ``root``), see ``llm_api.service.constraints``. Anything else raises ``ApiError`` (4xx,
+``invalid_parameter`` / ``invalid_input`` / ``unknown_field`` / ...) naming the field, for that request alone.
 
 ``n`` (choices, up to MAX_NUM_SEQS) above 1 and ``logprobs`` (0..20 alternatives per token) need
 ``"output": "jsonl"`` (``llm_api.protocols.native.encoder``): the plain text stream has no place for them, so
@@ -29,15 +29,15 @@ from typing import Any, Mapping
 
 from pydantic import ValidationError
 
-from llm_api.api.constraints import ebnf_constraint, json_schema_constraint, regex_constraint
-from llm_api.api.errors import ApiError, echo
-from llm_api.api.fields import first_error, message_of, unknown_fields
-from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, INPUT_FIELDS, CancelRequest, GenerateRequest, Limits
-from llm_api.api.validation import decode_json
 from llm_api.engine.sampling_params import SamplingParams
+from llm_api.errors import ApiError, echo
 from llm_api.protocols.common.checks import check_priority, refuse_ignore_eos
+from llm_api.protocols.common.fields import first_error, message_of, unknown_fields
 from llm_api.protocols.common.sampling import to_sampling_params
+from llm_api.protocols.common.validation import decode_json
 from llm_api.protocols.native.schema import CONSTRAINT_FIELDS, MAX_REQUEST_ID_CHARS, NativeBody
+from llm_api.service.constraints import ebnf_constraint, json_schema_constraint, regex_constraint
+from llm_api.service.request import DEFAULT_MAX_NEW_TOKENS, INPUT_FIELDS, CancelRequest, GenerateRequest, Limits
 
 
 def parse_request(row: Mapping[str, Any], limits: Limits, default_stream: bool = True) -> GenerateRequest | CancelRequest:

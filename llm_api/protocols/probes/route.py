@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 
-from llm_api.api.errors import DEFAULT_RETRY_AFTER_S, ApiError
+from llm_api.errors import DEFAULT_RETRY_AFTER_S, ApiError
 from llm_api.protocols.common.openai import models_list
 from llm_api.protocols.route import Answer, Call, RouteContext, Whole
 

@@ -9,13 +9,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from llm_api.api.errors import ApiError
-from llm_api.api.logprobs import LogprobItem
-from llm_api.api.reasoning import AnswerText, ReasoningFormat, ReasoningParser, ReasoningText
-from llm_api.api.tools import ToolCallDelta, ToolCallParser, ToolFormat
 from llm_api.engine.request import FinishReason
+from llm_api.errors import ApiError
 from llm_api.protocols.common.openai import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE
 from llm_api.protocols.responses.schema import check_call_ids
+from llm_api.text.logprobs import LogprobItem
+from llm_api.text.reasoning import AnswerText, ReasoningFormat, ReasoningParser, ReasoningText
+from llm_api.text.tools import ToolCallDelta, ToolCallParser, ToolFormat
 
 
 def _new_id(prefix: str) -> str:

@@ -36,15 +36,15 @@ import logging
 from contextlib import aclosing
 from typing import TYPE_CHECKING, AsyncGenerator, Callable
 
-from llm_api.api.errors import ApiError, echo, internal_error
+from llm_api.errors import ApiError, echo, internal_error
+from llm_api.protocols.common.openai import SSE_CONTENT_TYPE
 from llm_api.protocols.responses.encoder import ResponsesCall
-from llm_api.protocols.responses.translate import continued, parse_responses
-from llm_api.api.request import GenerateRequest
-from llm_api.service.answer import Chunk, Final, Part, Refusal, admit, encoded_parts, parse_large
 from llm_api.protocols.responses.encoder import Replay
 from llm_api.protocols.responses.state import INCARNATION, EventLog, InFlightResponse, Responses
+from llm_api.protocols.responses.translate import continued, parse_responses
 from llm_api.protocols.route import Answer, Call, RouteContext, Streamed, Whole
-from llm_api.protocols.common.openai import SSE_CONTENT_TYPE
+from llm_api.service.answer import Chunk, Final, Part, Refusal, admit, encoded_parts, parse_large
+from llm_api.service.request import GenerateRequest
 
 if TYPE_CHECKING:  # (annotations only: the route table loads without the engine and torch)
     from llm_api.service.service import ModelService

@@ -8,11 +8,11 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
-from llm_api.api.errors import ApiError, echo
-from llm_api.api.fields import Integer, Number, StrictFlag, StrictWholeNumber, Text, check_text, fail
-from llm_api.api.reasoning import REASONING_EFFORTS
+from llm_api.errors import ApiError, echo
 from llm_api.protocols.common.checks import PRIORITY_RANGE
+from llm_api.protocols.common.fields import Integer, Number, StrictFlag, StrictWholeNumber, Text, check_text, fail
 from llm_api.protocols.common.openai import ToolName
+from llm_api.text.reasoning import REASONING_EFFORTS
 
 MAX_INPUT_ITEMS = 2048  # items of ``input`` (a conversation longer than this cannot fit a prompt here anyway)
 MAX_PARTS = 256  # content parts of one message

@@ -5,7 +5,7 @@ Contract (docs/responses.md has the user's view):
 
 * ``parse_responses(body, model_name, limits)`` validates a body (JSON bytes or a decoded object) into
   a ``GenerateRequest`` (chat messages for the template, sampling parameters, the structured-output or
-  tool constraint) and a ``ResponsesCall``, the ``AnswerEncoder`` (``llm_api.api.encoding``) of this
+  tool constraint) and a ``ResponsesCall``, the ``AnswerEncoder`` (``llm_api.service.encoding``) of this
   call's answer. Every error is an ``ApiError`` (400, OpenAI's error shape) naming the field: unknown
   parameters get ``unknown_parameter``; parameters we cannot honour, and values of them we cannot
   honour, are refused by name (``unsupported_parameter`` / ``invalid_value``), never ignored.
@@ -48,7 +48,7 @@ Contract (docs/responses.md has the user's view):
   ends it (the route does this: ``route``).
 * ``ignore_eos`` (vLLM's extension, as on chat; true/false): the answer runs to ``max_output_tokens``
   (status incomplete, reason ``max_output_tokens``); refused with ``text.format`` json or tools' grammar.
-* With tools, ``llm_api.api.constraints.plan_tools`` decides how they are served, as on chat (the
+* With tools, ``llm_api.service.constraints.plan_tools`` decides how they are served, as on chat (the
   Responses function tools converted to chat's shape, its errors renamed: ``tools[i].parameters``):
   the template renders them, or, on a template without a tool format, the generic tools block
   (``request.tool_prompt``) serves every choice (``auto``: text or a call; one call per answer unless
@@ -74,13 +74,10 @@ from typing import Any, Collection
 
 from pydantic import ValidationError
 
-from llm_api.api.constraints import ToolPlan, json_object_constraint, json_schema_constraint, plan_tools
-from llm_api.api.errors import ApiError, echo
-from llm_api.api.fields import field_path, first_error, is_type_error, message_of, unknown_fields
-from llm_api.api.reasoning import template_variables
-from llm_api.api.request import DEFAULT_MAX_NEW_TOKENS, GenerateRequest, Limits, ModelNames, WorkFields, adapter_of
+from llm_api.errors import ApiError, echo
 from llm_api.protocols.common.checks import (TOOL_CHOICES, apply_output, call_arguments, check_priority,
                                              tool_choice_keyword)
+from llm_api.protocols.common.fields import field_path, first_error, is_type_error, message_of, unknown_fields
 from llm_api.protocols.common.openai import api_error, check_model, decode_body
 from llm_api.protocols.common.sampling import check_token_range, to_sampling_params
 from llm_api.protocols.responses.encoder import ResponsesCall
@@ -88,7 +85,10 @@ from llm_api.protocols.responses.schema import (ITEM_TYPES, MAX_CHARS_PER_INPUT_
                                                 MAX_TOOLS, MEDIA_PART_TYPES, TAG_MARK, FunctionCallItem,
                                                 FunctionCallOutputItem, FunctionTool, MessageItem, ReasoningItem,
                                                 ResponsesBody, TextConfig, check_call_ids)
+from llm_api.service.constraints import ToolPlan, json_object_constraint, json_schema_constraint, plan_tools
+from llm_api.service.request import DEFAULT_MAX_NEW_TOKENS, GenerateRequest, Limits, ModelNames, WorkFields, adapter_of
 from llm_api.structured.spec import Constraint
+from llm_api.text.reasoning import template_variables
 
 
 def continued(request: GenerateRequest, call: ResponsesCall, prior_turns: list[dict]) -> GenerateRequest:
@@ -296,7 +296,7 @@ def _turns(items: list) -> list[dict]:
 
 def _structured_output(call: ResponsesBody, limits: Limits) -> tuple[Constraint | None, ToolPlan | None, str]:
     """text.format, tools, tool_choice, parallel_tool_calls -> (text.format's constraint, the plan of the
-    tools (``llm_api.api.constraints.plan_tools``, errors named in the Responses shape), the tool choice)."""
+    tools (``llm_api.service.constraints.plan_tools``, errors named in the Responses shape), the tool choice)."""
     constraint = None
     fmt = call.text.format if call.text is not None else None
     if fmt is not None and fmt.type != "json_schema":

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from llm_api.api.request import TokenizeRequest
-from llm_api.protocols.tokenize.encoder import detokenize_answer, tokenize_answer, tokenizer_info_answer
 from llm_api.protocols.route import Answer, Call, RouteContext, Whole
+from llm_api.protocols.tokenize.encoder import detokenize_answer, tokenize_answer, tokenizer_info_answer
 from llm_api.protocols.tokenize.translate import parse_detokenize, parse_tokenize
 from llm_api.service.answer import parse_large
+from llm_api.service.request import TokenizeRequest
 
 if TYPE_CHECKING:  # (annotations only: the route table loads without the engine and torch)
     from llm_api.service.service import ModelService

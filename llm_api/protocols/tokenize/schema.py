@@ -6,8 +6,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, StrictInt, TypeAdapter, ValidationError
 
-from llm_api.api.fields import NonEmptyText, StrictFlag, Text, nonempty_list
 from llm_api.protocols.chat.schema import ChatMessage
+from llm_api.protocols.common.fields import NonEmptyText, StrictFlag, Text, nonempty_list
 
 
 class TokenizeBody(BaseModel):

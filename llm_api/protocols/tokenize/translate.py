@@ -26,11 +26,11 @@ from typing import TypeVar
 
 from pydantic import ValidationError
 
-from llm_api.api.errors import ApiError, model_not_found
-from llm_api.api.request import ModelNames, TokenizeRequest, adapter_of, names_of
-from llm_api.api.validation import decode_json
+from llm_api.errors import ApiError, model_not_found
 from llm_api.protocols.common.openai import api_error
+from llm_api.protocols.common.validation import decode_json
 from llm_api.protocols.tokenize.schema import DetokenizeBody, TokenizeBody
+from llm_api.service.request import ModelNames, TokenizeRequest, adapter_of, names_of
 
 Body = TypeVar("Body", TokenizeBody, DetokenizeBody)
 

@@ -26,7 +26,7 @@ gives the template (``messages``, ``tools``, ``add_generation_prompt``, the spec
 in any string of a value or in an earlier turn's ``reasoning_content``: like tools, the template renders
 them itself, so they cannot be kept as data the way contents are.
 
-A model whose template has no tool format (``llm_api.api.tools``, generic form) is shown its tools by
+A model whose template has no tool format (``llm_api.text.tools``, generic form) is shown its tools by
 ``request.tool_prompt`` (``GenericPrompt``): a block added to the first system turn (or inserted as one)
 and, for ``tool_choice`` auto, a nudge on the last turn; the template is not given ``tools``. Earlier calls
 are written into their assistant turns' contents as ``Calling name(...)`` lines and each tool result is
@@ -46,9 +46,9 @@ import inspect
 import re
 import uuid
 
-from llm_api.api.errors import ApiError
-from llm_api.api.request import GenerateRequest
-from llm_api.api.tools import GenericPrompt, calls_as_text, detect_tool_format
+from llm_api.errors import ApiError
+from llm_api.service.request import GenerateRequest
+from llm_api.text.tools import GenericPrompt, calls_as_text, detect_tool_format
 
 # What transformers' render gives every template besides the special tokens (a kwarg may not replace them).
 TEMPLATE_NAMES = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message",

@@ -25,7 +25,7 @@ prompt nudges it on the last turn (after a question: call if a function can answ
 answer in text), which is what made the embedded SmolLM2 call for a weather question and then answer
 from the result (``GenericPrompt``; measured, not guaranteed); operators who
 would rather refuse it, as vLLM refuses ``auto`` without a tool parser, set GENERIC_TOOL_CHOICE_AUTO=false
-(``llm_api.api.constraints.plan_tools``). Agent frameworks send ``auto`` by default, so a refusal broke
+(``llm_api.service.constraints.plan_tools``). Agent frameworks send ``auto`` by default, so a refusal broke
 their loops. The generic form makes one call per answer unless ``parallel_tool_calls`` is true in so many
 words (OpenAI's default, "not said", is one call here): a model never trained on the form does not know
 when to stop calling, and with several calls allowed the embedded model wrote calls until ``max_tokens``

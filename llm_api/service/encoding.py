@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from llm_api.api.errors import ApiError
-from llm_api.api.logprobs import LogprobItem
 from llm_api.engine.request import FinishReason
+from llm_api.errors import ApiError
+from llm_api.text.logprobs import LogprobItem
 
 
 class AnswerEncoder(Protocol):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from llm_api.api.errors import ApiError, echo
+from llm_api.errors import ApiError, echo
 
 MAX_JSON_DEPTH = 32
 _SCALAR_TYPES = frozenset({str, int, float, bool, type(None)})  # what json.loads makes besides list and dict

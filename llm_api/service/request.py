@@ -15,8 +15,8 @@ from llm_api.engine.sampling_params import SamplingParams
 from llm_api.structured.spec import Constraint
 
 if TYPE_CHECKING:
-    from llm_api.api.reasoning import ReasoningFormat
-    from llm_api.api.tools import GenericPrompt, ToolFormat
+    from llm_api.text.reasoning import ReasoningFormat
+    from llm_api.text.tools import GenericPrompt, ToolFormat
 
 INPUT_FIELDS = ("text", "messages", "inputs_embeds")  # the native format's inputs (one of them)
 PROMPT_KINDS = INPUT_FIELDS + ("token_ids",)  # every way a request holds its prompt (completions: token ids too)
@@ -78,7 +78,7 @@ class GenerateRequest:
     constraint: Constraint | None = None  # structured output; the service compiles it into params.grammar
     tools: list[dict] | None = None  # tool definitions rendered by the chat template ({"type": "function", ...})
     template_kwargs: dict | None = None  # extra variables of the chat template (chat_template_kwargs, reasoning_effort)
-    # A model without a tool format (llm_api.api.tools, generic form): the tools block added to the system
+    # A model without a tool format (llm_api.text.tools, generic form): the tools block added to the system
     # turn; the template is then not given ``tools`` (they are checked for control text all the same).
     tool_prompt: GenericPrompt | None = None
     work_fields: WorkFields = field(default_factory=WorkFields)  # (the format's names, for the work refusal)

@@ -21,6 +21,10 @@ A 503 (a shared resource is full: the queue, the tokens in flight, the grammar c
 server loads or drains) always carries ``retry_after``, whole seconds a client should wait before trying
 again (``DEFAULT_RETRY_AFTER_S`` unless the raiser knows better); both edges send it as a ``Retry-After``
 header (``headers()``), made from that number alone, never from request data.
+
+Layer: imports nothing of the package; every layer above the engine raises it (the edges, the request formats,
+the service, the text handling of ``llm_api.text``), and nothing at or below the engine does
+(tests/test_architecture.py).
 """
 
 from __future__ import annotations

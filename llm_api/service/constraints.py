@@ -2,7 +2,7 @@
 
 The request formats call these with a field's validated value: a JSON schema (``response_format``'s
 ``json_schema.schema``, the native ``json_schema``), ``json_object``, a regex, an EBNF grammar, or a
-request's tools (``tools`` / ``tool_choice``, see ``llm_api.api.tools``). Each builds the
+request's tools (``tools`` / ``tool_choice``, see ``llm_api.text.tools``). Each builds the
 ``GrammarSpec`` and checks it against the compile-cost limits (``llm_api.structured.spec.check_limits``:
 source size, string-length and repetition bounds) at once, so an over-limit grammar costs a 400 and no
 compile. A schema object (a JSON schema, a tool's ``parameters``, a request's tools together) is first
@@ -17,10 +17,10 @@ the field (``response_format``, ``json_schema``, ``regex``, ``grammar``, ``tools
 takes them (chat completions; the Responses API): the ``ToolPlan`` with the grammar, the tools the prompt
 carries (``GenerateRequest.tools``), the generic tools block for a template without a tool format
 (``GenerateRequest.tool_prompt``) and the format the answer's calls are parsed in. On such a template every
-tool choice is served in the generic form (``llm_api.api.tools.GENERIC``): ``auto`` lets the model answer
+tool choice is served in the generic form (``llm_api.text.tools.GENERIC``): ``auto`` lets the model answer
 in text or make a call (refused, naming ``tool_choice``, where the server is set to refuse it:
 ``GENERIC_TOOL_CHOICE_AUTO=false``), and one call is made per answer unless ``parallel_tool_calls`` is
-true (see ``llm_api.api.tools`` for why). With a response format, ``auto`` answers either in text that
+true (see ``llm_api.text.tools`` for why). With a response format, ``auto`` answers either in text that
 follows the format or with calls; a forced call ignores the format (OpenAI's rule).
 
 ``ignore_eos_conflict(field, code)`` is the one refusal of ``ignore_eos`` together with a constraint, on
@@ -33,10 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from llm_api.api.errors import ApiError
-from llm_api.api.request import Limits
-from llm_api.api.tools import GENERIC, GenericPrompt, ToolFormat, arguments_schema, generic_tool_prompt, tool_grammar
+from llm_api.errors import ApiError
+from llm_api.service.request import Limits
 from llm_api.structured.spec import Constraint, GrammarError, GrammarLimits, GrammarSpec, check_limits
+from llm_api.text.tools import GENERIC, GenericPrompt, ToolFormat, arguments_schema, generic_tool_prompt, tool_grammar
 
 MAX_SOURCE_CHARS = GrammarLimits().max_source_chars  # what check_limits allows a grammar's source
 
@@ -180,6 +180,6 @@ def plan_tools(tools: list[dict], choice: str, parallel: bool | None, limits: Li
                        "send tool_choice required or a named function (the call is decoded under the tool's "
                        "schema), or none", "tool_choice")
     # The generic form: one call per answer unless the request allows more in so many words
-    # (llm_api.api.tools says why).
+    # (llm_api.text.tools says why).
     return ToolPlan(tool_constraint(GENERIC, tools, choice, parallel is True, text_schema), tools,
                     generic_tool_prompt(tools, choice), GENERIC)

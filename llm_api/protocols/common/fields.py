@@ -29,8 +29,8 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BeforeValidator, ValidationError, ValidationInfo
 from pydantic_core import ErrorDetails, PydanticCustomError
 
-from llm_api.api.errors import echo
-from llm_api.api.validation import decode_json
+from llm_api.errors import echo
+from llm_api.protocols.common.validation import decode_json
 
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit)

@@ -42,7 +42,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from llm_api.api.errors import ApiError, echo
+from llm_api.errors import ApiError, echo
 from llm_api.structured.spec import JSON_MAX_WHITESPACE, Constraint, GrammarError, GrammarSpec, check_limits
 
 REASONING_PARSERS = ("none", "auto", "deepseek_r1", "qwen3")

@@ -1,7 +1,0 @@
-"""What every request format shares (each API's own schema, translation and encoder are in
-``llm_api.protocols``): the engine request every API produces (``request``: ``GenerateRequest``,
-``Limits``), one error type rendered per format (``errors``), the field rules of the bodies (``fields``),
-strict JSON decoding (``validation``), prompts (``prompt``), structured-output constraints
-(``constraints``), tool formats (``tools``), reasoning parsers (``reasoning``), logprobs, the encoder
-protocol (``encoding``) and turning token ids into text (``detokenizer``). Below the service, above the
-engine: no TorchServe, no sockets."""
