@@ -61,7 +61,7 @@ def build_engine(dtype: str, fused: str, max_batch: int, max_tokens: int):
                           cpu_kernels_cache=settings.cache_dir)
     model: Any = lm.model
     engine = LLMEngine(model, config, set(lm.eos_token_ids))
-    return engine, type(model.get_output_embeddings()).__name__, engine.runner.fused["layers"]
+    return engine, type(model.get_output_embeddings()).__name__, int(engine.runner.path.whole_layers)
 
 
 def prefill(engine, tokens: int, tag: str) -> float:
@@ -113,7 +113,7 @@ def main():
     same = {b: answers[("kernels", b)] == answers[(base, b)] for b in batches}
     host = describe()
     print(f"\nhost: {host}\n{args.dtype}, {args.rounds} alternating rounds, {args.new_tokens} tokens per request\n")
-    rows = [[f"`{name}` ({engines[name][1]}, {engines[name][2]} fused layers)",
+    rows = [[f"`{name}` ({engines[name][1]}, whole layers: {bool(engines[name][2])})",
              *(f"{statistics.median(speeds[(name, part)]):.1f}" for part in parts)] for name in configs]
     rows.append([f"kernels / {base} (median of rounds)", *(f"**{statistics.median(ratios[p]):.2f}x**" for p in parts)])
     rows.append(["same greedy tokens", *("yes" if same[b] else "no" for b in batches), *([""] if args.prefill else [])])

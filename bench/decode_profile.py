@@ -219,7 +219,7 @@ def main():
     layout = type(lm.model.get_output_embeddings()).__name__  # Linear, PackedLinear or SplitLinear
     host = describe()
     results = [profile_batch(engine, b, args.prompt_tokens, args.steps, args.rounds) for b in batch_sizes]
-    print(f"\nhost: {host}\n{args.dtype}, FUSED_KERNELS={args.fused} ({engine.runner.fused}), products: {layout}; "
+    print(f"\nhost: {host}\n{args.dtype}, FUSED_KERNELS={args.fused} ({engine.runner.path.describe()}), products: {layout}; "
           f"read bandwidth {bandwidth / 1e9:.1f} GB/s "
           f"({args.bandwidth_gib} GiB float32 sum); weights read per step {weights / 1e6:.0f} MB; "
           f"batch-1 roofline {bandwidth / weights:.1f} tok/s\n")

@@ -116,8 +116,8 @@ class BenchSettings:
     generate_repeats: int  # generate() timings are the best of this many calls
     max_seconds: float | None
     smoke: bool
-    fused_kernels: bool = True  # the engine's fused RMSNorm and rotary kernels (llm_api.engine.fused_ops)
-    fused_layers: bool = True  # ... and its fused decoder layers (llm_api.engine.fused_layers)
+    fused_kernels: bool = True  # the owned decoder on the Triton kernel set (off: the torch set)
+    fused_layers: bool = True  # ... with merged q/k/v and gate/up products (llm_api.models.linear)
     one_row_kernel: bool = True  # batch-1 products by llm_api.kernels.gemv where its rule takes them
 
 
@@ -447,7 +447,7 @@ def run_engine(model, prompts: torch.Tensor, settings: BenchSettings, device: to
             "decode_seconds": decode_seconds, "decode_steps": settings.decode_steps,
             "warmup_steps": settings.warmup_steps, "prefill_seconds": prefill_seconds,
             "prefill_steps": prefill_steps, "build_seconds": build_seconds,
-            "cuda_graphs": cuda_graphs, "attention_backend": engine.attention.name, "fused": engine.runner.fused,
+            "cuda_graphs": cuda_graphs, "attention_backend": engine.attention.name, "path": engine.runner.path.describe(),
             "cuda_graph_batch_sizes": sorted(graph_sizes) if graph_sizes is not None else None,
             "num_blocks": stats.num_total_blocks, "num_preemptions": stats.num_preemptions,
             "peak_memory_bytes": peak_memory(device),
@@ -465,19 +465,16 @@ def warm_up_engine(model, settings: BenchSettings, vocab_size: int, device: torc
 
 def step_weights(model, merged: bool) -> list[torch.Tensor]:
     """The weights one decode step multiplies by, in the order it does: per layer each projection's, or with
-    ``merged`` the merged q/k/v and gate/up tensors where ``llm_api.engine.fused_layers`` made them; then the
-    output head."""
-    from llm_api.engine import fused_layers
+    ``merged`` q/k/v and gate/up concatenated (as the owned decoder's merged products read them,
+    ``llm_api.models.linear``); then the output head."""
+    from llm_api.models.linear import GATE_UP, QKV
 
     weights: list[torch.Tensor] = []
     for layer in model.get_decoder().layers:
-        for owner, names in ((layer.self_attn, (*fused_layers.QKV, "o_proj")),
-                             (layer.mlp, (*fused_layers.GATE_UP, "down_proj"))):
-            projection = fused_layers.merged_projection(owner) if merged else None
-            if projection is not None:
-                assert projection.weight is not None  # (a GPU model's projections are float)
-                weights.append(projection.weight)
-            weights.extend(getattr(owner, name).weight for name in names[len(projection.names) if projection else 0:])
+        for owner, names in ((layer.self_attn, QKV), (layer.mlp, GATE_UP)):
+            parts = [getattr(owner, name).weight for name in names]
+            weights.extend([torch.cat(parts)] if merged else parts)
+            weights.append((owner.o_proj if owner is layer.self_attn else owner.down_proj).weight)
     weights.append(model.get_output_embeddings().weight)
     return weights
 
@@ -761,10 +758,8 @@ def run_model(name: str, settings: BenchSettings, device: torch.device, dtype: t
         finally:
             torch.backends.cuda.preferred_blas_library(default_blas)
 
-    # generate(): the stock attention and norms, not the engine's paged attention and fused kernels.
-    from llm_api.engine import fused_ops
-
-    fused_ops.disable(model)
+    # generate(): transformers' classes with the stock attention (the engine ran the owned decoder over the
+    # same modules; it patched nothing into them).
     model.set_attn_implementation("sdpa")
     measure(results, clock, model_doc, "generate_warmup", f"{name}: generate warm-up", warm_up_generate, model,
             settings, facts.vocab_size, device)
@@ -804,8 +799,8 @@ def fused_label(settings: dict) -> str:
     if not settings.get("fused_kernels", True):
         return "off"
     if not settings.get("fused_layers", True):
-        return "on (norms and rotary only)"
-    return "on (decoder layers too)" + ("" if settings.get("one_row_kernel", True) else ", batch-1 products by cuBLAS")
+        return "on (products unmerged)"
+    return "on (merged products)" + ("" if settings.get("one_row_kernel", True) else ", batch-1 products by cuBLAS")
 
 
 def print_table(doc: dict) -> None:

@@ -83,9 +83,11 @@ class EngineConfig:
     attention_backend: str = Settings.attention_backend  # auto | torch | triton (llm_api.kernels; auto: triton on CUDA)
     cuda_graphs: bool = Settings.cuda_graphs  # capture the decode step on CUDA (ignored elsewhere)
     cuda_graph_max_batch_size: int = Settings.cuda_graph_max_batch_size  # largest captured decode batch (<= max_num_seqs)
-    fused_kernels: bool = Settings.fused_kernels  # one kernel per RMSNorm and per rotary embedding (CUDA; CPU below)
-    # ... and, with fused_kernels, Llama-code decoder layers in 10 kernels (merged products, sums fused into the
-    # norms: engine.fused_layers). Not a setting: bench/gpu_decode.py --no-fused-layers turns it off to compare.
+    # The owned model's kernel set (llm_api.models.kernel_choice): Triton's on CUDA, the C set on a CPU (with
+    # cpu_kernels_cache, below); off: the torch set.
+    fused_kernels: bool = Settings.fused_kernels
+    # The owned model's q/k/v and gate/up as one product each (and the C set's whole layers, which need them). Not a
+    # setting: bench/gpu_decode.py --no-fused-layers turns it off to compare.
     fused_layers: bool = True
     speculative_tokens: int = Settings.speculative_tokens  # k draft tokens per step (n-gram prompt lookup); 0: off
     ngram_min: int = Settings.ngram_min

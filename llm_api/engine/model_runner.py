@@ -29,10 +29,11 @@ With ``enable_decode_graphs`` (a backend that ``supports_cuda_graphs``), a step 
 feeds one token id and samples, and which fits the largest captured size, goes through
 ``DecodeGraphRunner``.
 
-With ``fused_kernels``, RMSNorm and the rotary embedding run as one kernel each (``llm_api.engine.fused_ops``:
-Triton's on CUDA; on the CPU, given ``cpu_kernels_cache``, ``llm_api.kernels.cpu``'s C kernels), and with
-``fused_layers`` too, Llama-code decoder layers run merged products and fused residual sums
-(``llm_api.engine.fused_layers``).
+The model runs as llm_api's own decoder where its family is one we own (``llm_api.models``: Llama, Mistral,
+Qwen2, Qwen3 and what shares their shape), on the kernel set chosen for its device (``fused_kernels``: the C set
+on a CPU given ``cpu_kernels_cache``, Triton's on CUDA; else torch's), with q/k/v and gate/up merged
+(``fused_layers``); every other family runs transformers' classes with the paged attention function. ``path``
+says which and why (logged at start).
 
 With a LoRA registry, each request's packed tokens are tagged with its adapter (``Request.lora_id``) and
 the forward runs inside ``llm_api.lora.context.lora_step``: the wrapped linears add each row's delta.
@@ -50,7 +51,6 @@ import torch
 from torch import nn
 
 from llm_api.engine.attention import METADATA_KWARG, AttentionBackend, register_paged_attention
-from llm_api.engine import fused_ops
 from llm_api.engine.cuda_graphs import DecodeGraphRunner, DecodeRow
 from llm_api.engine.kv_cache import PagedKVCache
 from llm_api.engine.request import Request
@@ -58,6 +58,8 @@ from llm_api.engine.sampler import prompt_logprobs
 from llm_api.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from llm_api.lora.context import lora_step
 from llm_api.model.placement import execution_device
+from llm_api.models.families import own_model
+from llm_api.models.kernel_choice import choose_kernel_set
 
 
 class BlockTables:
@@ -97,7 +99,7 @@ class BlockTables:
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: PagedKVCache, backend: AttentionBackend, lora: Any = None,
                  fused_kernels: bool = False, fused_layers: bool = True, cpu_kernels_cache: str | None = None):
-        self.model = model
+        self.loaded = model  # the transformers model as loaded (its modules shared with the model the steps run)
         self.lora = lora  # llm_api.lora.registry.LoraRegistry, or None
         self.kv_cache = kv_cache
         self.backend = backend
@@ -117,14 +119,11 @@ class ModelRunner:
         output_embeddings = hf_model.get_output_embeddings()
         self.logits_device = (execution_device(model, output_embeddings) if output_embeddings is not None
                               else self.input_device)
-        self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        # Last (enable wraps model.forward, whose signature was read above); before the engine
-        # captures its graphs, which record whichever kernels the forward launches.
-        self.fused = dict(fused_ops.NOTHING_FUSED)
-        if fused_kernels:
-            self.fused = fused_ops.enable(model, layers=fused_layers, cpu_kernels_cache=cpu_kernels_cache)
-        else:  # (an earlier engine on this model may have enabled them)
-            fused_ops.disable(model)
+        # The model the steps run: ours where its family is, else the loaded one (set to the paged attention above).
+        kernels = choose_kernel_set(model, fused_kernels, cpu_kernels_cache)
+        owned, self.path = own_model(model, kernels, merged=fused_layers)
+        self.model: nn.Module = owned if owned is not None else model
+        self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
     @torch.inference_mode()
     def enable_decode_graphs(self, max_model_len: int, batch_sizes: list[int], capture: bool) -> None:
@@ -277,6 +276,9 @@ def _decoder_output(model: nn.Module, wanted: bool):
         return
 
     def keep(module: nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor):  # (the owned decoder's output: the state itself)
+            captured.append(output)
+            return
         state = getattr(output, "last_hidden_state", None)
         captured.append(state if state is not None else output[0])
 

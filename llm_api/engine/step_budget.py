@@ -54,7 +54,6 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from llm_api.engine import fused_layers
 from llm_api.layers.quantized import QuantizedLinear
 from llm_api.engine.model_runner import ModelRunner
 from llm_api.engine.request import Request
@@ -169,14 +168,15 @@ class BudgetKey:
     probe_version: int = PROBE_VERSION
 
     @classmethod
-    def for_engine(cls, model: nn.Module, block_size: int, max_num_seqs: int, max_model_len: int) -> "BudgetKey":
+    def for_engine(cls, model: nn.Module, block_size: int, max_num_seqs: int, max_model_len: int,
+                   path: str = "") -> "BudgetKey":
         model_config: Any = getattr(model, "config", None)
         described = json.dumps({
             "class": type(model).__name__,
             "config": model_config.to_dict() if hasattr(model_config, "to_dict") else repr(model_config),
             "dtype": str(next(model.parameters()).dtype),
             "layers": sorted({type(m).__name__ for m in model.modules()}),  # packed, quantized, LoRA-wrapped
-            "kernels": fused_layers.kernel_sets_in(model),  # the fused layers' CPU kernels: a shorter step
+            "path": path,  # the model runner's path and kernel set (the C set's whole layers: a shorter step)
         }, sort_keys=True, default=str)
         return cls(
             cpu_model=cpu.cpu_model_name(),
@@ -244,7 +244,7 @@ class CpuStepBudget:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        self.key = BudgetKey.for_engine(model, block_size, max_num_seqs, max_model_len)
+        self.key = BudgetKey.for_engine(model, block_size, max_num_seqs, max_model_len, runner.path.describe())
         self.floor = budget_for(analytic_floor(model, self.key.num_threads), block_size, max_num_seqs)
         self.budget = 0
         self._refinements_done = 0

@@ -5,10 +5,10 @@
 - ``paged_decode_attention``: one query token per sequence, split over the context (flash-decoding).
 - ``paged_prefill_attention``: packed variable-length query chunks over cached + new keys.
 
-Beside them, imported by module (``llm_api.engine.fused_ops`` swaps them into a model): ``rms_norm``
+Beside them, imported by module (the Triton kernel set, ``kernels.triton_set``, that the owned model runs on): ``rms_norm``
 (``kernels.rms_norm``) and ``apply_rotary`` (``kernels.rotary``), one launch each where transformers'
 code launches eight and ten; ``add_rms_norm``, ``silu_and_mul`` (``kernels.activation``) and
-``rotary_store_kv`` for the fused decoder layers (``llm_api.engine.fused_layers``); ``row_product``
+``rotary_store_kv`` for the owned decoder's layers (``llm_api.models.llama``); ``row_product``
 (``kernels.gemv``) for a batch-1 step's products; ``greedy_pick`` (``kernels.greedy``) for a greedy step's
 argmax and non-finite check; ``lora_bgmv`` (``kernels.lora``) for the LoRA deltas.
 

@@ -2,7 +2,7 @@
 
 ``silu_and_mul(gate_up[..., 2I]) -> out[..., I]`` computes what ``LlamaMLP.forward`` does between its
 products when the gate and up projections run as one product over their concatenated weights
-(``llm_api.engine.fused_layers``): with ``gate, up = gate_up[..., :I], gate_up[..., I:]``,
+(``llm_api.models.llama``): with ``gate, up = gate_up[..., :I], gate_up[..., I:]``,
 
     out = (silu(gate) rounded to the dtype) * up                 (the product rounded to the dtype)
 

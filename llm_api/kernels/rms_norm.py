@@ -1,7 +1,7 @@
 """RMSNorm in one kernel, with the rounding of transformers' Llama norm; optionally with the residual sum before it.
 
 ``rms_norm(x[..., D], weight[D], eps) -> out[..., D]`` computes what ``LlamaRMSNorm.forward`` does
-(and every norm whose forward is the same code, ``llm_api.engine.fused_ops``):
+(and the owned decoder's norms, ``llm_api.models.llama``):
 
     y = x.float() * rsqrt(mean(x.float() ** 2) + eps)        (float32)
     out = weight * y.to(x.dtype)                               (rounded to x's dtype first, then the
@@ -17,7 +17,7 @@ its own approximation; both move float32 results by an ulp or two, no more (test
 
 ``add_rms_norm(x, residual, weight, eps) -> (residual + x, rms_norm(residual + x))``: a decoder layer's
 residual sum and the RMSNorm that reads it, one kernel where the reference launches nine
-(``llm_api.engine.fused_layers``); the sum is rounded to its dtype before the norm reads it, as there.
+(``llm_api.models.llama``); the sum is rounded to its dtype before the norm reads it, as there.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 ``apply_rotary(q[B, Hq, T, D], k[B, Hkv, T, D], cos[B, T, D], sin[B, T, D]) -> (q_out, k_out)`` computes
 what Llama's ``apply_rotary_pos_emb(q, k, cos, sin)`` does (``unsqueeze_dim=1``, the whole head dim
-rotated, ``rotate_half`` = ``cat(-x2, x1)``) and every family whose function is the same code
-(``llm_api.engine.fused_ops``):
+rotated, ``rotate_half`` = ``cat(-x2, x1)``), for the owned decoder's layers
+(``llm_api.models.llama``):
 
     out[:D/2] = q[:D/2] * cos[:D/2] - q[D/2:] * sin[:D/2]
     out[D/2:] = q[D/2:] * cos[D/2:] + q[:D/2] * sin[D/2:]
@@ -16,7 +16,7 @@ attention's ``transpose(1, 2)`` of the projections); the outputs keep their memo
 
 ``rotary_store_kv(q, k, v, cos, sin, key_cache, value_cache, slot_mapping) -> q_out``: the same rotation
 for a packed step, with k and v written straight into the paged cache (``kernels.kv_write``'s rows) instead
-of returned, one launch where the two kernels take two (``llm_api.engine.fused_layers``).
+of returned, one launch where the two kernels take two (``llm_api.models.llama``).
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
     q/k/v product are fine), cos/sin [1, T, D]. Rotates k and writes it and v into the caches at the flat
     rows ``slot_mapping`` [T] (< 0: skip), with the rounding of ``apply_rotary`` then ``store_kv``, and
     returns the rotated q [T, Hq, D] (contiguous). Replaces two launches a layer by one
-    (``llm_api.engine.fused_layers``)."""
+    (``llm_api.models.llama``)."""
     if not rotary_store_kv_supported(q, k, v, cos, sin, key_cache, value_cache):
         raise ValueError(f"rotary_store_kv cannot take q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, "
                          f"cos {tuple(cos.shape)} {cos.dtype}, cache {tuple(key_cache.shape)} {key_cache.dtype}")

@@ -4,7 +4,7 @@
 number of rows, computed by the C product over the blocks (every row's input quantized to 8 bits per block of 32,
 integer dot products), in x's dtype (float32 or bfloat16: the model's). It has ``in_features`` and
 ``out_features`` like the module it replaces, so LoRA wraps it as it wraps any linear (the adapters' delta in
-float over the quantized base: QLoRA's serving shape), and ``llm_api.engine.fused_layers`` hands its blocks to
+float over the quantized base: QLoRA's serving shape), and ``llm_api.models.whole_layers`` hands its blocks to
 the whole-layer C calls. ``QuantizedEmbedding`` looks rows up by de-quantizing only those rows. A tied output
 head is a ``QuantizedLinear`` over the embedding's own blocks (one copy in memory).
 

@@ -20,7 +20,7 @@ whose token runs under the adapter in slot ``s``; rows of slot 0 (the base model
 * CPU with the CPU kernels (``llm_api.kernels.cpu``, ``FUSED_KERNELS``): where a decoder layer runs whole in
   C, the wrappers are not called; the layer's C calls add the deltas themselves from the same concatenated
   weights (``concatenated_t``: B transposed), each row over only its own adapter's columns, in the same order
-  of operations (``llm_api.engine.fused_layers``, "LoRA").
+  of operations (``llm_api.models.whole_layers``, "LoRA").
 * CUDA with Triton: one kernel over all rows (``llm_api.kernels.lora``, punica's BGMV shape: each token
   reads its slot), on weights stacked per slot, padded to the largest resident rank (rebuilt when a slot
   changes).

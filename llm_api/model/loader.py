@@ -135,7 +135,7 @@ def _triton_hidden(hide: bool) -> Iterator[None]:
 def _cpu_kernels_ahead(settings: Settings, on_gpu: bool) -> bool:
     """The paged engine will run this CPU model's decoder layers with ``llm_api.kernels.cpu``'s products
     (FUSED_KERNELS on and the library builds: built here, once per host, so the layout can be chosen for it).
-    With LoRA too: a decode step's layers run whole with the adapters' deltas in C (``fused_layers``)."""
+    With LoRA too: a decode step's layers run whole with the adapters' deltas in C (``llm_api.models.whole_layers``)."""
     if on_gpu or not settings.fused_kernels or settings.engine != "paged" or settings.cpu_packed_weights != "auto":
         return False
     from llm_api.kernels import cpu as cpu_kernels

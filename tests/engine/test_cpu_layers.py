@@ -1,11 +1,11 @@
-"""The fused decoder layers with the C kernels (``llm_api.kernels.cpu``) in the engine on the CPU: what a
-server runs by default where a C compiler exists (``FUSED_KERNELS``; the engine's ``cpu_kernels_cache``).
-A step of up to 16 rows runs every layer of a Llama-code model in one call (``kernels.cpu.decode_layers``,
-from the decoder's forward), decode rows, drafted rows and prompt chunks alike (each row attends its
-sequence's blocks up to its own position); where the decoder's forward is not Llama's or a layer is not
-whole, each Llama-code layer runs whole in two kernel calls around the attention
-(``fused_layers._whole_layer``; the paged attention one more call, ``kernels.cpu.paged_decode``); a
-prefill's many rows run op by op with the C norms, rotary and activation and torch's products. In float32
+"""The owned decoder on the C kernel set (``llm_api.kernels.cpu``) in the engine on the CPU: what a server runs
+by default where a C compiler exists (``FUSED_KERNELS``; the engine's ``cpu_kernels_cache``). A step of up to 16
+rows runs every layer in one call (``kernels.cpu.decode_layers``, from the decoder's forward), decode rows,
+drafted rows and prompt chunks alike (each row attends its sequence's blocks up to its own position); where the
+one-call step is off or cannot run, each layer runs whole in two kernel calls around the attention
+(``models.whole_layers.run_layer``; the paged attention one more call, ``kernels.cpu.paged_decode``); a layer
+with a sliding window (Mistral's) or q/k norms (Qwen3's) runs op by op on the set, as a prefill's many rows
+do (the C norms, rotary and activation, torch's products). In float32
 the engine's greedy tokens equal ``generate()``'s on the tiny families and the embedded model's equal the
 eager engine's; the one-call step's logprobs equal the layer by layer step's bit for bit, speculation's
 verification steps included; a projection wrapped after the engine started (what LoRA does) is honoured."""
@@ -54,18 +54,20 @@ def _arrivals(seed: int) -> dict:
     return {0: [("a", random_prompt(generator, 20), greedy(8))], 3: [("b", random_prompt(generator, 5), greedy(6))]}
 
 
-# (arch, decoder layers fused, attention and MLP modules merged, layers run whole)
-CASES = [("llama", 2, 4, True),  # all of it
-         ("qwen2", 2, 2, False)]  # its attention's code has a sliding window (and a q/k/v bias): MLPs merged only
+# (arch, layers run whole)
+CASES = [("llama", True),
+         ("qwen2", True),  # (a q/k/v bias: the merged product's)
+         ("mistral", False),  # a sliding window of 24 (the C attention has none): op by op on the set
+         ("qwen3", False)]  # q/k norms: op by op on the set
 
 
-@pytest.mark.parametrize("arch,layers,merged,whole", CASES, ids=[c[0] for c in CASES])
-def test_cpu_kernels_generate_what_generate_does(tmp_path, calls, arch, layers, merged, whole):
+@pytest.mark.parametrize("arch,whole", CASES, ids=[c[0] for c in CASES])
+def test_cpu_kernels_generate_what_generate_does(tmp_path, calls, arch, whole):
     model = _model(arch)
     reference = copy.deepcopy(model)
     engine = make_engine(model, num_blocks=64, cpu_kernels_cache=str(tmp_path))
-    fused = engine.runner.fused
-    assert (fused["layers"], fused["merged"], fused["head"], fused["stack"]) == (layers, merged, 1, int(whole))
+    path = engine.runner.path
+    assert (path.name, path.kernels, path.whole_layers) == ("owned", "CPU", True)
     arrivals = _arrivals(3)
     results = run_engine(engine, arrivals)
     for arrival in arrivals.values():
@@ -84,16 +86,14 @@ def test_cpu_kernels_generate_what_generate_does(tmp_path, calls, arch, layers, 
                          ids=["float32", "bfloat16", "float32-speculative"])
 def test_a_step_in_one_call_is_the_layer_by_layer_step(tmp_path, calls, dtype, speculative):
     """Three sequences decoding at once (and joining at different steps: prompt rows beside decode rows), on
-    two copies of one model: with the decoder's one-call forward, and with it taken away (each layer whole,
+    two copies of one model: with the decoder's one-call step, and with it off (each layer whole,
     ``paged_decode`` per layer); with speculation, steps of drafted rows too. Every token and every logprob
     the same, bit for bit (the same C calls in the same order)."""
-    from llm_api.engine import fused_layers
-
     model = _model("llama", dtype)
     twin = copy.deepcopy(model)
     one_call = make_engine(model, num_blocks=64, cpu_kernels_cache=str(tmp_path), speculative_tokens=speculative)
     layer_by_layer = make_engine(twin, num_blocks=64, cpu_kernels_cache=str(tmp_path), speculative_tokens=speculative)
-    del twin.model.forward  # (the decoder's own forward: its layers one by one)
+    layer_by_layer.runner.model.get_decoder().one_call_steps = False
     generator = torch.Generator().manual_seed(5)
     # (with speculation, prompts that repeat themselves: the n-gram lookup finds drafts in them)
     arrivals = {step: [(f"r{step}", random_prompt(generator, 3 + step) * (3 if speculative else 1),
@@ -115,12 +115,15 @@ def test_a_step_in_one_call_is_the_layer_by_layer_step(tmp_path, calls, dtype, s
     if speculative:
         assert one_call.stats().spec_decode_num_drafts > 0 and one_call.stats() == layer_by_layer.stats()
     assert sum(len(ids) for steps in expected.values() for ids, _ in steps) == 27
-    assert fused_layers._STACK in model.model.__dict__ and fused_layers._STACK not in twin.model.__dict__
+    assert one_call.runner.model.get_decoder().stack is not None
+    assert layer_by_layer.runner.model.get_decoder().stack is None
 
 
-def test_without_a_cache_folder_the_engine_keeps_transformers_code():
+def test_without_a_cache_folder_the_engine_runs_the_torch_set(calls):
     engine = make_engine(_model("llama"), num_blocks=16)
-    assert engine.runner.fused["layers"] == 0
+    assert (engine.runner.path.kernels, engine.runner.path.whole_layers) == ("torch", False)
+    run_engine(engine, {0: [("a", [5, 6, 7], greedy(3))]})
+    assert calls == {"layer_in": 0, "layer_out": 0, "paged_decode": 0, "decode_layers": 0}
 
 
 def test_a_projection_wrapped_later_is_honoured(tmp_path, calls):

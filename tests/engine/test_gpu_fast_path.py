@@ -1,7 +1,7 @@
 """The GPU fast path on a real GPU (skipped without CUDA): Triton attention, CUDA-graph decode, KV sizing.
 
 - A replayed decode step gives exactly (bit for bit) the logits of the same padded step run eagerly.
-- The engine with everything on (Triton kernels, fused RMSNorm and rotary, graphs, profiled pool) generates greedily what
+- The engine with everything on (the owned decoder on the Triton set, graphs, profiled pool) generates greedily what
   ``generate()`` does for random-weight models, in fp32 (in bf16 a one-ulp tie may flip a token).
 - The profiled pool fits: after the engine is built, torch holds no more than the utilization allows.
 - The paths added since, on the GPU: speculative verification beside replayed steps, LoRA deltas in mixed
@@ -41,13 +41,9 @@ def test_engine_with_graphs_matches_generate(arch):
     engine = make_engine(model, num_blocks=256, max_num_seqs=8, cuda_graph_max_batch_size=8)
     assert engine.attention.name == "triton"
     assert engine.cuda_graph_batch_sizes == capture_batch_sizes(8)
-    # The fused kernels ran (gemma2's norm is its own code: only its rotary embedding is fused).
-    assert engine.runner.fused["rotary"] == 1 and (engine.runner.fused["rms_norm"] > 0) == (arch != "gemma2")
-    # ... and the fused decoder layers: Llama's merges q/k/v and gate/up, Qwen2's and Mistral's attention
-    # (a sliding window) and Qwen3's (q/k norms) are their own code, so only their MLPs merge.
-    layers = {"llama": (2, 4), "qwen2": (2, 2), "mistral": (2, 2), "gemma2": (0, 0), "qwen3": (2, 2)}[arch]
-    assert (engine.runner.fused["layers"], engine.runner.fused["merged"]) == layers
-    assert engine.runner.fused["head"] == int(layers[0] > 0)  # (the output head's one-row product: kernels.gemv)
+    # The owned decoder on the Triton set (gemma2: transformers' classes with the paged attention)
+    path = engine.runner.path
+    assert (path.name, path.kernels) == (("transformers", "") if arch == "gemma2" else ("owned", "Triton"))
     generator = torch.Generator().manual_seed(11)
     arrivals = {step: [(f"r{step}-{i}", random_prompt(generator, 3 + 7 * i + step), greedy(12 + i))
                        for i in range(3)] for step in (0, 2, 5)}
@@ -58,18 +54,38 @@ def test_engine_with_graphs_matches_generate(arch):
     assert sum(engine.runner.decode_graphs.steps_by_size.values()) > 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_fused_layers_give_the_models_own_logits_on_the_gpu(arch):
-    """Finer than greedy tokens: a whole fp32 forward (transformers' attention) with the fused kernels and
-    layers agrees with the model's own to float32 rounding."""
-    from llm_api.engine import fused_ops
+def _transformers_path(monkeypatch):
+    from llm_api.engine import model_runner
+    from llm_api.models.families import ModelPath
 
+    monkeypatch.setattr(model_runner, "own_model", lambda model, kernels, merged=True: (
+        None, ModelPath("transformers", "", "", "the test's oracle")))
+
+
+def _first_logprobs(engine, prompt: list[int], tokens: int) -> list:
+    engine.add_request("x", prompt, greedy(tokens, logprobs=5))
+    rows = []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            rows += list(output.logprobs or ())
+    return rows
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_owned_decoder_gives_transformers_logprobs_on_the_gpu(monkeypatch, arch):
+    """Finer than greedy tokens: every logprob of a float32 run (Triton set, graphs) agrees with transformers'
+    classes' (the paged attention, no graphs) to float32 rounding."""
     model = _cuda_model(arch, torch.float32)
-    reference = copy.deepcopy(model)
-    assert fused_ops.enable(model)["layers"] == 2
-    input_ids = torch.randint(0, 1000, (2, 6), generator=torch.Generator().manual_seed(3)).cuda()
-    with torch.inference_mode():
-        torch.testing.assert_close(model(input_ids).logits, reference(input_ids).logits, atol=1e-4, rtol=1e-4)
+    oracle_model = copy.deepcopy(model)
+    owned = make_engine(model, num_blocks=256, max_num_seqs=8, cuda_graph_max_batch_size=8)
+    with monkeypatch.context() as patch:
+        _transformers_path(patch)
+        oracle = make_engine(oracle_model, num_blocks=256, max_num_seqs=8, cuda_graphs=False)
+    prompt = random_prompt(torch.Generator().manual_seed(3), 9)
+    got, expected = _first_logprobs(owned, prompt, 6), _first_logprobs(oracle, prompt, 6)
+    assert [r.token_id for r in got] == [r.token_id for r in expected]
+    for row, wanted in zip(got, expected, strict=True):
+        assert abs(row.logprob - wanted.logprob) < 1e-4
 
 
 @pytest.mark.parametrize("lengths,padded", [([4, 17, 9], 4), ([11], 1)], ids=["batch-3", "batch-1"])
@@ -97,21 +113,21 @@ def test_replay_equals_eager_bit_for_bit(lengths, padded):
         engine.abort_request(f"s{i}")
 
 
-def test_one_row_products_give_the_models_own_logits_in_bf16(monkeypatch):
-    """The batch-1 path in bf16, with the one-row kernel forced for every product (the head's included):
-    the fused forward of one token agrees with the model's own to bf16 rounding."""
-    from llm_api.engine import fused_ops
+def test_one_row_products_give_transformers_logprobs_in_bf16(monkeypatch):
+    """The batch-1 path in bf16, with the one-row kernel forced for every product (the head's included): the
+    owned decoder's logprobs agree with transformers' classes' to bf16 rounding."""
     from llm_api.kernels import gemv
 
     monkeypatch.setattr(gemv, "mode", "triton")
     model = _cuda_model("llama", torch.bfloat16)
-    reference = copy.deepcopy(model)
-    assert fused_ops.enable(model)["head"] == 1
-    input_ids = torch.tensor([[17]], device="cuda")
-    with torch.inference_mode():
-        fused, expected = model(input_ids).logits.float(), reference(input_ids).logits.float()
-    assert (fused - expected).abs().max() <= 0.02 * expected.abs().max()
-    assert not torch.equal(fused, torch.zeros_like(fused))
+    oracle_model = copy.deepcopy(model)
+    owned = make_engine(model, num_blocks=256, max_num_seqs=8, cuda_graph_max_batch_size=8)
+    with monkeypatch.context() as patch:
+        _transformers_path(patch)
+        oracle = make_engine(oracle_model, num_blocks=256, max_num_seqs=8, cuda_graphs=False)
+    got, expected = _first_logprobs(owned, [17], 1), _first_logprobs(oracle, [17], 1)
+    assert got[0].token_id == expected[0].token_id
+    assert abs(got[0].logprob - expected[0].logprob) <= 0.05
 
 
 def test_profiled_pool_respects_the_utilization():

@@ -125,7 +125,7 @@ def test_mixed_batch_matches_peft(peft_answers, adapters, embedded_checkpoint_pa
     cache = request.getfixturevalue("kernels_cache") if kernels else ""
     engine, registry, ids = _served_engine(embedded_checkpoint_path, adapters, max_loras,
                                            speculative_tokens=speculative_tokens, cpu_kernels_cache=cache)
-    assert engine.runner.fused["stack"] == int(kernels)
+    assert engine.runner.path.whole_layers == bool(kernels)
     calls = []
     if kernels:  # (a spy: the C deltas did run, on steps with adapter rows)
         original = cpu_kernels.decode_layers
@@ -324,7 +324,7 @@ def test_a_non_finite_adapter_harms_no_other_row(tmp_path, kernels, request):
     cache = request.getfixturevalue("kernels_cache") if kernels else ""
     engine, registry, ids = _served_engine(model_path, {"good": good, "hostile": hostile}, 2, block_size=4,
                                            cpu_kernels_cache=cache)
-    assert engine.runner.fused["stack"] == int(kernels)
+    assert engine.runner.path.whole_layers == bool(kernels)
     for module in next(a for a in registry.adapters() if a.name == "hostile").modules.values():
         module.a.fill_(3e38)
         module.b.zero_()

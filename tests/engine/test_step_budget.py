@@ -89,11 +89,11 @@ def test_a_second_engine_takes_the_cached_budget_without_probing(tiny_models, tm
     third = make_engine(model, max_num_batched_tokens=None, max_num_seqs=4, step_budget_cache=cache)
     assert third.step_budget is not None and third.step_budget.key != second.step_budget.key
     assert len(list((tmp_path / "step-budget").glob("*.json"))) == 2
-    # So is running the fused layers' CPU kernels (a shorter step), where a C compiler builds them.
+    # So is running the owned model's whole layers in C (a shorter step), where a C compiler builds them.
     if shutil.which("cc") or shutil.which("gcc"):
         fourth = make_engine(model, max_num_batched_tokens=None, max_num_seqs=4, step_budget_cache=cache,
                              cpu_kernels_cache=str(tmp_path))
-        assert fourth.runner.fused["layers"] and fourth.step_budget is not None
+        assert fourth.runner.path.whole_layers and fourth.step_budget is not None
         assert fourth.step_budget.key != third.step_budget.key
 
 

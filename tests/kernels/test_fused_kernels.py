@@ -1,6 +1,5 @@
 """rms_norm, add_rms_norm, silu_and_mul, apply_rotary, rotary_store_kv and the one-row product (Triton; the CPU interpreter without a GPU) against
-transformers' code; tests/engine/test_fused_ops_selection.py says which modules ``llm_api.engine.fused_ops``
-swaps them into, tests/engine/test_fused_layers.py runs the fused decoder layers in the engine."""
+transformers' code; tests/engine/test_triton_set.py runs the owned decoder on them in the engine."""
 
 from __future__ import annotations
 

@@ -113,9 +113,8 @@ def test_engine_greedy_equals_generate_with_and_without_speculation(tmp_path, ca
     prompts = [PROMPT, [1, 9, 9, 9, 9, 30, 31, 32, 30, 31, 32, 30, 31], list(range(3, 60))]
     expected = [_generate(lm.model, prompt, 24) for prompt in prompts]
     engine = _engine(lm, cpu_kernels_cache=str(cache))
-    # (the one-call decode step over the quantized layers where the decoder's code is Llama's; Qwen2's attention
-    # code differs by its sliding window, so its layers run op by op: the model-layer issue's to lift)
-    assert engine.runner.fused["stack"] == (arch == "llama")
+    # (the owned decoder, the one-call decode step over the quantized layers: Qwen2's q/k/v bias included)
+    assert engine.runner.path.name == "owned" and engine.runner.path.whole_layers
     assert _greedy_engine(engine, prompts, 24) == expected
     speculative = _engine(lm, cpu_kernels_cache=str(cache), speculative_tokens=4)
     assert _greedy_engine(speculative, prompts, 24) == expected

@@ -40,8 +40,8 @@ class TritonBackend(AttentionBackend):
 
     def attend(self, metadata: PagedAttentionMetadata, layer_idx: int, query: torch.Tensor, scaling: float,
                sliding_window: int | None, softcap: float | None) -> torch.Tensor:
-        """``forward`` after its store: the step's K/V rows are already in the cache (``llm_api.engine.
-        fused_layers`` writes them in its rotary kernel)."""
+        """``forward`` after its store: the step's K/V rows are already in the cache (``llm_api.models.
+        llama`` writes them in its rotary kernel)."""
         key_cache, value_cache = metadata.key_caches[layer_idx], metadata.value_caches[layer_idx]
         device = key_cache.device
         block_tables, context_lens, query_start_loc = kernel_inputs(metadata, device)

@@ -1,4 +1,4 @@
-"""The CPU kernel set (issue 37; quantized weights, issue 52): the functions ``llm_api.engine.fused_layers`` calls
+"""The CPU kernel set (issue 37; quantized weights, issue 52): the functions the owned model (``llm_api.models``) calls
 on a CPU, C compiled for the host (``library``). A decode step's products of a few rows over both cores, and
 RMSNorm, the residual sum + norm, SiLU x up and the rotary embedding each in one pass, with transformers'
 rounding; a Llama layer of such a step in two calls around its attention, a step's paged attention in one,

@@ -1,7 +1,7 @@
 """A Llama decoder layer of a few rows as C calls (``kernels.c``): two calls around its attention (``layer_in``,
 ``layer_out``), a step's paged attention in one (``paged_decode``), and a step's every layer in one
 (``decode_layers``); LoRA adapters' deltas inside those calls, each row over its own adapter's columns
-(``LoraRows``, ``LoraProducts``). ``llm_api.engine.fused_layers`` plans and calls them; ``llm_api.kernels.cpu``
+(``LoraRows``, ``LoraProducts``). ``llm_api.models.whole_layers`` plans and calls them; ``llm_api.kernels.cpu``
 re-exports them as part of its kernel set.
 
 A layer's products are ``quant.Product``s: a plain float weight (q/k/v or gate/up merged into one) or up to
@@ -12,7 +12,7 @@ for. So what it assumes is checked here: at plan time every shape the layer's C 
 (``LayerWeights``: heads divide, products chain, biases and norms have their lengths, one dtype); at each call
 the tensors' shapes, dtypes and layouts (attribute reads, no pass over data); and once a step, the indices a
 step hands over (``check_step_tables``: slots inside the pool, block ids below its block count, context
-lengths within a row's table), by the caller that builds them (``llm_api.engine.fused_layers._row_tables``).
+lengths within a row's table), by the caller that builds them (``llm_api.models.whole_layers.row_tables``).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class LayerWeights:
     layers times): the norms' weights and epsilons, the four products (``quant.Product``: q/k/v with
     ``qkv_sizes`` (n_q, n_kv, n_kv), o, gate/up, down) and their biases, and each product's LoRA slots. Every
     shape the C code assumes is checked here (ValueError); the tensors stay referenced while this lives, and the
-    caller checks that the layer still holds them (``llm_api.engine.fused_layers``)."""
+    caller checks that the layer still holds them (``llm_api.models.whole_layers``)."""
 
     def __init__(self, input_norm: Any, post_norm: Any, next_norm: Any, qkv: Product, qkv_sizes: tuple[int, int, int],
                  qkv_bias: torch.Tensor | None, head_dim: int, o: Product, o_bias: torch.Tensor | None, gate_up: Product,
@@ -76,7 +76,7 @@ class LayerWeights:
         # (q, k, v, o, gate, up, down: each product's LoRA adapters where it is wrapped, llm_api.lora.ops'
         # ModuleSlots, else None) and each product's (outputs, inputs)
         self.lora_slots = lora_slots
-        self.lora_products: Any = None  # (the LoraProducts of these slots, kept by llm_api.engine.fused_layers)
+        self.lora_products: Any = None  # (the LoraProducts of these slots, kept by llm_api.models.whole_layers)
         self.product_sizes = ((self.n_q, self.hidden), (self.n_kv, self.hidden), (self.n_kv, self.hidden),
                               (self.hidden, self.n_q), (self.intermediate, self.hidden),
                               (self.intermediate, self.hidden), (self.hidden, self.intermediate))
@@ -302,7 +302,7 @@ def paged_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ke
 
 
 # ------------------------------------------------------------------------------------------------------
-# A step of a few rows through every layer in one call (llm_api.engine.fused_layers' whole-stack path)
+# A step of a few rows through every layer in one call (llm_api.models.whole_layers' one-call step)
 
 class _Layer(ctypes.Structure):
     """kernels.c's ``llm_layer_t``: keep the two in step."""
@@ -338,7 +338,7 @@ class DecodeStack:
             entry.input_eps, entry.post_eps, entry.next_eps = weights.input_eps, weights.post_eps, weights.next_eps
             entry.scaling = scaling
         self.pages: tuple = ()  # the (key, value) data pointers filled in
-        self.lora_products: Any = None  # (every layer's LoraProducts, kept by llm_api.engine.fused_layers)
+        self.lora_products: Any = None  # (every layer's LoraProducts, kept by llm_api.models.whole_layers)
         self.block_size = 0
 
     def _take_pages(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]) -> bool:
