@@ -1,6 +1,7 @@
-"""What a kernel set provides: the functions a model's fused forward calls, declared once (``typing.Protocol``).
+"""What a kernel set provides: the functions the owned decoder (``llm_api.models``) calls, declared once (``typing.Protocol``).
 
-Two sets implement them: the Triton set (``llm_api.kernels.triton_set.TRITON_KERNELS``: CUDA, and on a CPU
+Three sets implement them: the torch set (``llm_api.kernels.torch_set.TORCH_KERNELS``: transformers' arithmetic,
+any device), the Triton set (``llm_api.kernels.triton_set.TRITON_KERNELS``: CUDA, and on a CPU
 under Triton's interpreter in the tests) and the C set (the module ``llm_api.kernels.cpu``, compiled for the
 host). A forward holds one set and calls it; it never asks a set for a function by name.
 
@@ -30,6 +31,9 @@ import torch
 @runtime_checkable
 class KernelSet(Protocol):
     name: str  # (the start-up log's name for the set)
+    # The set's rotary may also store k and v into the paged cache in the same launch, where the attention backend
+    # ``attends_stored_rows`` (the Triton set's ``kernels.rotary.rotary_store_kv``).
+    rotary_stores_kv: bool
 
     def takes(self, tensor: torch.Tensor) -> bool: ...
 

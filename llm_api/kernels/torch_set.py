@@ -25,6 +25,7 @@ class TorchKernels:
     """The reference set (``KernelSet``): plain torch, any device."""
 
     name = "torch"
+    rotary_stores_kv = False
 
     @staticmethod
     def takes(tensor: torch.Tensor) -> bool:

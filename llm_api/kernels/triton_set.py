@@ -20,6 +20,7 @@ class TritonKernels:
     """The Triton kernel set (``KernelSet``), each kernel imported on first use."""
 
     name = "Triton"
+    rotary_stores_kv = True
 
     @staticmethod
     def takes(tensor: torch.Tensor) -> bool:

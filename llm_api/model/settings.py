@@ -219,14 +219,14 @@ class Settings:
                                 "capture the decode step in CUDA graphs (GPU only); `false` runs it eagerly")
     fused_kernels: bool = setting(
         "FUSED_KERNELS", True,
-        "one kernel for each RMSNorm and each layer's rotary embedding instead of transformers' eight and ten small "
-        "ones, and decoder layers of Llama's code with q/k/v and gate/up merged into one product each and the "
-        "residual sums fused into the norms (only where the model's code is Llama's, checked by bytecode: Llama, "
-        "Mistral, Qwen2/3, ...): Triton kernels on a GPU (docs/benchmarks.md \"GPU\"); on a CPU, C kernels built "
+        "the kernel set the owned decoder (Llama, Mistral, Qwen2/3: `llm_api/models/`) runs on: one kernel for each "
+        "RMSNorm and rotary embedding, the residual sums fused into the norms, q/k/v and gate/up merged into one "
+        "product each: Triton kernels on a GPU (docs/benchmarks.md \"GPU\"); on a CPU, C kernels built "
         "once per host with the system compiler (`cc`) under `LLM_API_CACHE` (`cpu-kernels/`), which also run "
         "a step's products of up to 16 rows (LoRA deltas included), its paged attention and greedy pick, a decode "
-        "step's layers in one call (docs/benchmarks.md \"CPU kernels\"; no compiler: transformers' code, "
-        "logged); `false` keeps transformers' code")
+        "step's layers in one call (docs/benchmarks.md \"CPU kernels\"; no compiler: the torch set, logged); "
+        "`false`: the torch set (transformers' arithmetic, op by op). Other families run transformers' classes "
+        "either way")
     cuda_graph_max_batch_size: int = setting(
         "CUDA_GRAPH_MAX_BATCH_SIZE", 128,
         "largest captured decode batch (capped by `MAX_NUM_SEQS`); larger batches run eagerly", minimum=1)

@@ -42,8 +42,8 @@ from torch import nn
 
 from llm_api.kernels.kernel_set import KernelSet, runs_whole_layers
 from llm_api.kernels.torch_set import TORCH_KERNELS
-from llm_api.models.whole_layers import decoder_stack, layer_weights, run_layer
 from llm_api.models.linear import GATE_UP, QKV, MergedProjection, linear, merge, project
+from llm_api.models.whole_layers import decoder_stack, layer_weights, run_layer
 
 # The engine's ``llm_api.engine.attention.PagedAttentionMetadata`` of the step (the engine is a layer above: the
 # model reads its fields and calls its backend, never imports it).
@@ -108,7 +108,7 @@ class DecoderLayer(nn.Module):
             query = TORCH_KERNELS.rms_norm(query, attn.q_norm.weight, attn.q_norm.variance_epsilon)
             key = TORCH_KERNELS.rms_norm(key, attn.k_norm.weight, attn.k_norm.variance_epsilon)
         backend = metadata.backend
-        if backend.attends_stored_rows:
+        if kernels.rotary_stores_kv and backend.attends_stored_rows:
             from llm_api.kernels.rotary import rotary_store_kv, rotary_store_kv_supported
 
             key_cache, value_cache = metadata.key_caches[self.layer_idx], metadata.value_caches[self.layer_idx]

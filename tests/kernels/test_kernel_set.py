@@ -11,6 +11,7 @@ import pytest
 
 from llm_api.kernels import cpu as cpu_kernels
 from llm_api.kernels.kernel_set import KernelSet, WholeLayerKernels, runs_whole_layers
+from llm_api.kernels.torch_set import TORCH_KERNELS
 from llm_api.kernels.triton_set import TRITON_KERNELS
 
 
@@ -30,8 +31,8 @@ def _parameters(function) -> list[str]:
     return [p.name for p in inspect.signature(function).parameters.values() if p.name != "self"]
 
 
-@pytest.mark.parametrize("kernels, protocol", [(cpu_kernels, WholeLayerKernels), (TRITON_KERNELS, KernelSet)],
-                         ids=["cpu", "triton"])
+@pytest.mark.parametrize("kernels, protocol", [(cpu_kernels, WholeLayerKernels), (TRITON_KERNELS, KernelSet),
+                                               (TORCH_KERNELS, KernelSet)], ids=["cpu", "triton", "torch"])
 def test_each_set_implements_its_protocol_by_name_and_parameters(kernels, protocol):
     assert isinstance(kernels, protocol)
     members = _members(protocol)
@@ -44,7 +45,7 @@ def test_each_set_implements_its_protocol_by_name_and_parameters(kernels, protoc
 
 def test_only_the_cpu_set_runs_whole_layers():
     assert runs_whole_layers(cpu_kernels)
-    assert not runs_whole_layers(TRITON_KERNELS)
+    assert not runs_whole_layers(TRITON_KERNELS) and not runs_whole_layers(TORCH_KERNELS)
 
 
 def test_a_set_missing_one_member_is_not_one():

@@ -47,6 +47,7 @@ from llm_api.kernels.cpu.quant import Product, product as quantized_product  # n
 # (bench/cpu_kernels.py; docs/benchmarks.md, "CPU kernels").
 MAX_ROWS = {torch.float32: 16, torch.bfloat16: 16}
 name = "CPU"  # (the kernel set's name in the log)
+rotary_stores_kv = False  # (its whole layers store K/V in ``paged_decode``)
 
 
 def _on_cpu(*tensors: torch.Tensor) -> bool:
