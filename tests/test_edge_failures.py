@@ -7,7 +7,7 @@ its own in-band error (``llm_api.protocols.wire``): the native stream with its J
 completions with an OpenAI error event and ``[DONE]``, Responses with ``error`` and ``response.failed``, Anthropic
 Messages with its ``error`` event; over HTTP on `llm_api serve` and on TorchServe (whose SSE streams once ended
 with a native error line instead), and over gRPC StreamPredictions on both. Each server keeps serving after it.
-(Under ``--ray`` the replica writes through the same ``wire``: tests/test_architecture.py.)
+(Under ``--ray``, the same checks through Ray Serve's ingress: tests/test_scale_out.py.)
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import grpc
 import httpx
 import pytest
 
+from edge_failure_checks import MODEL, check_chat_and_completions, check_messages, check_native, check_responses
 from llm_api.proto import inference_pb2, inference_pb2_grpc
 
 pytestmark = pytest.mark.server
@@ -27,9 +28,7 @@ INJECT = str(Path(__file__).parent / "assets" / "inject_failure")
 REPO = str(Path(__file__).resolve().parents[1])
 ENV = {"LLM_API_INJECT_FAILURE": "after-first-chunk", "PYTHONPATH": f"{INJECT}:{REPO}", "MAX_NUM_SEQS": "4",
        "GRPC_STREAMING": "true", "KV_CACHE_MEMORY_MIB": "64", "DTYPE": "float32"}
-MODEL = "smollm2"
 # (ignore_eos on the native route: a chunk before the end on any host kind, so the failure is injected)
-PROMPT = "Write a long story about a lighthouse keeper."
 
 
 @pytest.fixture(scope="module", params=["standalone", "torchserve"])
@@ -42,60 +41,20 @@ def injected(request, start_standalone, start_server):
     server.stop()
 
 
-def _post(server, path: str | None, body: dict) -> str:
-    """POST to ``path`` below the server's OpenAI base (``/v1/...``), or to the native route (``None``)."""
-    url = server.native_url if path is None else server.openai_base.removesuffix("/v1") + path
-    answer = httpx.post(url, json=body, timeout=120,
-                        headers={"Authorization": f"Bearer {server.key()}"})
-    assert answer.status_code == 200, answer.text  # (the stream began: a 200, and the error comes in-band)
-    return answer.text
-
-
-def _sse(text: str) -> list[tuple[str | None, str]]:
-    """The stream's events as (event name or None, data); every line must be SSE (no native line mixed in)."""
-    events = []
-    for block in text.split("\n\n"):
-        if not block.strip():
-            continue
-        name, data = None, None
-        for line in block.split("\n"):
-            assert line.startswith(("event: ", "data: ", ":")), f"a line that is not SSE in {text!r}"
-            if line.startswith("event: "):
-                name = line.removeprefix("event: ")
-            elif line.startswith("data: "):
-                data = line.removeprefix("data: ")
-        events.append((name, data))
-    return events
-
-
 def test_chat_and_completions_end_with_an_openai_error_event(injected):
-    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}]}),
-                       ("/v1/completions", {"prompt": PROMPT})):
-        events = _sse(_post(injected, path, {"model": MODEL, "max_tokens": 32, "stream": True, **body}))
-        assert events[-1] == (None, "[DONE]") and len(events) >= 3, events
-        error = json.loads(events[-2][1])
-        assert error["error"]["code"] == "internal_error" and error["error"]["type"] == "server_error", events
+    check_chat_and_completions(injected, injected.key())
 
 
 def test_responses_end_with_error_and_response_failed(injected):
-    events = _sse(_post(injected, "/v1/responses", {"model": MODEL, "input": PROMPT, "max_output_tokens": 32,
-                                                     "stream": True}))
-    assert [name for name, _ in events][-2:] == ["error", "response.failed"], events
-    assert json.loads(events[-1][1])["response"]["status"] == "failed"
+    check_responses(injected, injected.key())
 
 
 def test_messages_end_with_anthropics_error_event(injected):
-    events = _sse(_post(injected, "/v1/messages", {"model": MODEL, "max_tokens": 32, "stream": True,
-                                                    "messages": [{"role": "user", "content": PROMPT}]}))
-    assert events[0][0] == "message_start" and events[-1][0] == "error", events
-    assert json.loads(events[-1][1])["error"]["type"] == "api_error"
+    check_messages(injected, injected.key())
 
 
 def test_the_native_stream_ends_with_its_error_line(injected):
-    text = _post(injected, None, {"text": "The capital of France is", "stream": True, "max_new_tokens": 24,
-                                  "ignore_eos": True})
-    head, _, last = text.rpartition("\n")
-    assert head and json.loads(last)["type"] == "internal_error", text
+    check_native(injected, injected.key())
 
 
 def test_grpc_stream_predictions_ends_with_the_native_error_line(injected):

@@ -33,6 +33,9 @@ import pytest
 from llm_api.scale_out.affinity import BLOCK_CHARS, PrefixIndex, affinity_text, block_hashes
 
 KEY = "scale-out-key-123"
+REPO = Path(__file__).resolve().parents[1]
+INJECT = REPO / "tests" / "assets" / "inject_failure"
+INJECT_FILE = "inject-failures-now"
 REPLICA_HEADER = "x-llm-api-replica"
 MARKER = "<|endoftext|>"
 AUTOSCALING = {"target_ongoing_requests": 2, "metrics_interval_s": 1, "look_back_period_s": 2,
@@ -163,14 +166,17 @@ def ray_app(tmp_path_factory, embedded_model_path, embedded_checkpoint_path):
     # metrics pushed every second, not 10; 2 s averaged; 1 s before adding or removing one): the other
     # tests send one request at a time beside at most one stream, which keeps 2. Half a CPU each, so that a
     # third fits the 2-core host's Ray node (a replica that reserves a whole CPU waits to be scheduled).
-    server = StandaloneServer(tmp_path_factory.mktemp("ray-app"), args=[
+    workdir = tmp_path_factory.mktemp("ray-app")
+    server = StandaloneServer(workdir, args=[
         "--ray", "--replicas", "2", "--max-replicas", "3", "--autoscaling-config", json.dumps(AUTOSCALING),
         "--cpus-per-replica", "0.5"], env={
         "MODEL_PATH": str(embedded_model_path), "LLM_API_KEY": KEY, "DTYPE": "float32", "KV_CACHE_MEMORY_MIB": "96",
         "MAX_NUM_SEQS": "8", "DRAIN_GRACE_S": "60", "LORA_ADAPTERS": adapters, "MAX_LORAS": "1",
         "KEEPALIVE_TIMEOUT_S": str(KEEPALIVE_S),
         "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
-        "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"})
+        "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+        # (a failure after the first chunk while the file exists: test_a_failure_mid_stream_...)
+        "PYTHONPATH": f"{INJECT}:{REPO}", "LLM_API_INJECT_FAILURE": f"after-first-chunk-while:{workdir / INJECT_FILE}"})
     try:
         server.start(timeout=420)  # (Ray's own start is a minute or more on a busy 2-core host)
         yield server
@@ -466,6 +472,25 @@ def test_a_client_leaving_mid_stream_aborts_its_request_on_the_replica(ray_app):
     assert aborted in ray_app.model_log()
     after = _chat(ray_app, [{"role": "user", "content": "Still serving?"}])
     assert after.status_code == 200, after.text
+
+
+def test_a_failure_mid_stream_ends_each_route_in_its_own_format(ray_app):
+    """The failure tests/test_edge_failures.py injects into `llm_api serve` and TorchServe, injected into the Ray
+    replicas (while the fixture's file exists): each streamed route through Ray Serve's ingress ends with its
+    own in-band error, and the app serves on after it."""
+    from edge_failure_checks import check_chat_and_completions, check_messages, check_native, check_responses
+
+    switch = ray_app.workdir / INJECT_FILE
+    switch.touch()
+    try:
+        check_chat_and_completions(ray_app, KEY, ray_app.model_name)
+        check_responses(ray_app, KEY, ray_app.model_name)
+        check_messages(ray_app, KEY, ray_app.model_name)
+        check_native(ray_app, KEY)
+    finally:
+        switch.unlink()
+    after = _chat(ray_app, [{"role": "user", "content": "Still serving?"}], max_tokens=8)
+    assert after.status_code == 200 and after.json()["choices"][0]["finish_reason"] == "length", after.text
 
 
 # (near the end: the killed replica is replaced, and its successor loads for a while)

@@ -16,8 +16,8 @@ plain projections, biases, LoRA slots) and kept on the layer while it holds the 
 (``_plan_key``; a projection wrapped or replaced later makes a new plan, or none: the layer runs op by op). A
 layer runs whole when its q/k/v and gate/up are merged and holding (through LoRA wrappers: the set adds each
 row's adapter delta after the base product, ``lora_arguments``), o_proj and down are plain or quantized linears,
-it has no q/k norms and no sliding window (the C attention has neither), and its weights are of one dtype the
-set takes. The rounding is the same as op by op.
+it has no sliding window (the C attention has none; Qwen3's q/k norms are the set's, per head), and its weights
+are of one dtype the set takes. The rounding is the same as op by op.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def _plan_key(layer: Any, next_norm: nn.Module | None) -> tuple:
     attention, mlp_modules = self_attn._modules, mlp._modules
     return (self_attn, mlp, attention.get("q_proj"), attention.get("k_proj"), attention.get("v_proj"),
             attention.get("o_proj"), mlp_modules.get("gate_proj"), mlp_modules.get("up_proj"),
-            mlp_modules.get("down_proj"), modules["input_layernorm"], modules["post_attention_layernorm"], next_norm)
+            mlp_modules.get("down_proj"), modules["input_layernorm"], modules["post_attention_layernorm"], next_norm,
+            attention.get("q_norm"), attention.get("k_norm"))
 
 
 def _weight_pointer(module: Any) -> int:
@@ -69,15 +70,17 @@ def _make_plan(layer: Any, kernels: WholeLayerKernels, next_norm: Any) -> Any:
     """The set's ``LayerWeights`` for ``layer``, or None where it cannot run whole (the module docstring)."""
     attn, mlp, qkv, gate_up = layer.self_attn, layer.mlp, layer.qkv, layer.gate_up
     if (qkv is None or gate_up is None or not qkv.holds_bases(attn) or not gate_up.holds_bases(mlp)
-            or layer.flags.qk_norm or layer.flags.sliding_window is not None or len(qkv.sizes) != 3):
+            or layer.flags.sliding_window is not None or len(qkv.sizes) != 3):
         return None
+    head_norms = (attn.q_norm, attn.k_norm) if layer.flags.qk_norm else (None, None)
     o_proj, down = base_linear(attn.o_proj), base_linear(mlp.down_proj)
     norms = [layer.input_layernorm, layer.post_attention_layernorm, *([] if next_norm is None else [next_norm])]
     if o_proj is None or down is None or qkv.sizes[1] != qkv.sizes[2]:
         return None
     dtype = layer.input_layernorm.weight.dtype
     floats = [qkv.weight, qkv.bias, o_proj.bias, gate_up.weight, gate_up.bias, down.bias,
-              *(norm.weight for norm in norms), *(m.weight for m in (o_proj, down) if type(m) is nn.Linear)]
+              *(norm.weight for norm in (*norms, *head_norms) if norm is not None),
+              *(m.weight for m in (o_proj, down) if type(m) is nn.Linear)]
     if kernels.max_rows(dtype) < 1 or not all(t is None or (t.dtype == dtype and t.is_contiguous()
                                                             and kernels.takes(t)) for t in floats):
         return None
@@ -86,7 +89,7 @@ def _make_plan(layer: Any, kernels: WholeLayerKernels, next_norm: Any) -> Any:
     return kernels.LayerWeights(layer.input_layernorm, layer.post_attention_layernorm, next_norm, qkv.product(kernels),
                                 tuple(qkv.sizes), qkv.bias, layer.head_dim, _linear_product(o_proj, kernels),
                                 o_proj.bias, gate_up.product(kernels), gate_up.bias, _linear_product(down, kernels),
-                                down.bias, adapted)
+                                down.bias, adapted, *head_norms)
 
 
 def _linear_product(linear: nn.Linear | QuantizedLinear, kernels: WholeLayerKernels) -> Any:

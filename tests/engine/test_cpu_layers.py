@@ -3,9 +3,9 @@ by default where a C compiler exists (``FUSED_KERNELS``; the engine's ``cpu_kern
 rows runs every layer in one call (``kernels.cpu.decode_layers``, from the decoder's forward), decode rows,
 drafted rows and prompt chunks alike (each row attends its sequence's blocks up to its own position); where the
 one-call step is off or cannot run, each layer runs whole in two kernel calls around the attention
-(``models.whole_layers.run_layer``; the paged attention one more call, ``kernels.cpu.paged_decode``); a layer
-with a sliding window (Mistral's) or q/k norms (Qwen3's) runs op by op on the set, as a prefill's many rows
-do (the C norms, rotary and activation, torch's products). In float32
+(``models.whole_layers.run_layer``; the paged attention one more call, ``kernels.cpu.paged_decode``; Qwen3's
+per-head q/k norms inside ``layer_in``); a layer with a sliding window (Mistral's) runs op by op on the set, as
+a prefill's many rows do (the C norms, rotary and activation, torch's products). In float32
 the engine's greedy tokens equal ``generate()``'s on the tiny families and the embedded model's equal the
 eager engine's; the one-call step's logprobs equal the layer by layer step's bit for bit, speculation's
 verification steps included; a projection wrapped after the engine started (what LoRA does) is honoured."""
@@ -58,7 +58,7 @@ def _arrivals(seed: int) -> dict:
 CASES = [("llama", True),
          ("qwen2", True),  # (a q/k/v bias: the merged product's)
          ("mistral", False),  # a sliding window of 24 (the C attention has none): op by op on the set
-         ("qwen3", False)]  # q/k norms: op by op on the set
+         ("qwen3", True)]  # (its per-head q/k norms: layer_in's)
 
 
 @pytest.mark.parametrize("arch,whole", CASES, ids=[c[0] for c in CASES])

@@ -330,7 +330,8 @@ def _norm(dtype: torch.dtype, generator) -> SimpleNamespace:
 
 
 def _layer(kind: str, dtype: torch.dtype, head_dim: int, q_heads: int, input_norm, next_norm, generator, rng):
-    """One decoder layer's ``LayerWeights`` and its float64 weights for the reference."""
+    """One decoder layer's ``LayerWeights`` and its float64 weights for the reference. The dense layers have
+    Qwen3's per-head q/k norms too (the quantized ones run without: both paths of ``layer_in``)."""
     n_q, n_kv = q_heads * head_dim, KV_HEADS * head_dim
     post_norm = _norm(dtype, generator)
     if kind == "dense":
@@ -350,11 +351,14 @@ def _layer(kind: str, dtype: torch.dtype, head_dim: int, q_heads: int, input_nor
         with_bias = (kind == "rows8",) * 4
     biases = [(0.1 * torch.randn(size, generator=generator)).to(dtype) if bias else None
               for bias, size in zip(with_bias, (n_q + 2 * n_kv, HIDDEN, 2 * INTER, HIDDEN))]
+    head_norms = [SimpleNamespace(weight=(1 + 0.1 * torch.randn(head_dim, generator=generator)).to(dtype),
+                                  variance_epsilon=EPS) for _ in range(2)] if kind == "dense" else [None, None]
     weights = cpu.LayerWeights(input_norm, post_norm, next_norm, qkv, (n_q, n_kv, n_kv), biases[0], head_dim, o, biases[1],
-                               gate_up, biases[2], down, biases[3])
+                               gate_up, biases[2], down, biases[3], q_norm=head_norms[0], k_norm=head_norms[1])
     reference = SimpleNamespace(input_norm=input_norm.weight.double(), post_norm=post_norm.weight.double(),
                                 next_norm=next_norm.weight.double(), qkv=w_qkv, o=w_o, gate_up=w_gate_up, down=w_down,
-                                biases=[None if b is None else b.double() for b in biases])
+                                biases=[None if b is None else b.double() for b in biases],
+                                head_norms=[None if n is None else n.weight.double() for n in head_norms])
     return weights, reference
 
 
@@ -378,8 +382,11 @@ def _reference_layer(w, hidden, cos, sin, key_cache, value_cache, step: Step, he
     rows = hidden.shape[0]
     n_q, n_kv = w.o.shape[1], key_cache.shape[2] * head_dim
     qkv = _linear(_rms_norm(hidden, w.input_norm), w.qkv, w.biases[0])
-    q = _rotary(qkv[:, :n_q].view(rows, -1, head_dim), cos, sin).reshape(rows, n_q)
-    k = _rotary(qkv[:, n_q:n_q + n_kv].view(rows, -1, head_dim), cos, sin).reshape(rows, n_kv)
+    q, k = qkv[:, :n_q].view(rows, -1, head_dim), qkv[:, n_q:n_q + n_kv].view(rows, -1, head_dim)
+    if w.head_norms[0] is not None:  # (Qwen3's: each head's RMSNorm before the rotary)
+        q, k = _rms_norm(q, w.head_norms[0]), _rms_norm(k, w.head_norms[1])
+    q = _rotary(q, cos, sin).reshape(rows, n_q)
+    k = _rotary(k, cos, sin).reshape(rows, n_kv)
     v = qkv[:, n_q + n_kv:]
     keys, values = _stored(key_cache, step.slots, k), _stored(value_cache, step.slots, v)
     attention = _attend(q, keys, values, step, scaling)

@@ -434,9 +434,12 @@ static int lora_delta(const void *x, int64_t ldx, const llm_lora_t *lora, const 
 
 /* Before the attention: normed = input norm of hidden [m, d] (or normed_in, handed over by the layer before);
  * qkv [m, n_q + 2 n_kv] = normed x w_qkv (+ b_qkv) (+ with lora, lora[0..2]: q's, k's and v's deltas);
- * q_out [m, n_q] and k_out [m, n_kv] rotated by cos and sin [m, head_dim] (row stride cos_ld); v stays in qkv. */
+ * with q_norm and k_norm (Qwen3; NULL: none), an RMSNorm of each head of q and of k in place, weights
+ * [head_dim]; q_out [m, n_q] and k_out [m, n_kv] rotated by cos and sin [m, head_dim] (row stride cos_ld); v
+ * stays in qkv. */
 int llm_layer_in(const void *hidden, const void *normed_in, const void *norm_weight, float eps, const llm_product_t *w_qkv,
-                 const void *b_qkv, int64_t n_q, int64_t n_kv, int64_t head_dim, const void *cos, const void *sin,
+                 const void *b_qkv, int64_t n_q, int64_t n_kv, int64_t head_dim, const void *q_norm, const void *k_norm,
+                 float q_eps, float k_eps, const void *cos, const void *sin,
                  int64_t cos_ld, void *qkv, void *q_out, void *k_out, int64_t m, int64_t d,
                  const llm_lora_t *lora, const llm_lora_rows_t *lora_rows, int bf16, int threads) {
     size_t es = size_of(bf16);
@@ -457,6 +460,14 @@ int llm_layer_in(const void *hidden, const void *normed_in, const void *norm_wei
                              threads);
     }
     free(scratch);
+    for (int64_t r = 0; r < m && (q_norm || k_norm); r++) { /* each head's norm, in place: heads rows of head_dim */
+        char *row = (char *)qkv + r * width * es;
+        if (q_norm)
+            llm_rms_norm(row, head_dim, NULL, 0, NULL, 0, q_norm, row, head_dim, n_q / head_dim, head_dim, q_eps, bf16, 1);
+        if (k_norm)
+            llm_rms_norm(row + n_q * es, head_dim, NULL, 0, NULL, 0, k_norm, row + n_q * es, head_dim, n_kv / head_dim,
+                         head_dim, k_eps, bf16, 1);
+    }
     int64_t cs[2] = {0, cos_ld};
     int64_t qs[3] = {0, head_dim, width}, qo[3] = {0, head_dim, n_q};
     llm_rotary(qkv, qs, q_out, qo, cos, sin, cs, 1, n_q / head_dim, m, head_dim, bf16, 1);
@@ -638,6 +649,8 @@ typedef struct {
     void *key_cache, *value_cache;
     int64_t n_q, n_kv, head_dim, inter;
     float input_eps, post_eps, next_eps, scaling;
+    const void *q_norm, *k_norm; /* (Qwen3's per-head norms of q and k, or NULL) */
+    float q_eps, k_eps;
 } llm_layer_t;
 
 int llm_decode_layers(const llm_layer_t *layers, int64_t n_layers, const void *hidden_in, void *hidden_out,
@@ -667,7 +680,7 @@ int llm_decode_layers(const llm_layer_t *layers, int64_t n_layers, const void *h
         void *h_out = last ? hidden_out : pairs[i % 2][0];
         void *n_out = L->next_norm ? (last ? normed_out : pairs[i % 2][1]) : NULL;
         failed |= llm_layer_in(hidden, normed, L->input_norm, L->input_eps, &L->qkv, L->qkv_bias, L->n_q, L->n_kv,
-                               L->head_dim, cos, sin, cos_ld, qkv, q, k, m, d, lora ? lora + 7 * i : NULL, lora_rows,
+                               L->head_dim, L->q_norm, L->k_norm, L->q_eps, L->k_eps, cos, sin, cos_ld, qkv, q, k, m, d, lora ? lora + 7 * i : NULL, lora_rows,
                                bf16, threads);
         failed |= llm_paged_decode(q, L->n_q, k, L->n_kv, qkv + (L->n_q + L->n_kv) * es, width, L->key_cache,
                                    L->value_cache, slots, block_tables, ld_bt, context_lens, attn, m,

@@ -49,15 +49,17 @@ def _failed(code: int, what: str) -> None:
 class LayerWeights:
     """What ``layer_in`` and ``layer_out`` read of one decoder layer, taken once (a decode step calls them 2 x
     layers times): the norms' weights and epsilons, the four products (``quant.Product``: q/k/v with
-    ``qkv_sizes`` (n_q, n_kv, n_kv), o, gate/up, down) and their biases, and each product's LoRA slots. Every
+    ``qkv_sizes`` (n_q, n_kv, n_kv), o, gate/up, down) and their biases, each product's LoRA slots, and (Qwen3)
+    the per-head norms of q and k (``q_norm``, ``k_norm``: modules with ``weight`` [head_dim]). Every
     shape the C code assumes is checked here (ValueError); the tensors stay referenced while this lives, and the
     caller checks that the layer still holds them (``llm_api.models.whole_layers``)."""
 
     def __init__(self, input_norm: Any, post_norm: Any, next_norm: Any, qkv: Product, qkv_sizes: tuple[int, int, int],
                  qkv_bias: torch.Tensor | None, head_dim: int, o: Product, o_bias: torch.Tensor | None, gate_up: Product,
                  gate_up_bias: torch.Tensor | None, down: Product, down_bias: torch.Tensor | None,
-                 lora_slots: tuple = (None,) * 7):
+                 lora_slots: tuple = (None,) * 7, q_norm: Any = None, k_norm: Any = None):
         norms = [input_norm.weight, post_norm.weight, *(() if next_norm is None else (next_norm.weight,))]
+        head_norms = [n.weight for n in (q_norm, k_norm) if n is not None]
         self.dtype = input_norm.weight.dtype
         self.hidden = int(input_norm.weight.shape[0])
         self.n_q, self.n_kv = int(qkv_sizes[0]), int(qkv_sizes[1])
@@ -66,7 +68,15 @@ class LayerWeights:
         self.products = (qkv, o, gate_up, down)
         biases = (qkv_bias, o_bias, gate_up_bias, down_bias)
         self._check(norms, qkv_sizes, biases)
-        self.tensors = [*norms, *(b for b in biases if b is not None)]
+        if not all(n.dim() == 1 and n.shape[0] == self.head_dim and n.is_contiguous() and _on_cpu(n, norms[0])
+                   for n in head_norms):
+            raise ValueError(f"a decoder layer the CPU kernels cannot run: q/k norms that are not [{self.head_dim}] "
+                             f"of {self.dtype}")
+        self.tensors = [*norms, *head_norms, *(b for b in biases if b is not None)]
+        self.q_norm = None if q_norm is None else q_norm.weight.data_ptr()
+        self.k_norm = None if k_norm is None else k_norm.weight.data_ptr()
+        self.q_eps = 0.0 if q_norm is None else float(q_norm.variance_epsilon)
+        self.k_eps = 0.0 if k_norm is None else float(k_norm.variance_epsilon)
         self.input_norm, self.input_eps = input_norm.weight.data_ptr(), float(input_norm.variance_epsilon)
         self.post_norm, self.post_eps = post_norm.weight.data_ptr(), float(post_norm.variance_epsilon)
         self.next_norm = None if next_norm is None else next_norm.weight.data_ptr()
@@ -202,7 +212,8 @@ def layer_in(weights: LayerWeights, hidden: torch.Tensor, normed: torch.Tensor |
     k = torch.empty((rows, n_kv), dtype=hidden.dtype)
     failed = library.lib().llm_layer_in(
         hidden.data_ptr(), None if normed is None else normed.data_ptr(), weights.input_norm, weights.input_eps,
-        weights.qkv, weights.qkv_bias, n_q, n_kv, weights.head_dim, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+        weights.qkv, weights.qkv_bias, n_q, n_kv, weights.head_dim, weights.q_norm, weights.k_norm, weights.q_eps,
+        weights.k_eps, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
         qkv.data_ptr(), q.data_ptr(), k.data_ptr(), rows, weights.hidden, *_lora_args(lora, 0, rows),
         DTYPES[hidden.dtype], library.threads())
     _failed(failed, "layer_in")
@@ -312,7 +323,9 @@ class _Layer(ctypes.Structure):
         *((name, _Product) for name in ("qkv", "o", "gate_up", "down")),
         *((name, ctypes.c_void_p) for name in ("key_cache", "value_cache")),
         *((name, ctypes.c_int64) for name in ("n_q", "n_kv", "head_dim", "inter")),
-        *((name, ctypes.c_float) for name in ("input_eps", "post_eps", "next_eps", "scaling"))]
+        *((name, ctypes.c_float) for name in ("input_eps", "post_eps", "next_eps", "scaling")),
+        *((name, ctypes.c_void_p) for name in ("q_norm", "k_norm")),
+        *((name, ctypes.c_float) for name in ("q_eps", "k_eps"))]
 
 
 class DecodeStack:
@@ -337,6 +350,8 @@ class DecodeStack:
                                                                   weights.intermediate)
             entry.input_eps, entry.post_eps, entry.next_eps = weights.input_eps, weights.post_eps, weights.next_eps
             entry.scaling = scaling
+            entry.q_norm, entry.k_norm, entry.q_eps, entry.k_eps = (weights.q_norm, weights.k_norm, weights.q_eps,
+                                                                    weights.k_eps)
         self.pages: tuple = ()  # the (key, value) data pointers filled in
         self.lora_products: Any = None  # (every layer's LoraProducts, kept by llm_api.models.whole_layers)
         self.block_size = 0
