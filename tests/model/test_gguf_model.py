@@ -106,16 +106,23 @@ def _generate(model, prompt, max_new_tokens):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("arch,linear", [("llama", "Q4_K"), ("qwen2", "Q8_0")])
-def test_engine_greedy_equals_generate_with_and_without_speculation(tmp_path, cache, arch, linear):
+@pytest.mark.parametrize("arch,linear", [("llama", "Q4_K"), ("qwen2", "Q8_0"), ("qwen3", "Q6_K")])
+def test_engine_greedy_equals_generate_with_and_without_speculation(tmp_path, cache, monkeypatch, arch, linear):
+    from llm_api.kernels import cpu as cpu_kernels
+
     write_gguf(tmp_path / "m.gguf", tiny_model(arch, tied=True), arch, linear, "Q8_0")
     lm = _load(cache, tmp_path / "m.gguf")
     prompts = [PROMPT, [1, 9, 9, 9, 9, 30, 31, 32, 30, 31, 32, 30, 31], list(range(3, 60))]
     expected = [_generate(lm.model, prompt, 24) for prompt in prompts]
     engine = _engine(lm, cpu_kernels_cache=str(cache))
-    # (the owned decoder, the one-call decode step over the quantized layers: Qwen2's q/k/v bias included)
+    # (the owned decoder, the one-call decode step over the quantized layers: Qwen2's q/k/v bias and Qwen3's q/k
+    # norms included)
     assert engine.runner.path.name == "owned" and engine.runner.path.whole_layers
+    one_call_steps = []
+    decode_layers = cpu_kernels.decode_layers
+    monkeypatch.setattr(cpu_kernels, "decode_layers", lambda *args: one_call_steps.append(1) or decode_layers(*args))
     assert _greedy_engine(engine, prompts, 24) == expected
+    assert len(one_call_steps) >= 23
     speculative = _engine(lm, cpu_kernels_cache=str(cache), speculative_tokens=4)
     assert _greedy_engine(speculative, prompts, 24) == expected
 
