@@ -12,6 +12,7 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -184,6 +185,13 @@ def test_generated_key_file_is_private(standalone_server):
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and len(path.read_text().strip()) >= 32
     assert standalone_server.key() not in standalone_server.model_log()
     assert str(path) in standalone_server.model_log()  # the log says where it is
+
+
+def test_the_log_says_which_model_path_runs(standalone_server):
+    """The start-up log names the path the model takes and why (llm_api.models.families): the embedded model is
+    a Llama, run as llm_api's own decoder."""
+    assert re.search(r"model path: llama as llm_api's decoder on the (CPU|torch) kernels \(model_type 'llama'\)",
+                     standalone_server.model_log()), standalone_server.model_log()[-3000:]
 
 
 def test_metrics_parse_and_carry_the_router_series(standalone_server):
