@@ -74,7 +74,7 @@ class WholeLayerKernels(KernelSet, Protocol):
 
     def paged_decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                      value_cache: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scaling: float) -> torch.Tensor: ...
+                     context_lens: torch.Tensor, scaling: float, window: int | None = None) -> torch.Tensor: ...
 
     def decode_layers(self, stack: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], slots: torch.Tensor,

@@ -16,8 +16,8 @@ plain projections, biases, LoRA slots) and kept on the layer while it holds the 
 (``_plan_key``; a projection wrapped or replaced later makes a new plan, or none: the layer runs op by op). A
 layer runs whole when its q/k/v and gate/up are merged and holding (through LoRA wrappers: the set adds each
 row's adapter delta after the base product, ``lora_arguments``), o_proj and down are plain or quantized linears,
-it has no sliding window (the C attention has none; Qwen3's q/k norms are the set's, per head), and its weights
-are of one dtype the set takes. The rounding is the same as op by op.
+its weights are of one dtype the set takes (Qwen3's q/k norms and Mistral's and Qwen2's sliding windows are the
+set's too). The rounding is the same as op by op.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _make_plan(layer: Any, kernels: WholeLayerKernels, next_norm: Any) -> Any:
     """The set's ``LayerWeights`` for ``layer``, or None where it cannot run whole (the module docstring)."""
     attn, mlp, qkv, gate_up = layer.self_attn, layer.mlp, layer.qkv, layer.gate_up
     if (qkv is None or gate_up is None or not qkv.holds_bases(attn) or not gate_up.holds_bases(mlp)
-            or layer.flags.sliding_window is not None or len(qkv.sizes) != 3):
+            or len(qkv.sizes) != 3):
         return None
     head_norms = (attn.q_norm, attn.k_norm) if layer.flags.qk_norm else (None, None)
     o_proj, down = base_linear(attn.o_proj), base_linear(mlp.down_proj)
@@ -176,7 +176,8 @@ def _paged_decode(layer: Any, kernels: WholeLayerKernels, query: torch.Tensor, k
             or not value_cache.is_contiguous() or key_cache.device.type != "cpu"):
         return None
     slots, tables, lengths = row_tables(metadata)
-    return kernels.paged_decode(query, key, value, key_cache, value_cache, slots, tables, lengths, layer.scaling)
+    return kernels.paged_decode(query, key, value, key_cache, value_cache, slots, tables, lengths, layer.scaling,
+                                layer.flags.sliding_window)
 
 
 def lora_arguments(decoder: Any, kernels: WholeLayerKernels, holder: Any, plans: list, rows: int) -> tuple | None:
@@ -220,7 +221,8 @@ def run_layer(decoder: Any, layer: Any, kernels: WholeLayerKernels, weights: Any
     if output is None:
         heads = (tokens, -1, layer.head_dim)
         output = metadata.backend.forward(metadata, layer.layer_idx, query.view(heads), key.view(heads),
-                                          value.view(heads), layer.scaling, None, None).reshape(tokens, -1)
+                                          value.view(heads), layer.scaling, layer.flags.sliding_window,
+                                          None).reshape(tokens, -1)
         if not output.is_contiguous():
             output = output.contiguous()
     hidden_out, normed_out = kernels.layer_out(weights, output, rows, lora)
@@ -239,7 +241,8 @@ def _stack_plan(decoder: Any, kernels: WholeLayerKernels, layers: list) -> Any:
         plans.append(weights)
     cached = decoder.stack
     if cached is None or len(cached[0]) != len(plans) or any(a is not b for a, b in zip(cached[0], plans)):
-        cached = decoder.stack = (plans, kernels.DecodeStack(plans, [layer.scaling for layer in layers]))
+        cached = decoder.stack = (plans, kernels.DecodeStack(plans, [layer.scaling for layer in layers],
+                                                             [layer.flags.sliding_window for layer in layers]))
     return cached[1]
 
 

@@ -57,7 +57,7 @@ def _arrivals(seed: int) -> dict:
 # (arch, layers run whole)
 CASES = [("llama", True),
          ("qwen2", True),  # (a q/k/v bias: the merged product's)
-         ("mistral", False),  # a sliding window of 24 (the C attention has none): op by op on the set
+         ("mistral", True),  # a sliding window of 24 (the prompts and answers pass it): the C attention's
          ("qwen3", True)]  # (its per-head q/k norms: layer_in's)
 
 

@@ -178,9 +178,10 @@ def _stored(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> torc
 
 
 def _attend(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, step: Step,
-            scaling: float) -> torch.Tensor:
+            scaling: float, window: int | None = None) -> torch.Tensor:
     """Each row's attention over its context through its table, in float64: query [B, Hq x D] -> [B, Hq x D],
-    the pools [blocks, block_size, Hkv, D] (already holding the step's stores)."""
+    the pools [blocks, block_size, Hkv, D] (already holding the step's stores); with a ``window``, over the last
+    ``window`` tokens of the context only."""
     _, block_size, kv_heads, head_dim = key_pool.shape
     keys, values = key_pool.reshape(-1, kv_heads, head_dim), value_pool.reshape(-1, kv_heads, head_dim)
     q_heads = query.shape[1] // head_dim
@@ -189,7 +190,7 @@ def _attend(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tenso
         length = int(step.lengths[r])
         if length == 0:
             continue
-        p = torch.arange(length)
+        p = torch.arange(max(0, length - window) if window else 0, length)
         rows = step.tables[r][p // block_size] * block_size + p % block_size
         k = keys[rows].double().repeat_interleave(q_heads // kv_heads, 1)
         v = values[rows].double().repeat_interleave(q_heads // kv_heads, 1)
@@ -239,6 +240,27 @@ def test_paged_decode_sweep(build, head_dim, group, rows, dtype):
             _assert_one_rounding(out[r], exact[r], dtype)
         except AssertionError as error:
             raise AssertionError(f"row {r} (context {int(step.lengths[r])}, slot {int(step.slots[r])}): {error}") from None
+
+
+@pytest.mark.parametrize("window", [1, 37, 4096])
+def test_paged_decode_within_a_sliding_window(build, window):
+    """Mistral's and Qwen2's windows: each row attends only the last ``window`` tokens of its context (one, a
+    window that ends inside a block, one longer than any context); decode rows and a chunk's rows alike."""
+    generator = _generator(f"paged-window-{window}")
+    blocks, block_size, head_dim, q_heads = 40, 16, 64, 2 * KV_HEADS
+    step = _step([Sequence("A", 300, 1), Sequence("B", 90, 4), Sequence("C", 5, 1)], blocks, block_size, generator)
+    key_cache = _pool(step, blocks, block_size, KV_HEADS, head_dim, torch.float32, generator)
+    value_cache = _pool(step, blocks, block_size, KV_HEADS, head_dim, torch.float32, generator)
+    rows = step.slots.shape[0]
+    query = torch.randn(rows, q_heads * head_dim, generator=generator)
+    key = torch.randn(rows, KV_HEADS * head_dim, generator=generator)
+    value = torch.randn(rows, KV_HEADS * head_dim, generator=generator)
+    expected_keys, expected_values = _stored(key_cache, step.slots, key), _stored(value_cache, step.slots, value)
+    out = cpu.paged_decode(query, key, value, key_cache, value_cache, step.slots, step.tables, step.lengths, 0.125,
+                           window)
+    _assert_one_rounding(out, _attend(query, expected_keys, expected_values, step, 0.125, window), torch.float32)
+    if window < 300:  # (the window changed the answer: the test can fail)
+        assert not torch.allclose(out.double(), _attend(query, expected_keys, expected_values, step, 0.125), atol=1e-4)
 
 
 def test_paged_decode_of_a_group_above_64(build):

@@ -518,7 +518,9 @@ int llm_layer_out(const void *attn, int64_t lda, const void *hidden, const llm_p
  * of key_cache / value_cache [blocks, block_size, h_kv, dim] (contiguous), then its query heads q [b, h_q,
  * dim] (row stride ld_q) attend to its context_lens[s] tokens, found through block_tables[s, :] (row stride
  * ld_bt): softmax(q . k * scaling) . v in float32, out [b, h_q, dim] (contiguous) rounded once. The query
- * heads h_kv * group .. h_kv * group + group - 1 share key/value head h_kv (transformers' repeat_kv order). */
+ * heads h_kv * group .. h_kv * group + group - 1 share key/value head h_kv (transformers' repeat_kv order).
+ * With window > 0 a row attends only the last window of its tokens (positions context_lens[s] - window ..
+ * context_lens[s] - 1: the engine's torch backend's sliding-window mask). */
 
 static inline float dot_f32(const float *a, const void *b, int64_t n, int bf16) {
     float sum = 0.0f;
@@ -556,7 +558,7 @@ int llm_paged_decode(const void *q, int64_t ld_q, const void *k_new, int64_t ld_
                      void *key_cache,
                      void *value_cache, const int64_t *slots, const int64_t *block_tables, int64_t ld_bt,
                      const int64_t *context_lens, void *out, int64_t b, int64_t h_q, int64_t h_kv, int64_t dim,
-                     int64_t block_size, float scaling, int bf16, int threads) {
+                     int64_t block_size, float scaling, int64_t window, int bf16, int threads) {
     size_t es = size_of(bf16);
     size_t row_bytes = (size_t)h_kv * dim * es;
     for (int64_t s = 0; s < b; s++) {
@@ -569,7 +571,9 @@ int llm_paged_decode(const void *q, int64_t ld_q, const void *k_new, int64_t ld_
 #pragma omp parallel for collapse(2) num_threads(threads) schedule(dynamic, 1)
     for (int64_t s = 0; s < b; s++) {
         for (int64_t h = 0; h < h_kv; h++) {
-            int64_t length = context_lens[s];
+            int64_t end = context_lens[s];
+            /* a sliding window (window > 0): the last window positions up to the row's own (Mistral's, Qwen2's) */
+            int64_t first = window > 0 && end > window ? end - window : 0, length = end - first;
             if (length <= 0) { /* (nothing to attend: a zero row, not 0 / 0) */
                 for (int64_t i = 0; i < group * dim; i++) store_from_f32(out, (s * h_q + h * group) * dim + i, 0.0f, bf16);
                 continue;
@@ -599,7 +603,8 @@ int llm_paged_decode(const void *q, int64_t ld_q, const void *k_new, int64_t ld_
             }
             for (int64_t g = 0; g < group; g++) maxima[g] = -INFINITY, sums[g] = 0.0f;
             for (int64_t p = 0; p < length; p++) {
-                int64_t row = block_tables[s * ld_bt + p / block_size] * block_size + p % block_size;
+                int64_t at = first + p;
+                int64_t row = block_tables[s * ld_bt + at / block_size] * block_size + at % block_size;
                 const char *key = (const char *)key_cache + (row * h_kv + h) * dim * es;
                 for (int64_t g = 0; g < group; g++) {
                     float score = dot_f32(query + g * dim, key, dim, bf16) * scaling;
@@ -614,7 +619,8 @@ int llm_paged_decode(const void *q, int64_t ld_q, const void *k_new, int64_t ld_
                     sums[g] += e;
                 }
             for (int64_t p = 0; p < length; p++) {
-                int64_t row = block_tables[s * ld_bt + p / block_size] * block_size + p % block_size;
+                int64_t at = first + p;
+                int64_t row = block_tables[s * ld_bt + at / block_size] * block_size + at % block_size;
                 const char *value = (const char *)value_cache + (row * h_kv + h) * dim * es;
                 for (int64_t g = 0; g < group; g++) {
                     float weight = scores[g * length + p];
@@ -651,6 +657,7 @@ typedef struct {
     float input_eps, post_eps, next_eps, scaling;
     const void *q_norm, *k_norm; /* (Qwen3's per-head norms of q and k, or NULL) */
     float q_eps, k_eps;
+    int64_t window; /* (the layer's sliding window, 0: none) */
 } llm_layer_t;
 
 int llm_decode_layers(const llm_layer_t *layers, int64_t n_layers, const void *hidden_in, void *hidden_out,
@@ -680,12 +687,12 @@ int llm_decode_layers(const llm_layer_t *layers, int64_t n_layers, const void *h
         void *h_out = last ? hidden_out : pairs[i % 2][0];
         void *n_out = L->next_norm ? (last ? normed_out : pairs[i % 2][1]) : NULL;
         failed |= llm_layer_in(hidden, normed, L->input_norm, L->input_eps, &L->qkv, L->qkv_bias, L->n_q, L->n_kv,
-                               L->head_dim, L->q_norm, L->k_norm, L->q_eps, L->k_eps, cos, sin, cos_ld, qkv, q, k, m, d, lora ? lora + 7 * i : NULL, lora_rows,
-                               bf16, threads);
+                               L->head_dim, L->q_norm, L->k_norm, L->q_eps, L->k_eps, cos, sin, cos_ld, qkv, q, k, m,
+                               d, lora ? lora + 7 * i : NULL, lora_rows, bf16, threads);
         failed |= llm_paged_decode(q, L->n_q, k, L->n_kv, qkv + (L->n_q + L->n_kv) * es, width, L->key_cache,
                                    L->value_cache, slots, block_tables, ld_bt, context_lens, attn, m,
                                    L->n_q / L->head_dim, L->n_kv / L->head_dim, L->head_dim, block_size, L->scaling,
-                                   bf16, threads);
+                                   L->window, bf16, threads);
         failed |= llm_layer_out(attn, L->n_q, hidden, &L->o, L->o_bias, L->post_norm, L->post_eps, &L->gate_up,
                                 L->gate_up_bias, &L->down, L->down_bias, L->next_norm, L->next_eps, h_out, n_out, m, d,
                                 L->n_q, L->inter, lora ? lora + 7 * i + 3 : NULL, lora_rows, bf16, threads);

@@ -284,17 +284,24 @@ def _check_attention(rows: int, query_width: int, dtype: torch.dtype, key_cache:
                          f"{tuple(context_lens.shape)} for {rows} rows")
 
 
+def _window(window: int | None) -> int:
+    """A sliding window as the C side takes it (0: none)."""
+    if window is not None and (int(window) != window or window < 1):
+        raise ValueError(f"a sliding window of {window!r} tokens")
+    return 0 if window is None else int(window)
+
+
 def paged_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scaling: float) -> torch.Tensor:
+                 context_lens: torch.Tensor, scaling: float, window: int | None = None) -> torch.Tensor:
     """A step's attention over the paged cache, a query row at a time: every row's ``key``/``value`` [B, Nk]
     (rows of Hkv x D, last dimension contiguous) stored at the pool rows ``slots`` [B] (< 0: nowhere), then
     each row of ``query`` [B, Nq] attends ``context_lens`` [B] tokens through its ``block_tables`` row
     (int64, contiguous): a decode row its sequence's whole context; several rows of one sequence (drafts, a
     prompt chunk) each up to its own position, which makes the step causal because every store comes first.
     ``key_cache``/``value_cache`` [blocks, block_size, Hkv, D] contiguous, the query's dtype. Returns out
-    [B, Nq] (softmax in float32, rounded once). The tables' values are the caller's to check once a step
-    (``check_step_tables``)."""
+    [B, Nq] (softmax in float32, rounded once). With a sliding ``window``, a row attends only the last ``window``
+    of its tokens. The tables' values are the caller's to check once a step (``check_step_tables``)."""
     rows = query.shape[0]
     _check_attention(rows, query.shape[1], query.dtype, key_cache, value_cache, slots, block_tables, context_lens,
                      key.shape[1])
@@ -307,7 +314,7 @@ def paged_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ke
         query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
         key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         context_lens.data_ptr(), out.data_ptr(), rows, query.shape[1] // head_dim, kv_heads, head_dim, block_size,
-        scaling, DTYPES[query.dtype], library.threads())
+        scaling, _window(window), DTYPES[query.dtype], library.threads())
     _failed(failed, "paged_decode")
     return out
 
@@ -325,7 +332,7 @@ class _Layer(ctypes.Structure):
         *((name, ctypes.c_int64) for name in ("n_q", "n_kv", "head_dim", "inter")),
         *((name, ctypes.c_float) for name in ("input_eps", "post_eps", "next_eps", "scaling")),
         *((name, ctypes.c_void_p) for name in ("q_norm", "k_norm")),
-        *((name, ctypes.c_float) for name in ("q_eps", "k_eps"))]
+        *((name, ctypes.c_float) for name in ("q_eps", "k_eps")), ("window", ctypes.c_int64)]
 
 
 class DecodeStack:
@@ -333,14 +340,14 @@ class DecodeStack:
     with the KV pool's pages of each layer filled in by ``decode_layers`` (they are checked again whenever
     the pool's tensors change). The layers' weights stay referenced through their ``LayerWeights``."""
 
-    def __init__(self, layers: list[LayerWeights], scalings: list[float]):
+    def __init__(self, layers: list[LayerWeights], scalings: list[float], windows: list[int | None] | None = None):
         if any(w.dtype != layers[0].dtype or w.hidden != layers[0].hidden for w in layers):
             raise ValueError("DecodeStack: layers of different widths or dtypes")
         self.layers = layers
         self.dtype = layers[0].dtype
         self.hidden = layers[0].hidden
         self.array = (_Layer * len(layers))()
-        for entry, weights, scaling in zip(self.array, layers, scalings):
+        for entry, weights, scaling, window in zip(self.array, layers, scalings, windows or [None] * len(layers)):
             entry.input_norm, entry.post_norm, entry.next_norm = weights.input_norm, weights.post_norm, weights.next_norm
             entry.qkv_bias, entry.o_bias = weights.qkv_bias, weights.o_bias
             entry.gate_up_bias, entry.down_bias = weights.gate_up_bias, weights.down_bias
@@ -350,6 +357,7 @@ class DecodeStack:
                                                                   weights.intermediate)
             entry.input_eps, entry.post_eps, entry.next_eps = weights.input_eps, weights.post_eps, weights.next_eps
             entry.scaling = scaling
+            entry.window = _window(window)
             entry.q_norm, entry.k_norm, entry.q_eps, entry.k_eps = (weights.q_norm, weights.k_norm, weights.q_eps,
                                                                     weights.k_eps)
         self.pages: tuple = ()  # the (key, value) data pointers filled in

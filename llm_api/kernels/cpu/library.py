@@ -60,7 +60,7 @@ SIGNATURES = {
     "llm_silu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _int, _int],
     "llm_rotary": [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _int],
     "llm_paged_decode": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64,
-                         _i64, _i64, _f32, _int, _int],
+                         _i64, _i64, _f32, _i64, _int, _int],
     "llm_layer_in": [_ptr, _ptr, _ptr, _f32, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _f32, _f32, _ptr, _ptr, _i64,
                      _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _int, _int],
     "llm_layer_out": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr, _ptr, _f32, _ptr, _ptr, _i64,
