@@ -465,16 +465,19 @@ def warm_up_engine(model, settings: BenchSettings, vocab_size: int, device: torc
 
 def step_weights(model, merged: bool) -> list[torch.Tensor]:
     """The weights one decode step multiplies by, in the order it does: per layer each projection's, or with
-    ``merged`` q/k/v and gate/up concatenated (as the owned decoder's merged products read them,
-    ``llm_api.models.linear``); then the output head."""
-    from llm_api.models.linear import GATE_UP, QKV
+    ``merged`` q/k/v and gate/up as the owned decoder merges them (``llm_api.models.linear.merge``: the modules'
+    weights become views of the merged tensor, so the model holds no second copy); then the output head."""
+    from llm_api.models.linear import GATE_UP, QKV, merge
 
     weights: list[torch.Tensor] = []
     for layer in model.get_decoder().layers:
-        for owner, names in ((layer.self_attn, QKV), (layer.mlp, GATE_UP)):
-            parts = [getattr(owner, name).weight for name in names]
-            weights.extend([torch.cat(parts)] if merged else parts)
-            weights.append((owner.o_proj if owner is layer.self_attn else owner.down_proj).weight)
+        for owner, names, last in ((layer.self_attn, QKV, "o_proj"), (layer.mlp, GATE_UP, "down_proj")):
+            projection = merge(owner, names) if merged else None
+            if projection is not None and projection.weight is not None:
+                weights.append(projection.weight)
+            else:
+                weights.extend(getattr(owner, name).weight for name in names)
+            weights.append(getattr(owner, last).weight)
     weights.append(model.get_output_embeddings().weight)
     return weights
 

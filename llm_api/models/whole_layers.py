@@ -123,7 +123,8 @@ def layer_weights(layer: Any, kernels: WholeLayerKernels, next_norm: nn.Module |
                   cos: torch.Tensor, sin: torch.Tensor) -> Any:
     """The layer's ``LayerWeights`` when the set can run it whole for this input (no more rows than its
     products take, in the plan's dtype), else None."""
-    if hidden.dim() != 3 or hidden.shape[0] != 1 or not hidden.is_contiguous():
+    if (hidden.dim() != 3 or hidden.shape[0] != 1 or not hidden.is_contiguous()
+            or hidden.shape[1] > kernels.max_rows(hidden.dtype)):  # (a prefill's rows: no plan check)
         return None
     weights = layer_plan(layer, kernels, next_norm)
     if (weights is None or hidden.dtype != weights.dtype or hidden.shape[1] > kernels.max_rows(weights.dtype)

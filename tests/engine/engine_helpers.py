@@ -119,6 +119,29 @@ def run_engine(engine: LLMEngine, arrivals: dict[int, list[tuple]], max_steps: i
     return {rid: (tokens[rid], reasons.get(rid)) for rid in tokens}
 
 
+def step_outputs(engine: LLMEngine, arrivals: dict[int, list[tuple]], steps: int) -> dict[str, list]:
+    """``steps`` engine steps with ``arrivals`` as in ``run_engine``: request_id -> each step's (new token ids,
+    logprobs), for comparing two engines step by step (every request must have finished)."""
+    outputs: dict[str, list] = {}
+    for step in range(steps):
+        for request_id, prompt, params in arrivals.get(step, []):
+            engine.add_request(request_id, prompt, params)
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).append((output.new_token_ids, output.logprobs))
+    assert not engine.has_unfinished_requests()
+    return outputs
+
+
+def on_transformers_path(monkeypatch) -> None:
+    """Engines built from here on run transformers' classes with the paged attention (the oracle of the owned
+    decoder, llm_api.models), whatever the family."""
+    from llm_api.engine import model_runner
+    from llm_api.models.families import TRANSFORMERS, ModelPath
+
+    monkeypatch.setattr(model_runner, "own_model", lambda model, kernels, merged=True: (
+        None, ModelPath(TRANSFORMERS, "", "", "the test's oracle")))
+
+
 def assert_engine_idle(engine: LLMEngine) -> None:
     stats = engine.stats()
     assert not engine.has_unfinished_requests()

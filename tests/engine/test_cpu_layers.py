@@ -18,7 +18,8 @@ import shutil
 import pytest
 import torch
 
-from engine_helpers import TINY_CONFIGS, Doubled, greedy, make_engine, random_prompt, reference_greedy, run_engine
+from engine_helpers import (TINY_CONFIGS, Doubled, greedy, make_engine, random_prompt, reference_greedy, run_engine,
+                            step_outputs)
 from llm_api.kernels import cpu as cpu_kernels
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -99,17 +100,7 @@ def test_a_step_in_one_call_is_the_layer_by_layer_step(tmp_path, calls, dtype, s
     arrivals = {step: [(f"r{step}", random_prompt(generator, 3 + step) * (3 if speculative else 1),
                         greedy(9, logprobs=2))] for step in (0, 2, 5)}
 
-    def run(engine) -> dict:
-        outputs: dict[str, list] = {}
-        for step in range(40):
-            for request_id, prompt, params in arrivals.get(step, []):
-                engine.add_request(request_id, prompt, params)
-            for output in engine.step():
-                outputs.setdefault(output.request_id, []).append((output.new_token_ids, output.logprobs))
-        assert not engine.has_unfinished_requests()
-        return outputs
-
-    assert run(one_call) == (expected := run(layer_by_layer))
+    assert step_outputs(one_call, arrivals, 40) == (expected := step_outputs(layer_by_layer, arrivals, 40))
     assert calls["decode_layers"] > 0 and calls["paged_decode"] == 2 * calls["decode_layers"]
     assert calls["layer_in"] == calls["paged_decode"]  # (the twin's every step whole, none op by op)
     if speculative:

@@ -18,7 +18,8 @@ import torch
 
 from llm_api.engine.cuda_graphs import capture_batch_sizes
 
-from engine_helpers import TINY_CONFIGS, greedy, make_engine, random_prompt, reference_greedy, run_engine
+from engine_helpers import (TINY_CONFIGS, greedy, make_engine, on_transformers_path, random_prompt, reference_greedy,
+                            run_engine)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -54,14 +55,6 @@ def test_engine_with_graphs_matches_generate(arch):
     assert sum(engine.runner.decode_graphs.steps_by_size.values()) > 0
 
 
-def _transformers_path(monkeypatch):
-    from llm_api.engine import model_runner
-    from llm_api.models.families import ModelPath
-
-    monkeypatch.setattr(model_runner, "own_model", lambda model, kernels, merged=True: (
-        None, ModelPath("transformers", "", "", "the test's oracle")))
-
-
 def _first_logprobs(engine, prompt: list[int], tokens: int) -> list:
     engine.add_request("x", prompt, greedy(tokens, logprobs=5))
     rows = []
@@ -79,7 +72,7 @@ def test_the_owned_decoder_gives_transformers_logprobs_on_the_gpu(monkeypatch, a
     oracle_model = copy.deepcopy(model)
     owned = make_engine(model, num_blocks=256, max_num_seqs=8, cuda_graph_max_batch_size=8)
     with monkeypatch.context() as patch:
-        _transformers_path(patch)
+        on_transformers_path(patch)
         oracle = make_engine(oracle_model, num_blocks=256, max_num_seqs=8, cuda_graphs=False)
     prompt = random_prompt(torch.Generator().manual_seed(3), 9)
     got, expected = _first_logprobs(owned, prompt, 6), _first_logprobs(oracle, prompt, 6)
@@ -123,7 +116,7 @@ def test_one_row_products_give_transformers_logprobs_in_bf16(monkeypatch):
     oracle_model = copy.deepcopy(model)
     owned = make_engine(model, num_blocks=256, max_num_seqs=8, cuda_graph_max_batch_size=8)
     with monkeypatch.context() as patch:
-        _transformers_path(patch)
+        on_transformers_path(patch)
         oracle = make_engine(oracle_model, num_blocks=256, max_num_seqs=8, cuda_graphs=False)
     got, expected = _first_logprobs(owned, [17], 1), _first_logprobs(oracle, [17], 1)
     assert got[0].token_id == expected[0].token_id

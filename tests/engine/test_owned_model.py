@@ -16,10 +16,9 @@ import copy
 import pytest
 import torch
 
-from engine_helpers import TINY_CONFIGS, greedy, make_engine, random_prompt, tiny_model
-from llm_api.engine import model_runner
+from engine_helpers import TINY_CONFIGS, greedy, make_engine, on_transformers_path, random_prompt, step_outputs, tiny_model
 from llm_api.kernels.torch_set import TORCH_KERNELS
-from llm_api.models.families import FAMILIES, TRANSFORMERS, ModelPath, own_model
+from llm_api.models.families import FAMILIES, TRANSFORMERS, own_model
 from llm_api.models.linear import QKV
 
 OWNED = ("llama", "mistral", "qwen2", "qwen3")
@@ -65,23 +64,6 @@ def test_the_owned_model_keeps_transformers_names_and_weights():
     assert all(getattr(layer.self_attn, name).weight.untyped_storage().data_ptr() == storage for name in QKV)
 
 
-def _outputs(engine, arrivals: dict) -> dict:
-    outputs: dict[str, list] = {}
-    for step in range(60):
-        for request_id, prompt, params in arrivals.get(step, []):
-            engine.add_request(request_id, prompt, params)
-        for output in engine.step():
-            outputs.setdefault(output.request_id, []).append((output.new_token_ids, output.logprobs))
-    assert not engine.has_unfinished_requests()
-    return outputs
-
-
-def _transformers_path(monkeypatch):
-    """The engine's runner on transformers' classes (the oracle), whatever the family."""
-    monkeypatch.setattr(model_runner, "own_model", lambda model, kernels, merged=True: (
-        None, ModelPath(TRANSFORMERS, "", "", "the test's oracle")))
-
-
 def _arrivals(seed: int) -> dict:
     generator = torch.Generator().manual_seed(seed)
     return {step: [(f"r{step}", random_prompt(generator, 4 + 3 * step), greedy(8, logprobs=3))] for step in (0, 2, 3)}
@@ -95,11 +77,11 @@ def test_the_owned_decoder_computes_what_transformers_does(monkeypatch, arch, me
     owned = make_engine(model, num_blocks=64, fused_layers=merged)
     assert owned.runner.path.name == "owned"
     with monkeypatch.context() as patch:
-        _transformers_path(patch)
+        on_transformers_path(patch)
         oracle = make_engine(oracle_model, num_blocks=64, fused_layers=merged)
     assert oracle.runner.path.name == TRANSFORMERS
     arrivals = _arrivals(4)
-    got, expected = _outputs(owned, arrivals), _outputs(oracle, arrivals)
+    got, expected = step_outputs(owned, arrivals, 60), step_outputs(oracle, arrivals, 60)
     if not merged:
         assert got == expected  # (bit for bit)
         return
