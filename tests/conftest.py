@@ -363,15 +363,15 @@ def xdist_group_of(item: pytest.Item) -> str:
 # follow, in file order.
 LONG_GROUPS_FIRST = ("async_server",  # 575
                      "standalone_server",  # 475
-                     "tests/engine/test_parity.py",  # 300 (525 before its Triton cases kept one family per kind)
+                     "tests/engine/test_parity.py",  # 190 (525 before its Triton cases kept one family per kind of call)
                      "tests/test_reliability.py",  # 220 (then its load test ran 20 s per front end; now its TorchServe only)
-                     "tests/kernels/test_sanitized.py",  # 180 (two sanitized builds, then the kernel tests over them)
                      "hermes_server",  # 205 (tests/test_server_structured.py, tests/test_hostile_tools.py)
-                     "tests/test_packaging.py",  # 160
                      "classic_server",  # 140
+                     "tests/test_packaging.py",  # 115 (the main job twice)
                      "tests/test_fair_share_serving.py",  # 100
                      "tests/engine/test_bf16.py",  # 95
                      "tests/engine/test_lora.py",  # 90
+                     "tests/kernels/test_sanitized.py",  # 85 (180 when the sources changed: two sanitized builds first)
                      "tests/test_reliability_flood.py",  # 85
                      "tests/engine/test_speculative.py",  # 80
                      "tests/test_model_options.py",  # 80

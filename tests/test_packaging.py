@@ -70,7 +70,10 @@ def test_main_job_stops_on_a_bad_setting_before_torchserve_starts(tmp_path):
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("quantization", [None, "8bit", "4bit"])
+# A quantized start through the main job too: QUANTIZATION reaches the handler's loader the same way whatever its
+# value, so one value here (4bit: bitsandbytes, the slowest load) and each value's answer in-process
+# (tests/test_model_options.py: 8bit, 4bit and the GGUF formats) cover them; 8bit here too cost ~40 s of the suite.
+@pytest.mark.parametrize("quantization", [None, "4bit"])
 def test_main_job_serves_the_embedded_model(tmp_path, quantization):
     """`make serve` as a user runs it (also with QUANTIZATION), ports moved by TorchServe's TS_* variables."""
     names = ("inference", "management", "metrics", "grpc", "grpc_mgmt")

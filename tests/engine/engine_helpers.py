@@ -29,6 +29,12 @@ from transformers import (
 from llm_api.engine.engine import EngineConfig, LLMEngine
 from llm_api.kernels import triton_usable
 from llm_api.engine.sampling_params import SamplingParams
+from llm_api.model.settings import default_cache_dir
+
+# Where an engine given ``cpu_kernels_cache`` finds the CPU kernels' library: the host's build cache, the servers'
+# (tests/kernels/conftest.py's ``build_cache``: keyed by the sources, flags and CPU). A temporary folder per test
+# compiled the library again in each worker's first such engine (~15-30 s of both cores each).
+KERNELS_CACHE = str(default_cache_dir())
 
 # Engine tests of these CPU models through the Triton kernels run only under the interpreter (a GPU
 # machine runs tests/engine/test_gpu_fast_path.py instead).

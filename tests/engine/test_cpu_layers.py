@@ -18,7 +18,7 @@ import shutil
 import pytest
 import torch
 
-from engine_helpers import (TINY_CONFIGS, Doubled, greedy, make_engine, random_prompt, reference_greedy, run_engine,
+from engine_helpers import (KERNELS_CACHE, TINY_CONFIGS, Doubled, greedy, make_engine, random_prompt, reference_greedy, run_engine,
                             step_outputs)
 from llm_api.kernels import cpu as cpu_kernels
 
@@ -63,10 +63,10 @@ CASES = [("llama", True),
 
 
 @pytest.mark.parametrize("arch,whole", CASES, ids=[c[0] for c in CASES])
-def test_cpu_kernels_generate_what_generate_does(tmp_path, calls, arch, whole):
+def test_cpu_kernels_generate_what_generate_does(calls, arch, whole):
     model = _model(arch)
     reference = copy.deepcopy(model)
-    engine = make_engine(model, num_blocks=64, cpu_kernels_cache=str(tmp_path))
+    engine = make_engine(model, num_blocks=64, cpu_kernels_cache=KERNELS_CACHE)
     path = engine.runner.path
     assert (path.name, path.kernels, path.whole_layers) == ("owned", "CPU", True)
     arrivals = _arrivals(3)
@@ -85,15 +85,15 @@ def test_cpu_kernels_generate_what_generate_does(tmp_path, calls, arch, whole):
 
 @pytest.mark.parametrize("dtype,speculative", [(torch.float32, 0), (torch.bfloat16, 0), (torch.float32, 3)],
                          ids=["float32", "bfloat16", "float32-speculative"])
-def test_a_step_in_one_call_is_the_layer_by_layer_step(tmp_path, calls, dtype, speculative):
+def test_a_step_in_one_call_is_the_layer_by_layer_step(calls, dtype, speculative):
     """Three sequences decoding at once (and joining at different steps: prompt rows beside decode rows), on
     two copies of one model: with the decoder's one-call step, and with it off (each layer whole,
     ``paged_decode`` per layer); with speculation, steps of drafted rows too. Every token and every logprob
     the same, bit for bit (the same C calls in the same order)."""
     model = _model("llama", dtype)
     twin = copy.deepcopy(model)
-    one_call = make_engine(model, num_blocks=64, cpu_kernels_cache=str(tmp_path), speculative_tokens=speculative)
-    layer_by_layer = make_engine(twin, num_blocks=64, cpu_kernels_cache=str(tmp_path), speculative_tokens=speculative)
+    one_call = make_engine(model, num_blocks=64, cpu_kernels_cache=KERNELS_CACHE, speculative_tokens=speculative)
+    layer_by_layer = make_engine(twin, num_blocks=64, cpu_kernels_cache=KERNELS_CACHE, speculative_tokens=speculative)
     layer_by_layer.runner.model.get_decoder().one_call_steps = False
     generator = torch.Generator().manual_seed(5)
     # (with speculation, prompts that repeat themselves: the n-gram lookup finds drafts in them)
@@ -117,13 +117,13 @@ def test_without_a_cache_folder_the_engine_runs_the_torch_set(calls):
     assert calls == {"layer_in": 0, "layer_out": 0, "paged_decode": 0, "decode_layers": 0}
 
 
-def test_a_projection_wrapped_later_is_honoured(tmp_path, calls):
+def test_a_projection_wrapped_later_is_honoured(calls):
     """A projection wrapped after the engine made its layer plans (what a LoRA wrapper does) is called
     through its wrapper: the plan is remade and the layer runs op by op."""
 
     model = _model("llama")
     reference = copy.deepcopy(model)
-    engine = make_engine(model, num_blocks=64, cpu_kernels_cache=str(tmp_path))
+    engine = make_engine(model, num_blocks=64, cpu_kernels_cache=KERNELS_CACHE)
     generator = torch.Generator().manual_seed(8)
     first = random_prompt(generator, 6)
     assert run_engine(engine, {0: [("before", first, greedy(4))]})["before"][0] == reference_greedy(reference, first, 4)
@@ -137,7 +137,7 @@ def test_a_projection_wrapped_later_is_honoured(tmp_path, calls):
     assert calls["layer_in"] == calls["decode_layers"] == 0
 
 
-def test_the_embedded_model_decodes_as_without_kernels(tmp_path, calls, embedded_lm_fp32):
+def test_the_embedded_model_decodes_as_without_kernels(calls, embedded_lm_fp32):
     """The real model (SmolLM2-135M, float32), four sequences at once: every token as the eager engine's."""
     from llm_api.engine.engine import EngineConfig, LLMEngine
     from llm_api.engine.sampling_params import SamplingParams
@@ -157,6 +157,6 @@ def test_the_embedded_model_decodes_as_without_kernels(tmp_path, calls, embedded
                 tokens[output.request_id] += output.new_token_ids
         return [tokens[str(i)] for i in range(len(prompts))]
 
-    with_kernels = run(str(tmp_path))
+    with_kernels = run(KERNELS_CACHE)
     assert calls["decode_layers"] >= 11
     assert with_kernels == run("")

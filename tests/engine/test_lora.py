@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine_helpers import EMBEDDED_CHATS, assert_engine_idle, greedy, tiny_model
+from engine_helpers import EMBEDDED_CHATS, KERNELS_CACHE, assert_engine_idle, greedy, tiny_model
 from lora_helpers import make_adapter, peft_greedy
 from llm_api.engine.engine import EngineConfig, LLMEngine
 from llm_api.lora.config import AdapterError
@@ -48,12 +48,13 @@ def adapters(embedded, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def kernels_cache(tmp_path_factory) -> str:
-    """A cache folder for the CPU kernels' library (``llm_api.kernels.cpu``): an engine given it runs a decode
-    step's layers whole in C, the adapters' deltas included, as a server does where a C compiler exists."""
+def kernels_cache() -> str:
+    """Where the CPU kernels' library is (``llm_api.kernels.cpu``; engine_helpers.KERNELS_CACHE): an engine given it
+    runs a decode step's layers whole in C, the adapters' deltas included, as a server does where a C compiler
+    exists."""
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler: the CPU kernels are not built (transformers' code runs)")
-    return str(tmp_path_factory.mktemp("kernels"))
+    return KERNELS_CACHE
 
 
 def _served_engine(model_path, adapters, max_loras: int, **config) -> tuple[LLMEngine, LoraRegistry, dict]:

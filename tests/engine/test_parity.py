@@ -193,16 +193,17 @@ def test_abort_from_another_thread_waits_for_the_step_and_frees_blocks(tiny_mode
 
 
 # The Triton kernels see only what a layer hands the attention backend: the heads (grouped or not), the scale,
-# a sliding window and a logit softcap. One family per distinct set of those runs the kernels here, under the
-# CPU interpreter (a minute each on a 2-core host): every family reaches the same backend call through the
+# a sliding window and a logit softcap. One family per distinct kind of call runs the kernels here, under the
+# CPU interpreter (10-36 s each on a 2-core host): every family reaches the same backend call through the
 # torch backend in the tests above, and runs the kernels for real on a GPU (tests/engine/test_gpu_fast_path.py).
+# Granite (attention_multiplier as the scale: another number where gemma2 already passes its own) and gemma3
+# (windowed and full layers in a pattern: each call is mistral's or llama's) ran here too, 58 s of the suite on
+# the 2-core host for no call the others do not make.
 TRITON_ARCHS = [
-    "llama",  # grouped-query heads, the default scale: also what qwen2/3, phi, phi3 and olmo2 hand the kernels
+    "llama",  # grouped-query heads, the default scale: also what qwen2/3, phi, phi3, olmo2 and granite hand the kernels
     "gpt2",  # one K/V head per query head (also gpt_neox)
-    "mistral",  # a sliding window (also starcoder2)
-    "gemma2",  # window, logit softcap and its own query scale
-    "gemma3",  # a pattern of sliding and full layers, its own scale
-    "granite",  # attention_multiplier as the scale
+    "mistral",  # a sliding window (also starcoder2, and gemma3's windowed layers)
+    "gemma2",  # window, logit softcap and its own query scale (also gemma3's)
 ]
 # Interpreted kernels are slow (the llama run: 10 s with the common workload, 6 s with this one, alone on a
 # 2-core EPYC), so the Triton runs generate fewer tokens: the last request still arrives at step 9 beside

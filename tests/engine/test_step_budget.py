@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from engine_helpers import assert_engine_idle, get_model, greedy, make_engine, random_prompt, reference_greedy
+from engine_helpers import KERNELS_CACHE, assert_engine_idle, get_model, greedy, make_engine, random_prompt, reference_greedy
 from llm_api.engine import step_budget
 from llm_api.engine.step_budget import MAX_TOKEN_BUDGET, budget_from_timings
 
@@ -92,7 +92,7 @@ def test_a_second_engine_takes_the_cached_budget_without_probing(tiny_models, tm
     # So is running the owned model's whole layers in C (a shorter step), where a C compiler builds them.
     if shutil.which("cc") or shutil.which("gcc"):
         fourth = make_engine(model, max_num_batched_tokens=None, max_num_seqs=4, step_budget_cache=cache,
-                             cpu_kernels_cache=str(tmp_path))
+                             cpu_kernels_cache=KERNELS_CACHE)
         assert fourth.runner.path.whole_layers and fourth.step_budget is not None
         assert fourth.step_budget.key != third.step_budget.key
 

@@ -11,7 +11,7 @@ access or undefined behaviour in a kernel aborts the test process. The process m
 runtime preloaded (``LD_PRELOAD=<gcc -print-file-name=libasan.so> <... libubsan.so>``: ASan's runtime first):
 tests/kernels/test_sanitized.py starts such a pytest. ``LLM_API_CPU_KERNELS_CACHE=<folder>`` puts the builds
 there instead (a cache shared with the process that started this one, which has built them already; otherwise
-the builds go to a cache the run's workers share: ``shared_cache``), and
+the builds go to the host's build cache, the one the servers use: ``build_cache``), and
 ``LLM_API_CPU_KERNELS_BUILDS=native,x86-64`` (a comma-separated list) offers only those builds: the tests of the
 others skip.
 Nothing here changes what the server builds or loads.
@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from llm_api.kernels.cpu import library as cpu_library
+from llm_api.model.settings import default_cache_dir
 
 SANITIZED_ENV = "LLM_API_CPU_KERNELS_SANITIZED"
 CACHE_ENV = "LLM_API_CPU_KERNELS_CACHE"
@@ -73,23 +74,22 @@ class Builds(Mapping):
 
 
 @pytest.fixture(scope="session")
-def kernel_libraries(tmp_path_factory) -> Builds:
+def kernel_libraries() -> Builds:
     """Each build this CPU runs (``Builds``); sanitized under ``LLM_API_CPU_KERNELS_SANITIZED=1``."""
     if sanitized() and not _asan_preloaded():
         pytest.fail(f"{SANITIZED_ENV}=1 needs AddressSanitizer's runtime preloaded: LD_PRELOAD=$(gcc "
                     "-print-file-name=libasan.so) (tests/kernels/test_sanitized.py)", pytrace=False)
-    cache = Path(os.environ[CACHE_ENV]) if os.environ.get(CACHE_ENV) else shared_cache(tmp_path_factory)
+    cache = Path(os.environ[CACHE_ENV]) if os.environ.get(CACHE_ENV) else build_cache()
     return Builds(cache, sanitized())
 
 
-def shared_cache(tmp_path_factory) -> Path:
-    """A build cache shared by the run's pytest-xdist workers (the run's temporary base folder, above each
-    worker's own): each build is compiled once a run, by the first worker that asks for it, while the others
-    wait for it (``library.build`` locks a build's folder), where every worker used to compile its own (~15-30 s
-    of both cores each, six to eight builds a run)."""
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent
-    cache = base / "cpu-kernels-shared"
-    cache.mkdir(exist_ok=True)
-    return cache
+def build_cache() -> Path:
+    """The host's build cache, the one the servers load their library from (``LLM_API_CACHE``, else
+    ~/.cache/llm_api: ``cpu-kernels/<key>/``). A build's key hashes the sources, the compiler's version, the flags
+    and the CPU (``library.build_key``), so a run compiles only the builds whose sources changed since the last
+    run on this host, once, by the first worker that asks (``library.build`` locks a build's folder; the others
+    wait for it). Every worker used to compile its own (~15-30 s of both cores each, six to eight builds a run),
+    then one set a run into the run's temporary folder (~140 s of the suite's time on the 2-core AMD host,
+    with the sanitized builds); the build itself is tested where it matters, on temporary caches
+    (test_library.py, test_cpu_kernels.py's built-once test)."""
+    return default_cache_dir()

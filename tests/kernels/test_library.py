@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from llm_api.kernels.cpu import library
-from tests.kernels.conftest import shared_cache
+from tests.kernels.conftest import build_cache
 
 pytestmark = pytest.mark.skipif(library._compiler() is None, reason="no C compiler: the CPU kernels are not built")
 
@@ -26,9 +26,8 @@ def fresh(monkeypatch):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """The run's native build (tests/kernels/conftest.py's cache, built once a run); each test works on a copy of
-    its cache folder."""
-    path = library.build(shared_cache(tmp_path_factory))
+    """The native build (tests/kernels/conftest.py's cache); each test works on a copy of its cache folder."""
+    path = library.build(build_cache())
     cache = tmp_path_factory.mktemp("built")  # (only this build copied: other workers may be building beside it)
     (cache / "cpu-kernels" / path.parent.name).mkdir(parents=True)
     shutil.copy2(path, cache / "cpu-kernels" / path.parent.name / path.name)

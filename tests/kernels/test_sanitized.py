@@ -3,7 +3,7 @@ sanitized builds, so an out-of-bounds access, a use after free or undefined beha
 the suite; and a check that a failed allocation inside ``paged_decode`` is an error, not a crash.
 
 ``test_the_kernel_tests_pass_under_the_sanitizers`` builds the library with ``library.build(...,
-sanitize=True)`` into a temporary cache (``-march=native`` and plain ``x86-64``, the scalar C; and
+sanitize=True)`` into the host's build cache (its own key: the servers never load it) (``-march=native`` and plain ``x86-64``, the scalar C; and
 ``x86-64-v3`` too where native is not AVX2's code, a CPU with AVX-512), then starts a pytest over
 tests/kernels/test_cpu_kernels.py, test_quant_kernels.py and test_kernel_sweep.py with the sanitizers'
 runtime preloaded (``LD_PRELOAD``: gcc's libasan, then libubsan; the library is loaded by a Python that was
@@ -19,8 +19,9 @@ four of the sweep's 18 shapes per test (heads of 64/80/128 values, groups of 1/4
 ``llm_rotary``, ``llm_paged_decode`` (test_paged_decode_stores_and_attends and the sweep, a group above 64
 included), ``llm_greedy_pick``, ``llm_use_amx``, ``llm_layer_in``, ``llm_layer_out``, ``llm_decode_layers``
 (the sweep, dense and quantized), ``llm_q_format`` (the sweep), ``llm_q_dequantize``, ``llm_q_repack``,
-``llm_q_quantize`` and ``llm_q_product`` (test_quant_kernels). Measured on the 2-core AMD host: ~2 min,
-most of it the two sanitized builds (quant.c under ASan + UBSan, ~40 s at -O1).
+``llm_q_quantize`` and ``llm_q_product`` (test_quant_kernels). Measured on the 2-core AMD host: ~2 min
+when the sources changed since the last run, most of it the two sanitized builds (quant.c under ASan + UBSan,
+~40 s at -O1); ~75 s of tests when the host's cache holds them.
 
 ``test_an_out_of_bounds_read_is_caught`` proves the job can fail: ``llm_q_dequantize`` called through ctypes
 (past the Python checks) on blocks a row shorter than the call says, malloc'd where ASan sees their end,
@@ -44,6 +45,7 @@ from pathlib import Path
 import pytest
 
 from llm_api.kernels.cpu import library as cpu_library
+from tests.kernels.conftest import build_cache
 
 REPO = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = ["tests/kernels/test_cpu_kernels.py", "tests/kernels/test_quant_kernels.py",
@@ -83,10 +85,12 @@ def _marches() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def sanitized(tmp_path_factory) -> tuple[Path, list[str], list[str]]:
-    """(the cache holding the sanitized builds, the marches built, the runtime to preload)."""
+def sanitized() -> tuple[Path, list[str], list[str]]:
+    """(the cache holding the sanitized builds, the marches built, the runtime to preload). The host's build cache
+    (tests/kernels/conftest.py's ``build_cache``: keyed by the sources and flags, so only a changed source is
+    compiled again, ~90 s of the suite's time on a 2-core host when it is)."""
     _, runtime = _runtime()
-    cache = tmp_path_factory.mktemp("sanitized-kernels")
+    cache = build_cache()
     marches = _marches()
     for march in marches:
         cpu_library.build(cache, march, sanitize=True)

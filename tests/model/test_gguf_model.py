@@ -25,7 +25,7 @@ from llm_api.engine.sampling_params import SamplingParams
 from llm_api.kernels.cpu import library as cpu_library
 from llm_api.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from llm_api.model.loader import load
-from llm_api.model.settings import ConfigError, Settings
+from llm_api.model.settings import ConfigError, Settings, default_cache_dir
 
 pytestmark = pytest.mark.skipif(cpu_library._compiler() is None, reason="no C compiler: quantized models need the CPU kernels")
 
@@ -34,8 +34,10 @@ PROMPT = [1, 40, 71, 200, 7, 99, 3, 150, 151, 152, 5, 60]
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
+    """The models' cache (LLM_API_CACHE: the GGUF files' tokenizers); the CPU kernels' library is the host's build
+    cache's, as the servers load it (a build here compiled it again in every worker: ~15-30 s of both cores)."""
     path = tmp_path_factory.mktemp("cache")
-    assert cpu_library.load(path)
+    assert cpu_library.load(default_cache_dir())
     return path
 
 

@@ -12,7 +12,7 @@ from llm_api.kernels.cpu import library as cpu_library
 from llm_api.kernels.cpu import quant
 from llm_api.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from llm_api.model.loader import load
-from llm_api.model.settings import ConfigError, Settings
+from llm_api.model.settings import ConfigError, Settings, default_cache_dir
 
 pytestmark = pytest.mark.skipif(cpu_library._compiler() is None, reason="no C compiler: quantized models need the CPU kernels")
 
@@ -23,7 +23,7 @@ def checkpoints(tmp_path_factory):
     from transformers import AutoTokenizer
 
     root = tmp_path_factory.mktemp("checkpoints")
-    assert cpu_library.load(root / "cache")
+    assert cpu_library.load(default_cache_dir())  # (the host's build cache, as the servers load the library)
     write_gguf(root / "tokenizer.gguf", tiny_model("llama"), "llama")  # (for its tokenizer only)
     tokenizer = AutoTokenizer.from_pretrained(root, gguf_file="tokenizer.gguf")
     folders = {}
