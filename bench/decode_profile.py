@@ -78,8 +78,14 @@ def weight_bytes(model) -> int:
                 continue
             seen.add(tensor.data_ptr())
         total += tensor.numel() * tensor.element_size()
-    embedding = model.get_input_embeddings().weight
-    output_weight = getattr(model.get_output_embeddings(), "weight", None)
+    # (a GGUF model's embedding and head are quantized modules: their blocks, not a weight)
+    embedding_module, head = model.get_input_embeddings(), model.get_output_embeddings()
+    embedding = getattr(embedding_module, "weight", None)
+    if embedding is None:
+        embedding = embedding_module.blocks
+    output_weight = getattr(head, "weight", None)
+    if output_weight is None:
+        output_weight = getattr(head, "blocks", None)
     if output_weight is None or output_weight.data_ptr() != embedding.data_ptr():
         total -= embedding.numel() * embedding.element_size()
     return total
