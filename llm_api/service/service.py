@@ -64,7 +64,7 @@ from llm_api.engine.support import unsupported_reason
 from llm_api.errors import ApiError, echo, internal_error, model_not_found
 from llm_api.lora.config import AdapterError
 from llm_api.lora.registry import AdapterInUseError, AdapterPathError, LoraRegistry
-from llm_api.model.host_memory import release_freed_heap
+from llm_api.model.host_memory import release_freed_heap, release_unreferenced_file_pages
 from llm_api.model.loader import LoadedModel, load
 from llm_api.model.settings import ConfigError, Settings
 from llm_api.service.admission import Admission, request_work
@@ -123,6 +123,7 @@ class ModelService:
         gc.collect()
         gc.freeze()
         release_freed_heap()  # what loading and the engine's start-up freed (llm_api.model.host_memory)
+        release_unreferenced_file_pages(service.lm.model)  # the checkpoint's pages the merged copies replaced
         return service
 
     @functools.cached_property
