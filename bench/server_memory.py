@@ -351,8 +351,8 @@ def main():
             info = build_info(Path(args.llamacpp_dir))
             memory = {}
             rows = [(dtype, dtype, None) for dtype in args.dtypes.split(",") if dtype]
-            rows += [(Path(gguf_path(info, name)).name, args.dtype_for_formats or "", gguf_path(info, name))
-                     for name in args.formats.split(",") if name]
+            files = [gguf_path(info, name) for name in args.formats.split(",") if name]
+            rows += [(Path(path).name, args.dtype_for_formats or "", path) for path in files]
             for label, dtype, gguf in rows:
                 for context in (int(c) for c in args.contexts.split(",")):
                     memory[(label, context)] = measure_memory(info, dtype, context, args, work, gguf)

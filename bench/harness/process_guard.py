@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
     with open(args.pid_file + ".tmp", "w") as f:
         f.write(str(child.pid))
     os.replace(args.pid_file + ".tmp", args.pid_file)
-    while not _wait_for_either(child, parent):  # the launching process is gone: end the whole group
+    if not _wait_for_either(child, parent):  # the launching process is gone: end the whole group
         os.killpg(os.getpgrp(), signal.SIGTERM)
         deadline = time.monotonic() + GRACE_S
         while child.poll() is None and time.monotonic() < deadline:

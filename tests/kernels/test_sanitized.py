@@ -3,8 +3,9 @@ sanitized builds, so an out-of-bounds access, a use after free or undefined beha
 the suite; and a check that a failed allocation inside ``paged_decode`` is an error, not a crash.
 
 ``test_the_kernel_tests_pass_under_the_sanitizers`` builds the library with ``library.build(...,
-sanitize=True)`` into the host's build cache (its own key: the servers never load it) (``-march=native`` and plain ``x86-64``, the scalar C; and
-``x86-64-v3`` too where native is not AVX2's code, a CPU with AVX-512), then starts a pytest over
+sanitize=True)`` into the host's build cache, under a key of their own that the servers never load
+(``-march=native`` and plain ``x86-64``, the scalar C; and ``x86-64-v3`` too where native is not AVX2's code, a
+CPU with AVX-512), then starts a pytest over
 tests/kernels/test_cpu_kernels.py, test_quant_kernels.py and test_kernel_sweep.py with the sanitizers'
 runtime preloaded (``LD_PRELOAD``: gcc's libasan, then libubsan; the library is loaded by a Python that was
 not linked with them) and ``LLM_API_CPU_KERNELS_SANITIZED=1`` (tests/kernels/conftest.py: every build those
