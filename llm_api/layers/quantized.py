@@ -1,12 +1,13 @@
 """A linear layer and an embedding whose weights stay in a GGUF block format (``llm_api.kernels.cpu.quant``).
 
 ``QuantizedLinear`` replaces an ``nn.Linear`` of a model on the CPU: ``forward(x)`` is ``x @ W.T (+ bias)`` for any
-number of rows, computed by the C product over the blocks (every row's input quantized to 8 bits per block of 32,
-integer dot products), in x's dtype (float32 or bfloat16: the model's). It has ``in_features`` and
-``out_features`` like the module it replaces, so LoRA wraps it as it wraps any linear (the adapters' delta in
-float over the quantized base: QLoRA's serving shape), and ``llm_api.models.whole_layers`` hands its blocks to
-the whole-layer C calls. ``QuantizedEmbedding`` looks rows up by de-quantizing only those rows. A tied output
-head is a ``QuantizedLinear`` over the embedding's own blocks (one copy in memory).
+number of rows, computed by the C product over the blocks (every row's input quantized per block of 32 to
+``input_digits`` 8-bit digits a value, QUANT_ACTIVATIONS: ``set_input_digits``; integer dot products), in x's dtype
+(float32 or bfloat16: the model's). It has ``in_features`` and ``out_features`` like the module it replaces, so
+LoRA wraps it as it wraps any linear (the adapters' delta in float over the quantized base: QLoRA's serving shape),
+and ``llm_api.models.whole_layers`` hands its blocks to the whole-layer C calls. ``QuantizedEmbedding`` looks rows
+up by de-quantizing only those rows. A tied output head is a ``QuantizedLinear`` over the embedding's own blocks
+(one copy in memory).
 
 The blocks are a buffer (``blocks``: uint8 [rows, bytes a row], not saved in a state dict: the model's weights
 come from its file), so a module moved or copied keeps them; the ``Product`` the C calls read is remade when
@@ -35,6 +36,7 @@ class QuantizedLinear(nn.Module):
         self.out_features = weight.rows
         self.format: BlockFormat = weight.format
         self.layout = weight.layout
+        self.input_digits = weight.input_digits
         self.register_buffer("blocks", weight.blocks, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().contiguous(), requires_grad=False)
         self._product: Product | None = None
@@ -42,14 +44,15 @@ class QuantizedLinear(nn.Module):
     @property
     def quantized(self) -> QuantizedWeight:
         """The weight as the kernels take it (the blocks where they are now)."""
-        return QuantizedWeight(self.format, self.blocks, self.in_features, self.layout)
+        return QuantizedWeight(self.format, self.blocks, self.in_features, self.layout, self.input_digits)
 
     @property
     def product(self) -> Product:
-        """This layer's product alone, remade where the blocks moved since it was made."""
+        """This layer's product alone, remade where the blocks moved or the input digits changed since it was made."""
         product = self._product
         first = None if product is None else product.parts[0]
-        if product is None or not isinstance(first, QuantizedWeight) or first.blocks.data_ptr() != self.blocks.data_ptr():
+        if (product is None or not isinstance(first, QuantizedWeight) or first.blocks.data_ptr() != self.blocks.data_ptr()
+                or product.input_digits != self.input_digits):
             product = self._product = Product([self.quantized], self.in_features)
         return product
 
@@ -61,7 +64,7 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.format.name}, "
-                f"layout={self.layout}, bias={self.bias is not None}")
+                f"layout={self.layout}, input_digits={self.input_digits}, bias={self.bias is not None}")
 
 
 class QuantizedEmbedding(nn.Module):
@@ -96,3 +99,15 @@ def embedding_dtype(module: nn.Module) -> torch.dtype:
     if isinstance(module, QuantizedEmbedding):
         return module.dtype
     return module.weight.dtype  # type: ignore[union-attr, return-value]
+
+
+def set_input_digits(model: nn.Module, digits: int) -> int:
+    """Every ``QuantizedLinear`` of ``model`` quantizes its inputs to ``digits`` 8-bit digits a value (1 or 2:
+    ``quant.INPUT_DIGITS``, QUANT_ACTIVATIONS); before the first product is made (a merged layer's product
+    reads its parts' digits when it is made). The number of layers set."""
+    if digits not in quant.INPUT_DIGITS.values():
+        raise ValueError(f"a product's inputs have 1 or 2 digits, not {digits!r}")
+    layers = [module for module in model.modules() if isinstance(module, QuantizedLinear)]
+    for layer in layers:
+        layer.input_digits = digits
+    return len(layers)

@@ -53,16 +53,19 @@ def reference(weight: quant.QuantizedWeight) -> np.ndarray:
     return gguf.quants.dequantize(weight.blocks.numpy(), GGMLQuantizationType(weight.format.type_id))
 
 
-def quantized_input(x: np.ndarray) -> np.ndarray:
-    """The input as the kernels quantize it (quant.c: per block of 32, hi = rint(x / (max|x| / 63)), lo = the rest
-    in units of max|x| / (63 x 127), clamped to 64), in float64: the same float32 operations in numpy."""
+def quantized_input(x: np.ndarray, digits: int = 2) -> np.ndarray:
+    """The input as the kernels quantize it, in float64 (the same float32 operations in numpy). quant.c, per block
+    of 32: two digits, hi = rint(x / (max|x| / 63)) and lo = the rest in units of max|x| / (63 x 127), clamped
+    to 64; one digit, hi = rint(x / (max|x| / 127))."""
     rows, k = x.shape
     blocks = x.astype(np.float32).reshape(rows, k // 32, 32)
     amax = np.abs(blocks).max(axis=-1, keepdims=True)
-    scale = amax / np.float32(63)
+    scale = amax / np.float32(63 if digits == 2 else 127)
     with np.errstate(divide="ignore"):
         inverse = np.where(scale != 0, np.float32(1) / scale, np.float32(0)).astype(np.float32)
     hi = np.rint(blocks * inverse).astype(np.float32)
+    if digits == 1:
+        return (scale.astype(np.float64) * hi.astype(np.float64)).reshape(rows, k)
     rest = blocks - hi * scale
     unit = scale / np.float32(127)
     with np.errstate(divide="ignore"):
@@ -123,31 +126,34 @@ def test_quantization_round_trips_within_its_bits(build, name, bound):
     assert ((back - values).norm() / values.norm()).item() < bound
 
 
+@pytest.mark.parametrize("digits", [2, 1])
 @pytest.mark.parametrize("name,rows,k", list(_cases()))
-def test_products_are_exact_up_to_float32_sums(build, name, rows, k):
+def test_products_are_exact_up_to_float32_sums(build, name, rows, k, digits):
     fmt = quant.FORMATS[name]
     rng = _rng(f"product{name}{rows}{k}")
-    weight = quant.QuantizedWeight(fmt, random_blocks(fmt, rows, k, rng), k)
+    weight = quant.QuantizedWeight(fmt, random_blocks(fmt, rows, k, rng), k, input_digits=digits)
     w64 = reference(weight).astype(np.float64)
     x = rng.standard_normal((7, k)).astype(np.float32)
     x[1, :5] *= 100.0  # (a block with an outlier: the second digit keeps its small neighbours)
-    exact = quantized_input(x) @ w64.T
+    exact = quantized_input(x, digits) @ w64.T
     float_product = x.astype(np.float64) @ w64.T
-    magnitude = np.abs(quantized_input(x)) @ np.abs(w64).T
+    magnitude = np.abs(quantized_input(x, digits)) @ np.abs(w64).T
     for each in [weight] + ([quant.repack(weight)] if name in quant.REPACKABLE else []):
+        assert each.input_digits == digits
         got = quant.product(torch.from_numpy(x), quant.Product([each], k)).double().numpy()
         assert np.all(np.abs(got - exact) <= 2e-6 * magnitude + 1e-30), (each.layout, np.abs(got - exact).max())
-        # and the digits' error: at most half a unit of max|x| / (63 x 127) a value
-        unit = np.abs(x.reshape(7, -1, 32)).max(-1).repeat(32, -1) / (63 * 127)
+        # and the digits' error: at most half a unit of max|x| / (63 x 127) a value (one digit: of max|x| / 127)
+        unit = np.abs(x.reshape(7, -1, 32)).max(-1).repeat(32, -1) / (63 * 127 if digits == 2 else 127)
         assert np.all(np.abs(got - float_product) <= (unit @ np.abs(w64).T) * 0.51 + 2e-6 * magnitude)
 
 
+@pytest.mark.parametrize("digits", [2, 1])
 @pytest.mark.parametrize("name", quant.REPACKABLE)
-def test_a_rows_result_does_not_depend_on_its_batch(build, name):
+def test_a_rows_result_does_not_depend_on_its_batch(build, name, digits):
     fmt = quant.FORMATS[name]
     k = fmt.block * 2
     rng = _rng(f"batch{name}")
-    weight = quant.QuantizedWeight(fmt, random_blocks(fmt, 37, k, rng), k)
+    weight = quant.QuantizedWeight(fmt, random_blocks(fmt, 37, k, rng), k, input_digits=digits)
     x = torch.from_numpy(rng.standard_normal((70, k)).astype(np.float32))
     for each in (weight, quant.repack(weight)):
         product = quant.Product([each], k)
@@ -206,6 +212,14 @@ def test_bad_arguments_are_refused(build):
         quant.dequantize(weight, torch.tensor([-1]))
     with pytest.raises(ValueError, match="layout"):
         quant.repack(quant.QuantizedWeight(quant.FORMATS["Q5_1"], random_blocks(quant.FORMATS["Q5_1"], 8, 32, _rng("x")), 32))
+    with pytest.raises(ValueError, match="1 or 2 digits"):
+        quant.QuantizedWeight(fmt, blocks, 256, input_digits=3)
+    with pytest.raises(ValueError, match="alike"):
+        quant.Product([weight, quant.QuantizedWeight(fmt, blocks, 256, input_digits=1)], 256)
+    product = quant.Product([weight], 256)
+    product.struct.digits = 3  # (what the C side alone refuses: no input precision but 1 and 2 digits)
+    x, y = torch.randn(1, 256), torch.empty(1, 8)
+    assert cpu_library.lib().llm_q_product(x.data_ptr(), 256, product.pointer(), None, y.data_ptr(), 8, 1, 256, 0, 1) == 2
     # the C side refuses what the wrappers would: an unknown type, K not whole blocks
     lib = cpu_library.lib()
     out = torch.empty(1, 256)

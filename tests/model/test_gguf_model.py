@@ -108,12 +108,16 @@ def _generate(model, prompt, max_new_tokens):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("arch,linear", [("llama", "Q4_K"), ("qwen2", "Q8_0"), ("qwen3", "Q6_K")])
-def test_engine_greedy_equals_generate_with_and_without_speculation(tmp_path, cache, monkeypatch, arch, linear):
+@pytest.mark.parametrize("arch,linear,activations", [("llama", "Q4_K", "int8x2"), ("qwen2", "Q8_0", "int8x2"),
+                                                     ("qwen3", "Q6_K", "int8x2"), ("qwen2", "Q8_0", "int8")])
+def test_engine_greedy_equals_generate_with_and_without_speculation(tmp_path, cache, monkeypatch, arch, linear,
+                                                                    activations):
     from llm_api.kernels import cpu as cpu_kernels
 
     write_gguf(tmp_path / "m.gguf", tiny_model(arch, tied=True), arch, linear, "Q8_0")
-    lm = _load(cache, tmp_path / "m.gguf")
+    lm = _load(cache, tmp_path / "m.gguf", QUANT_ACTIVATIONS=activations)
+    digits = {m.input_digits for m in lm.model.modules() if isinstance(m, QuantizedLinear)}
+    assert digits == {2 if activations == "int8x2" else 1}
     prompts = [PROMPT, [1, 9, 9, 9, 9, 30, 31, 32, 30, 31, 32, 30, 31], list(range(3, 60))]
     expected = [_generate(lm.model, prompt, 24) for prompt in prompts]
     engine = _engine(lm, cpu_kernels_cache=str(cache))
@@ -127,6 +131,19 @@ def test_engine_greedy_equals_generate_with_and_without_speculation(tmp_path, ca
     assert len(one_call_steps) >= 23
     speculative = _engine(lm, cpu_kernels_cache=str(cache), speculative_tokens=4)
     assert _greedy_engine(speculative, prompts, 24) == expected
+
+
+def test_one_digit_inputs_compute_the_files_values_to_8_bits(tmp_path, cache):
+    """QUANT_ACTIVATIONS=int8 (llama.cpp's Q8 activations): the same model within one 8-bit digit's error of the
+    float reference, and not the two-digit numbers (the setting reaches every product)."""
+    model = tiny_model("llama", True)
+    held = write_gguf(tmp_path / "m.gguf", model, "llama", "Q4_0", "Q8_0", "Q6_K")
+    want = _logits(reference_model(model, held), PROMPT)
+    one, two = (_logits(_load(cache, tmp_path / "m.gguf", QUANT_ACTIVATIONS=value).model, PROMPT)
+                for value in ("int8", "int8x2"))
+    span = want.max() - want.min()
+    assert (two - want).abs().max() <= 1e-3 * span
+    assert 1e-4 * span < (one - want).abs().max() <= 2e-2 * span and (one - want).abs().max() > (two - want).abs().max()
 
 
 def test_lora_over_a_quantized_base_is_pefts_over_the_dequantized_one(tmp_path, cache):

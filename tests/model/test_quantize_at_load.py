@@ -35,9 +35,9 @@ def checkpoints(tmp_path_factory):
     return folders
 
 
-def _load(folder, cache, scheme):
+def _load(folder, cache, scheme, **env):
     return load(Settings.from_env({"MODEL_PATH": str(folder), "QUANTIZATION": scheme, "DTYPE": "float32",
-                                   "LLM_API_CACHE": str(cache)}))
+                                   "LLM_API_CACHE": str(cache), **env}))
 
 
 # scheme -> (the layers' format, down_proj's (input 512: a multiple of 256), the head's)
@@ -70,6 +70,12 @@ def test_formats_follow_llama_quantizes_rules_and_the_logits_hold(checkpoints, t
     with torch.no_grad():
         got, want = lm.model(ids).logits, float_model(ids).logits
     assert (got - want).abs().max() <= 1e-3 * (want.max() - want.min())
+
+
+def test_quant_activations_reach_every_quantized_layer(checkpoints, tmp_path):
+    lm = _load(checkpoints[True], tmp_path, "q4_0", QUANT_ACTIVATIONS="int8")
+    layers = [m for m in lm.model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) > 1 and {m.input_digits for m in layers} == {1} and lm.model.lm_head.product.input_digits == 1
 
 
 def test_quantization_needs_the_cpu(checkpoints, tmp_path, monkeypatch):

@@ -341,28 +341,36 @@ int llm_q_quantize(int64_t type, const float *x, int64_t n, int64_t k, void *out
 }
 
 /* ---------------------------------------------------------------------------------------------------
- * The product's input rows, quantized per block of 32 into two signed 8-bit digits a value, x ~ unit (127 hi +
- * lo): hi = x / (max|x| / 63) rounded (|hi| <= 63), lo the rest in units of max|x| / (63 x 127) (|lo| <= 64), so
- * a block keeps ~13 bits where one digit (llama.cpp's Q8_0 / Q8_1 activations) keeps 8. hi keeps to 7 bits so
- * that any unsigned weight byte (0..255) times a digit, summed in pairs, fits maddubs' 16 bits: Q8_0's values
- * are stored with their sign bit flipped in the grouped layout and read as unsigned. Each product then costs
- * two integer dot products (the weights' bytes unpacked once for both digits) instead of one. Why: with one digit
- * the embedded model's greedy answers changed where large and small values share a block (SmolLM2-135M's Q4_1
- * file answers "What is the capital of France?" with "L'Étoile, la Marseur..." where float activations
- * answer "The capital of France is Paris.", as llama.cpp does on the same file; docs/model-options.md). Also
- * stored: `unit`, and unit x the digits' sum (127 hi + lo) of each half block and each block (what the
- * formats whose values are offset, q - 8 or d q + m, subtract or add). Rounding is to nearest even. A block
- * holding an infinity or a NaN gets unit = NaN (and digits 0): the row's outputs become NaN, as a float
- * product's would, and the engine's finiteness check sees them. */
+ * The product's input rows, quantized per block of 32 values, in one of two precisions (the product's `digits`,
+ * QUANT_ACTIVATIONS at load):
+ *   2 (the default): two signed 8-bit digits a value, x ~ unit (127 hi + lo): hi = x / (max|x| / 63) rounded
+ *     (|hi| <= 63), lo the rest in units of unit = max|x| / (63 x 127) (|lo| <= 64): ~13 bits a block. hi keeps
+ *     to 7 bits so that any unsigned weight byte (0..255) times a digit, summed in pairs, fits maddubs' 16 bits
+ *     (Q8_0's values are stored with their sign bit flipped in the grouped layout and read as unsigned). Each
+ *     product costs two integer dot products a value (the weights' bytes unpacked once for both digits).
+ *   1: one signed 8-bit digit, x ~ unit hi, unit = max|x| / 127 (|hi| <= 127): llama.cpp's Q8_0 / Q8_1
+ *     activations, one dot product a value. Q8_0's weights are then multiplied signed (maddubs of |w| and the
+ *     digit given w's sign: 2 x 128 x 127 fits 16 bits), the other formats' values are unsigned below 64.
+ * Why two by default: with one digit the embedded model's greedy answers change where large and small values
+ * share a block (SmolLM2-135M's Q4_1 file answers "What is the capital of France?" with "L'Étoile, la
+ * Marseillaise..." as llama.cpp does on the same file, where two digits and float activations answer "The
+ * capital of France is Paris."; docs/model-options.md), and the second digit costs most where the step is not
+ * bound by reading the weights. Also stored: `unit`, and unit x the digits' sum (127 hi + lo, or hi) of each
+ * half block and each block (what the formats whose values are offset, q - 8 or d q + m, subtract or add).
+ * Rounding is to nearest even. A block holding an infinity or a NaN gets unit = NaN (and digits 0): the row's
+ * outputs become NaN, as a float product's would, and the engine's finiteness check sees them. */
 
 typedef struct {
-    int8_t *hi, *lo;      /* [m][k] each */
+    int8_t *hi, *lo;      /* [m][k] each (lo all 0 with one digit) */
     float *d, *s32, *s16; /* unit, unit x digit sums: [m][k / 32], [m][k / 32], [m][k / 16] */
     int64_t k, blocks;    /* k / 32 */
 } acts_t;
 
-static void quantize_acts_row(const void *x, int bf16, int64_t k, int8_t *hi, int8_t *lo, float *d, float *s32,
-                              float *s16) {
+/* The factor of hi in a value: 127 with two digits, 1 with one. */
+#define HI_WEIGHT(digits) ((digits) == 2 ? 127 : 1)
+
+static void quantize_acts_row(const void *x, int bf16, int64_t k, int digits, int8_t *hi, int8_t *lo, float *d,
+                              float *s32, float *s16) {
     for (int64_t b = 0; b < k / 32; b++) {
         float v[32];
         for (int j = 0; j < 32; j++) v[j] = load_as_f32(x, b * 32 + j, bf16);
@@ -379,8 +387,8 @@ static void quantize_acts_row(const void *x, int bf16, int64_t k, int8_t *hi, in
             d[b] = s32[b] = s16[2 * b] = s16[2 * b + 1] = NAN;
             continue;
         }
-        float scale = amax / 63.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
-        float unit = scale / 127.0f, inverse_unit = unit != 0.0f ? 1.0f / unit : 0.0f;
+        float scale = amax / (digits == 2 ? 63.0f : 127.0f), inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+        float unit = scale / (float)HI_WEIGHT(digits), inverse_unit = unit != 0.0f ? 1.0f / unit : 0.0f;
         int sums[2] = {0, 0};
 #if defined(__AVX2__)
         const __m256 iv = _mm256_set1_ps(inverse), sv = _mm256_set1_ps(scale), uv = _mm256_set1_ps(inverse_unit);
@@ -390,7 +398,8 @@ static void quantize_acts_row(const void *x, int bf16, int64_t k, int8_t *hi, in
             __m256 values = _mm256_loadu_ps(v + 8 * i);
             h[i] = _mm256_cvtps_epi32(_mm256_mul_ps(values, iv));
             __m256 rest = _mm256_sub_ps(values, _mm256_mul_ps(_mm256_cvtepi32_ps(h[i]), sv));
-            l[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(rest, uv)), most), least);
+            l[i] = digits == 2 ? _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(rest, uv)), most), least)
+                               : _mm256_setzero_si256();
         }
         /* (the packs interleave the 128-bit lanes: 4-value groups 0 4 1 5 2 6 3 7 back into order) */
         const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -402,10 +411,10 @@ static void quantize_acts_row(const void *x, int bf16, int64_t k, int8_t *hi, in
         for (int j = 0; j < 32; j++) {
             float whole = nearbyintf(v[j] * inverse), rest = nearbyintf((v[j] - whole * scale) * inverse_unit);
             hb[j] = (int8_t)whole;
-            lb[j] = (int8_t)(rest > 64.0f ? 64.0f : rest < -64.0f ? -64.0f : rest);
+            lb[j] = digits == 2 ? (int8_t)(rest > 64.0f ? 64.0f : rest < -64.0f ? -64.0f : rest) : 0;
         }
 #endif
-        for (int j = 0; j < 32; j++) sums[j / 16] += 127 * hb[j] + lb[j];
+        for (int j = 0; j < 32; j++) sums[j / 16] += HI_WEIGHT(digits) * hb[j] + lb[j];
         d[b] = unit;
         s16[2 * b] = unit * (float)sums[0];
         s16[2 * b + 1] = unit * (float)sums[1];
@@ -577,8 +586,9 @@ static inline __attribute__((always_inline)) __m256i block_vector(const int64_t 
 }
 #endif
 
-/* sums[i][a] = weight row w[i] . input row r0 + a, for a < mr (a compile-time constant where inlined). */
-static inline __attribute__((always_inline)) void tile(const int64_t type, const uint8_t *const w[NR],
+/* sums[i][a] = weight row w[i] . input row r0 + a, for a < mr (mr and digits compile-time constants where
+ * inlined). */
+static inline __attribute__((always_inline)) void tile(const int64_t type, const int digits, const uint8_t *const w[NR],
                                                        const acts_t *x, int64_t r0, const int mr, float sums[NR][QMR]) {
     const int offsets = offset_kind(type);
     float offset[NR][QMR];
@@ -605,7 +615,7 @@ static inline __attribute__((always_inline)) void tile(const int64_t type, const
             t[i] = block_terms(type, w[i], b);
             wv[i] = block_vector(type, w[i], b);
             mul[i] = _mm256_set_m128i(_mm_set1_epi16(t[i].mul_hi), _mm_set1_epi16(t[i].mul_lo));
-            mul127[i] = _mm256_mullo_epi16(mul[i], _mm256_set1_epi16(127));
+            mul127[i] = _mm256_mullo_epi16(mul[i], _mm256_set1_epi16(HI_WEIGHT(digits)));
         }
         for (int a = 0; a < mr; a++) {
             __m256i xv = _mm256_loadu_si256((const __m256i *)(xh[a] + b * 32));
@@ -616,13 +626,14 @@ static inline __attribute__((always_inline)) void tile(const int64_t type, const
                 if (type == LLM_Q8_0) {
                     __m256i magnitude = _mm256_sign_epi8(wv[i], wv[i]);
                     high = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv, wv[i]));
-                    low = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xr, wv[i]));
+                    low = digits == 2 ? _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xr, wv[i])) : high;
                 } else {
                     high = _mm256_maddubs_epi16(wv[i], xv);
-                    low = _mm256_maddubs_epi16(wv[i], xr);
+                    low = digits == 2 ? _mm256_maddubs_epi16(wv[i], xr) : high;
                 }
-                __m256 sum = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(high, mul127[i]),
-                                                                 _mm256_madd_epi16(low, mul[i])));
+                __m256i whole = _mm256_madd_epi16(high, mul127[i]);
+                if (digits == 2) whole = _mm256_add_epi32(whole, _mm256_madd_epi16(low, mul[i]));
+                __m256 sum = _mm256_cvtepi32_ps(whole);
                 acc[i][a] = _mm256_fmadd_ps(sum, _mm256_set1_ps(t[i].scale * dx), acc[i][a]);
                 if (offsets == OFFSET_BLOCK) offset[i][a] += t[i].lo * x32[a][b];
                 else if (offsets == OFFSET_HALVES) offset[i][a] += t[i].lo * x16[a][2 * b] + t[i].hi * x16[a][2 * b + 1];
@@ -644,8 +655,8 @@ static inline __attribute__((always_inline)) void tile(const int64_t type, const
                 const int8_t *h = xh[a] + b * 32, *r = xl[a] + b * 32;
                 int lo = 0, hi = 0;
                 for (int l = 0; l < 16; l++) {
-                    lo += values[l] * (127 * h[l] + r[l]);
-                    hi += values[l + 16] * (127 * h[l + 16] + r[l + 16]);
+                    lo += values[l] * (HI_WEIGHT(digits) * h[l] + r[l]);
+                    hi += values[l + 16] * (HI_WEIGHT(digits) * h[l + 16] + r[l + 16]);
                 }
                 acc[i][a] += (float)(lo * t.mul_lo + hi * t.mul_hi) * (t.scale * xd[a][b]);
                 if (offsets == OFFSET_BLOCK) offset[i][a] += t.lo * x32[a][b];
@@ -863,28 +874,35 @@ int llm_q_dequantize(int64_t type, int64_t layout, const void *blocks, int64_t n
 static inline __m256i srl16(__m256i v, int n) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(n)); }
 static inline __m256i sll16(__m256i v, int n) { return _mm256_sll_epi16(v, _mm_cvtsi32_si128(n)); }
 
-/* The 8 rows' sums of the values 0..15 (lo) and 16..31 (hi) of an input block (digits xh, xl) against the 32
- * unsigned bytes of each row (rows 2p and 2p + 1 in a[p] and b[p]), as 8 int32 lanes in row order. */
-/* One row's integer dot (w unsigned) with both digits of the input block: 127 (w . hi) + w . lo, as 8 int32
- * lanes. */
-static inline __attribute__((always_inline)) __m256i digits_dot(__m256i w, __m256i xh, __m256i xl) {
+/* One row's integer dot with the input block's digits, as 8 int32 lanes: 127 (w . hi) + w . lo (w unsigned), or
+ * with one digit w . hi (w unsigned, or signed: Q8_0's values, multiplied as |w| and hi given w's sign). */
+static inline __attribute__((always_inline)) __m256i digits_dot(__m256i w, __m256i xh, __m256i xl, const int digits,
+                                                               const int is_signed) {
+    if (digits == 1 && is_signed)
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xh, w)), _mm256_set1_epi16(1));
+    if (digits == 1) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xh), _mm256_set1_epi16(1));
     return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w, xh), _mm256_set1_epi16(127)),
                             _mm256_madd_epi16(_mm256_maddubs_epi16(w, xl), _mm256_set1_epi16(1)));
 }
 
+/* The 8 rows' sums of the values 0..15 (lo) and 16..31 (hi) of an input block (digits xh, xl) against the 32
+ * bytes of each row (rows 2p and 2p + 1 in a[p] and b[p]), as 8 int32 lanes in row order. */
 static inline __attribute__((always_inline)) void sums8(const __m256i a[4], const __m256i b[4], __m256i xh, __m256i xl,
-                                                       __m256i *lo, __m256i *hi) {
+                                                       const int digits, const int is_signed, __m256i *lo, __m256i *hi) {
     __m256i h[4];
-    for (int p = 0; p < 4; p++) h[p] = _mm256_hadd_epi32(digits_dot(a[p], xh, xl), digits_dot(b[p], xh, xl));
+    for (int p = 0; p < 4; p++)
+        h[p] = _mm256_hadd_epi32(digits_dot(a[p], xh, xl, digits, is_signed), digits_dot(b[p], xh, xl, digits, is_signed));
     __m256i g0 = _mm256_hadd_epi32(h[0], h[1]), g1 = _mm256_hadd_epi32(h[2], h[3]);
     *lo = _mm256_permute2x128_si256(g0, g1, 0x20);
     *hi = _mm256_permute2x128_si256(g0, g1, 0x31);
 }
 
-/* out[a][r] = row r of the group . input row r0 + a of x (a < mr, a compile-time constant where inlined), for the
- * 8 rows of `group` (format blocks of 8 x bytes): each block's 8 rows unpacked once for the mr input rows. */
-static inline __attribute__((always_inline)) void rows8_dot(const int64_t type, const uint8_t *group, int64_t bytes,
-                                                           const acts_t *x, int64_t r0, const int mr, float out[QMR][8]) {
+/* out[a][r] = row r of the group . input row r0 + a of x (a < mr; mr and digits compile-time constants where
+ * inlined), for the 8 rows of `group` (format blocks of 8 x bytes): each block's 8 rows unpacked once for the mr
+ * input rows. */
+static inline __attribute__((always_inline)) void rows8_dot(const int64_t type, const int digits, const uint8_t *group,
+                                                           int64_t bytes, const acts_t *x, int64_t r0, const int mr,
+                                                           float out[QMR][8]) {
     const int per = type == LLM_Q4_K || type == LLM_Q6_K ? 8 : 1;
     const int64_t format_blocks = x->blocks / per;
     const int8_t *xh[QMR], *xl[QMR];
@@ -909,7 +927,7 @@ static inline __attribute__((always_inline)) void rows8_dot(const int64_t type, 
         __m256 offset8 = _mm256_setzero_ps(); /* (the 32-value formats' offset factor of each row) */
         if (type == LLM_Q4_0) offset8 = _mm256_mul_ps(d8, _mm256_set1_ps(-8.0f));
         if (type == LLM_Q5_0) offset8 = _mm256_mul_ps(d8, _mm256_set1_ps(-16.0f));
-        if (type == LLM_Q8_0) offset8 = _mm256_mul_ps(d8, _mm256_set1_ps(-128.0f)); /* (values stored + 128) */
+        if (type == LLM_Q8_0 && digits == 2) offset8 = _mm256_mul_ps(d8, _mm256_set1_ps(-128.0f)); /* (stored + 128) */
         if (type == LLM_Q4_1) offset8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)));
         __m256i scale8[8];
         __m256 min8[8];
@@ -942,6 +960,10 @@ static inline __attribute__((always_inline)) void rows8_dot(const int64_t type, 
                 for (int p = 0; p < 4; p++) {
                     wa[p] = _mm256_loadu_si256((const __m256i *)(g + 16 + 64 * p));
                     wb[p] = _mm256_loadu_si256((const __m256i *)(g + 16 + 64 * p + 32));
+                    if (digits == 1) { /* (back to signed: one digit reaches 127, and 255 x 127 x 2 overflows) */
+                        wa[p] = _mm256_xor_si256(wa[p], _mm256_set1_epi8((char)0x80));
+                        wb[p] = _mm256_xor_si256(wb[p], _mm256_set1_epi8((char)0x80));
+                    }
                 }
             } else {
                 for (int p = 0; p < 4; p++) {
@@ -980,7 +1002,7 @@ static inline __attribute__((always_inline)) void rows8_dot(const int64_t type, 
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(xh[a] + b * 32));
                 const __m256i xr = _mm256_loadu_si256((const __m256i *)(xl[a] + b * 32));
                 __m256i lo, hi, total;
-                sums8(wa, wb, xv, xr, &lo, &hi);
+                sums8(wa, wb, xv, xr, digits, type == LLM_Q8_0, &lo, &hi);
                 if (type == LLM_Q6_K) {
                     total = _mm256_add_epi32(_mm256_mullo_epi32(lo, sc_lo), _mm256_mullo_epi32(hi, sc_hi));
                     off[a] = _mm256_fmadd_ps(off_lo, _mm256_set1_ps(x16[a][2 * b]), off[a]);
@@ -1000,8 +1022,8 @@ static inline __attribute__((always_inline)) void rows8_dot(const int64_t type, 
 }
 #else
 /* Without AVX2: the grouped rows are unpacked block by block into GGUF's layout and computed as the tiles do. */
-static inline void rows8_dot(const int64_t type, const uint8_t *group, int64_t bytes, const acts_t *x, int64_t r0,
-                             const int mr, float out[QMR][8]) {
+static inline void rows8_dot(const int64_t type, const int digits, const uint8_t *group, int64_t bytes, const acts_t *x,
+                             int64_t r0, const int mr, float out[QMR][8]) {
     int64_t block = type == LLM_Q4_K || type == LLM_Q6_K ? 256 : 32, blocks = x->k / block;
     uint8_t rows[8][210];
     float sums[QMR][8] = {{0}}, offsets[QMR][8] = {{0}};
@@ -1020,8 +1042,8 @@ static inline void rows8_dot(const int64_t type, const uint8_t *group, int64_t b
                     const float *x16 = x->s16 + (r0 + a) * 2 * x->blocks;
                     int lo = 0, hi = 0;
                     for (int l = 0; l < 16; l++) {
-                        lo += values[l] * (127 * xh[l] + xl[l]);
-                        hi += values[l + 16] * (127 * xh[l + 16] + xl[l + 16]);
+                        lo += values[l] * (HI_WEIGHT(digits) * xh[l] + xl[l]);
+                        hi += values[l + 16] * (HI_WEIGHT(digits) * xh[l + 16] + xl[l + 16]);
                     }
                     sums[a][r] += (float)(lo * t.mul_lo + hi * t.mul_hi) * (t.scale * xd[b]);
                     if (offsets_kind == OFFSET_BLOCK) offsets[a][r] += t.lo * x32[b];
@@ -1036,8 +1058,10 @@ static inline void rows8_dot(const int64_t type, const uint8_t *group, int64_t b
 #endif
 
 /* One task: weight rows [j0, j1) of a part of `rows` rows (GGUF's layout, or groups of 8 then GGUF's rows) against
- * input rows [r0, r1), written to y's columns col + j (with bias[col + j] where there is a bias). */
-static inline __attribute__((always_inline)) void task(const int64_t type, const uint8_t *data, int64_t row_bytes,
+ * input rows [r0, r1) quantized to `digits` digits, written to y's columns col + j (with bias[col + j] where there
+ * is a bias). */
+static inline __attribute__((always_inline)) void task(const int64_t type, const int digits, const uint8_t *data,
+                                                       int64_t row_bytes,
                                                        int64_t rows, int64_t layout, int64_t j0, int64_t j1, int64_t r0,
                                                        int64_t r1, const acts_t *x, const void *bias, void *y, int64_t ldy,
                                                        int64_t col, int bf16) {
@@ -1050,10 +1074,10 @@ static inline __attribute__((always_inline)) void task(const int64_t type, const
             float sums[QMR][8];
             const uint8_t *group = data + j * row_bytes;
             switch (take) {
-                case 1: rows8_dot(type, group, bytes, x, r, 1, sums); break;
-                case 2: rows8_dot(type, group, bytes, x, r, 2, sums); break;
-                case 3: rows8_dot(type, group, bytes, x, r, 3, sums); break;
-                default: rows8_dot(type, group, bytes, x, r, QMR, sums); break;
+                case 1: rows8_dot(type, digits, group, bytes, x, r, 1, sums); break;
+                case 2: rows8_dot(type, digits, group, bytes, x, r, 2, sums); break;
+                case 3: rows8_dot(type, digits, group, bytes, x, r, 3, sums); break;
+                default: rows8_dot(type, digits, group, bytes, x, r, QMR, sums); break;
             }
             for (int a = 0; a < take; a++)
                 for (int i = 0; i < 8; i++) {
@@ -1069,10 +1093,10 @@ static inline __attribute__((always_inline)) void task(const int64_t type, const
             int take = r1 - r >= QMR ? QMR : (int)(r1 - r);
             float sums[NR][QMR];
             switch (take) {
-                case 1: tile(type, w, x, r, 1, sums); break;
-                case 2: tile(type, w, x, r, 2, sums); break;
-                case 3: tile(type, w, x, r, 3, sums); break;
-                default: tile(type, w, x, r, QMR, sums); break;
+                case 1: tile(type, digits, w, x, r, 1, sums); break;
+                case 2: tile(type, digits, w, x, r, 2, sums); break;
+                case 3: tile(type, digits, w, x, r, 3, sums); break;
+                default: tile(type, digits, w, x, r, QMR, sums); break;
             }
             for (int i = 0; i < NR && j + i < j1; i++)
                 for (int a = 0; a < take; a++) {
@@ -1084,34 +1108,36 @@ static inline __attribute__((always_inline)) void task(const int64_t type, const
     }
 }
 
-#define TASK_FOR(TYPE, NAME)                                                                                      \
+/* One function per format and input precision (the format's and the digits' branches resolved at compile time). */
+#define TASK_FOR(TYPE, DIGITS, NAME)                                                                              \
     static void NAME(const uint8_t *data, int64_t row_bytes, int64_t rows, int64_t layout, int64_t j0, int64_t j1,  \
                      int64_t r0, int64_t r1, const acts_t *x, const void *bias, void *y, int64_t ldy, int64_t col,    \
                      int bf16) {                                                                                  \
-        task(TYPE, data, row_bytes, rows, layout, j0, j1, r0, r1, x, bias, y, ldy, col, bf16);                    \
+        task(TYPE, DIGITS, data, row_bytes, rows, layout, j0, j1, r0, r1, x, bias, y, ldy, col, bf16);            \
     }
-TASK_FOR(LLM_Q4_0, task_q4_0)
-TASK_FOR(LLM_Q4_1, task_q4_1)
-TASK_FOR(LLM_Q5_0, task_q5_0)
-TASK_FOR(LLM_Q5_1, task_q5_1)
-TASK_FOR(LLM_Q8_0, task_q8_0)
-TASK_FOR(LLM_Q4_K, task_q4_k)
-TASK_FOR(LLM_Q5_K, task_q5_k)
-TASK_FOR(LLM_Q6_K, task_q6_k)
+#define TASKS_FOR(TYPE, NAME) TASK_FOR(TYPE, 1, NAME##_1) TASK_FOR(TYPE, 2, NAME##_2)
+TASKS_FOR(LLM_Q4_0, task_q4_0)
+TASKS_FOR(LLM_Q4_1, task_q4_1)
+TASKS_FOR(LLM_Q5_0, task_q5_0)
+TASKS_FOR(LLM_Q5_1, task_q5_1)
+TASKS_FOR(LLM_Q8_0, task_q8_0)
+TASKS_FOR(LLM_Q4_K, task_q4_k)
+TASKS_FOR(LLM_Q5_K, task_q5_k)
+TASKS_FOR(LLM_Q6_K, task_q6_k)
 
 typedef void (*task_fn)(const uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const acts_t *,
                         const void *, void *, int64_t, int64_t, int);
 
-static task_fn task_of(int64_t type) {
+static task_fn task_of(int64_t type, int64_t digits) {
     switch (type) {
-        case LLM_Q4_0: return task_q4_0;
-        case LLM_Q4_1: return task_q4_1;
-        case LLM_Q5_0: return task_q5_0;
-        case LLM_Q5_1: return task_q5_1;
-        case LLM_Q8_0: return task_q8_0;
-        case LLM_Q4_K: return task_q4_k;
-        case LLM_Q5_K: return task_q5_k;
-        case LLM_Q6_K: return task_q6_k;
+        case LLM_Q4_0: return digits == 1 ? task_q4_0_1 : task_q4_0_2;
+        case LLM_Q4_1: return digits == 1 ? task_q4_1_1 : task_q4_1_2;
+        case LLM_Q5_0: return digits == 1 ? task_q5_0_1 : task_q5_0_2;
+        case LLM_Q5_1: return digits == 1 ? task_q5_1_1 : task_q5_1_2;
+        case LLM_Q8_0: return digits == 1 ? task_q8_0_1 : task_q8_0_2;
+        case LLM_Q4_K: return digits == 1 ? task_q4_k_1 : task_q4_k_2;
+        case LLM_Q5_K: return digits == 1 ? task_q5_k_1 : task_q5_k_2;
+        case LLM_Q6_K: return digits == 1 ? task_q6_k_1 : task_q6_k_2;
         default: return NULL;
     }
 }
@@ -1128,7 +1154,7 @@ static task_fn task_of(int64_t type) {
 
 int llm_q_product(const void *x, int64_t ldx, const llm_product_t *w, const void *bias, void *y, int64_t ldy,
                   int64_t m, int64_t k, int bf16, int threads) {
-    if (w->parts < 1 || w->parts > LLM_MAX_PARTS || k <= 0 || k % 32) return 2;
+    if (w->parts < 1 || w->parts > LLM_MAX_PARTS || k <= 0 || k % 32 || (w->digits != 1 && w->digits != 2)) return 2;
     int64_t cols[LLM_MAX_PARTS], row_bytes[LLM_MAX_PARTS], tasks[LLM_MAX_PARTS], col = 0, total = 0;
     int64_t chunks = (m + Q_INPUTS_PER_TASK - 1) / Q_INPUTS_PER_TASK;
     size_t es = size_of(bf16);
@@ -1170,7 +1196,7 @@ int llm_q_product(const void *x, int64_t ldx, const llm_product_t *w, const void
     acts.s16 = acts.s32 + m * acts.blocks;
 #pragma omp parallel for num_threads(threads) schedule(static) if (m * k >= 65536)
     for (int64_t r = 0; r < m; r++)
-        quantize_acts_row((const char *)x + r * ldx * es, bf16, k, acts.hi + r * k, acts.lo + r * k, acts.d + r * acts.blocks,
+        quantize_acts_row((const char *)x + r * ldx * es, bf16, k, (int)w->digits, acts.hi + r * k, acts.lo + r * k, acts.d + r * acts.blocks,
                           acts.s32 + r * acts.blocks, acts.s16 + r * 2 * acts.blocks);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < total; t++) {
@@ -1180,7 +1206,7 @@ int llm_q_product(const void *x, int64_t ldx, const llm_product_t *w, const void
         int64_t j0 = local / chunks * Q_ROWS_PER_TASK, r0 = local % chunks * Q_INPUTS_PER_TASK;
         int64_t j1 = j0 + Q_ROWS_PER_TASK < part->rows ? j0 + Q_ROWS_PER_TASK : part->rows;
         int64_t r1 = r0 + Q_INPUTS_PER_TASK < m ? r0 + Q_INPUTS_PER_TASK : m;
-        task_of(part->type)((const uint8_t *)part->data, row_bytes[p], part->rows, part->layout, j0, j1, r0, r1, &acts,
+        task_of(part->type, w->digits)((const uint8_t *)part->data, row_bytes[p], part->rows, part->layout, j0, j1, r0, r1, &acts,
                             bias, y, ldy, cols[p], bf16);
     }
     free(scratch);

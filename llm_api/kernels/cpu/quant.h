@@ -23,10 +23,12 @@ typedef struct {
 } llm_weight_t;
 
 /* One input's product over 1..LLM_MAX_PARTS weights of K inputs each (a merged q/k/v or gate/up whose parts
- * may differ in format), the parts' outputs side by side in part order. */
+ * may differ in format), the parts' outputs side by side in part order; its input rows quantized to `digits`
+ * (1 or 2) signed 8-bit digits a value per block of 32 for the quantized parts (quant.c says how). */
 typedef struct {
     llm_weight_t part[LLM_MAX_PARTS];
     int64_t parts;
+    int64_t digits;
 } llm_product_t;
 
 int llm_q_product(const void *x, int64_t ldx, const llm_product_t *w, const void *bias, void *y, int64_t ldy,

@@ -1,14 +1,14 @@
 """Weights kept in GGUF's block formats on the CPU (``quant.c``): their products, de-quantization and quantization.
 
 A quantized weight is a uint8 tensor ``[rows, K / block size x block bytes]``: each row is a run of blocks of one
-format exactly as a GGUF file stores it (``BlockFormat``: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 of 32 values a block;
-Q4_K, Q5_K, Q6_K of 256), never de-quantized to float as a whole. ``Product`` is one input's product over 1-3
-such weights (or plain float ones) side by side: a merged q/k/v whose parts differ in format, as Q4_K_M files'
-do. ``product(x, ...)`` computes it for any number of rows of x (float32 or bfloat16): every row quantized to
-8 bits per block of 32 and multiplied with the weights' blocks in integers (``quant.c`` says how), the same
-instructions for a row whatever its batch, so prefill chunks, decode batches and ``generate()`` give one
-row the same numbers. ``dequantize`` turns rows back into float (embedding lookups; the tests compare it with
-the ``gguf`` package's reference bit for bit); ``quantize`` makes blocks from float32 weights
+format exactly as a GGUF file stores it (``BlockFormat``: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 of 32 values a block; Q4_K,
+Q5_K, Q6_K of 256), never de-quantized to float as a whole. ``Product`` is one input's product over 1-3 such
+weights (or plain float ones) side by side: a merged q/k/v whose parts differ in format, as Q4_K_M files' do.
+``product(x, ...)`` computes it for any number of rows of x (float32 or bfloat16): every row quantized to one or
+two 8-bit digits a value per block of 32 (``INPUT_DIGITS``) and multiplied with the weights' blocks in integers
+(``quant.c`` says how), the same instructions for a row whatever its batch, so prefill chunks, decode batches and
+``generate()`` give one row the same numbers. ``dequantize`` turns rows back into float (embedding lookups; the
+tests compare it with the ``gguf`` package's reference bit for bit); ``quantize`` makes blocks from float32 weights
 (``QUANTIZATION`` at load: ``QUANTIZABLE``).
 
 Why hand-written: batch-1 decode reads every weight once per token, so 4-bit weights are a quarter of
@@ -35,6 +35,9 @@ MAX_PARTS = 3
 # A quantized weight's layout (quant.h): GGUF's, row after row, or repacked at load in groups of 8 rows (the rows
 # past the last whole group in GGUF's), which the products read several times faster (quant.c says why).
 LAYOUTS = {"gguf": 0, "rows8": 1}
+# How a product quantizes its input rows per block of 32 (quant.c): two signed 8-bit digits a value (~13 bits, the
+# default) or one (llama.cpp's Q8 activations: half the integer work, 8 bits). QUANT_ACTIVATIONS names them.
+INPUT_DIGITS = {"int8x2": 2, "int8": 1}
 
 
 @dataclass(frozen=True)
@@ -78,24 +81,28 @@ class _Weight(ctypes.Structure):
 class _Product(ctypes.Structure):
     """quant.h's ``llm_product_t``: keep the two in step."""
 
-    _fields_ = [("part", _Weight * MAX_PARTS), ("parts", ctypes.c_int64)]
+    _fields_ = [("part", _Weight * MAX_PARTS), ("parts", ctypes.c_int64), ("digits", ctypes.c_int64)]
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
     """A weight of ``rows`` x ``in_features`` values kept as ``blocks`` (uint8 [rows, format.row_bytes(in_features)],
-    contiguous, on the CPU) in ``layout`` (``LAYOUTS``)."""
+    contiguous, on the CPU) in ``layout`` (``LAYOUTS``); its products quantize their inputs to ``input_digits``
+    8-bit digits a value (``INPUT_DIGITS``)."""
 
     format: BlockFormat
     blocks: torch.Tensor
     in_features: int
     layout: str = "gguf"
+    input_digits: int = 2
 
     def __post_init__(self):
         expected = (self.blocks.shape[0] if self.blocks.dim() == 2 else -1, self.format.row_bytes(self.in_features))
         if not self.format.fits(self.in_features):
             raise ValueError(f"{self.format.name} rows hold whole blocks of {self.format.block} values, "
                              f"not {self.in_features}")
+        if self.input_digits not in INPUT_DIGITS.values():
+            raise ValueError(f"a product's inputs have 1 or 2 digits, not {self.input_digits!r}")
         if self.layout not in LAYOUTS or (self.layout == "rows8" and self.format.name not in REPACKABLE):
             raise ValueError(f"{self.format.name} weights have no layout {self.layout!r}")
         if (self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2 or tuple(self.blocks.shape) != expected
@@ -111,7 +118,8 @@ class QuantizedWeight:
 class Product:
     """One input's product over ``parts`` (each a ``QuantizedWeight``, or a dense float tensor [rows, K] in the
     activations' dtype), their outputs side by side: the ``llm_product_t`` that ``product`` and the whole-layer
-    calls hand to C, its tensors kept referenced while this lives."""
+    calls hand to C, its tensors kept referenced while this lives. Its inputs are quantized to the quantized
+    parts' ``input_digits`` (they must agree)."""
 
     def __init__(self, parts: Sequence[QuantizedWeight | torch.Tensor], in_features: int):
         if not 1 <= len(parts) <= MAX_PARTS:
@@ -139,6 +147,11 @@ class Product:
             self.sizes.append(int(entry.rows))
         self.out_features = sum(self.sizes)
         self.quantized = any(isinstance(part, QuantizedWeight) for part in parts)
+        digits = {part.input_digits for part in parts if isinstance(part, QuantizedWeight)}
+        if len(digits) > 1:
+            raise ValueError(f"a product's quantized parts quantize their inputs alike, not to {sorted(digits)} digits")
+        self.input_digits = digits.pop() if digits else 2
+        self.struct.digits = self.input_digits
 
     def takes(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
         """``product`` computes this for ``x`` (and ``bias``): a CPU float32/bfloat16 input of ``in_features``
@@ -213,7 +226,7 @@ def repack(weight: QuantizedWeight, layout: str = "rows8") -> QuantizedWeight:
     blocks = torch.empty_like(weight.blocks)
     _raise_for(library.lib().llm_q_repack(weight.format.type_id, weight.blocks.data_ptr(), weight.rows, weight.in_features,
                                           blocks.data_ptr(), int(layout == "rows8"), library.threads()), "repack")
-    return QuantizedWeight(weight.format, blocks, weight.in_features, layout)
+    return QuantizedWeight(weight.format, blocks, weight.in_features, layout, weight.input_digits)
 
 
 def _raise_for(failed: int, what: str) -> None:
