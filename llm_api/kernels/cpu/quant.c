@@ -671,20 +671,26 @@ static inline __attribute__((always_inline)) void tile(const int64_t type, const
 
 /* ---------------------------------------------------------------------------------------------------
  * Rows in groups of 8 (LLM_LAYOUT_ROWS8), repacked once at load: the same bytes as GGUF's blocks, reordered
- * so one block of 8 rows is read side by side. In GGUF's order each block of one row costs the product its
- * scale conversions, its unpacking and a float multiply-add per 32 values (~18 instructions on AVX2); here the
- * 8 rows' scales are one vector (one conversion), two rows' 4-bit values one 32-byte load (low nibbles the
- * first row's, high nibbles the second's), and the 8 rows' integer sums are reduced into one vector before a
- * single float multiply-add: ~6 instructions a row and block (measured: docs/benchmarks.md, "Quantized
- * products"). Group block b of a group (8 x the format's block bytes, at group + b x 8 x bytes):
- *   Q4_0  8 d (fp16) | 4 row pairs x 32 bytes (byte l: value l of the pair's first row low, second row high)
- *   Q4_1  8 d | 8 m | 4 pairs x 32
- *   Q5_0  8 d | 8 x 32 high bits (a row's uint32) | 4 pairs x 32
- *   Q8_0  8 d | 8 rows x 32 int8 + 128 (the sign bit flipped: read as unsigned, like the 4-bit formats)
- *   Q4_K  8 d | 8 dmin | 12 x 8 scale bytes (scale byte i of row r at 8 i + r) | 8 sub-blocks x 4 pairs x 32
+ * so that one block of 8 rows is read side by side, 4 values of each row in a 32-bit lane: a 32-byte vector
+ * holds values 4v .. 4v + 3 of the 8 rows (row r in lane r). One input block's 4 values broadcast to every
+ * lane, a u8 x s8 dot product (maddubs) gives each row its part in its own lane, so the 8 rows' sums come out
+ * as one vector without a horizontal reduction (the earlier layout, 32 values of one row in a vector, spent
+ * more on the 6 horizontal adds a block than on the products), summed in 16 bits as far as the values allow
+ * before they widen to 32. In GGUF's order each block of one row costs the product its scale conversions, its
+ * unpacking and a float multiply-add per 32 values (~18 instructions on AVX2); here the 8 rows' scales are one
+ * vector and there is one float multiply-add for the 8 rows. Group block b of a group (8 x the format's block
+ * bytes, at group + b x 8 x bytes), each 32-value sub-block's values as `V`: 4 vectors of 32 bytes, byte 4 r + i
+ * of vector v holding row r's value 4 v + i in its low nibble and value 16 + 4 v + i in its high nibble:
+ *   Q4_0  8 d (fp16) | V
+ *   Q4_1  8 d | 8 m | V
+ *   Q5_0  8 d | 32 bytes of fifth bits (byte 4 r + i: bit v = that of row r's value 4 v + i, bit 4 + v = value
+ *         16 + 4 v + i's) | V
+ *   Q8_0  8 d | 8 vectors of 32 bytes: byte 4 r + i of vector v = row r's value 4 v + i + 128 (the sign bit
+ *         flipped: read as unsigned, like the 4-bit formats, with two digits)
+ *   Q4_K  8 d | 8 dmin | 12 x 8 scale bytes (scale byte i of row r at 8 i + r) | 8 sub-blocks x V
  *   Q6_K  8 d | 8 blocks of 32 x (8 rows' first-half scales, 8 rows' second-half scales) | 8 blocks of 32 x
- *         (4 pairs x 32 low nibbles, then 2 x 32 bytes of high bits: bits 2i, 2i + 1 of byte l of the h-th
- *         32 bytes = value l of row 4 h + i, shifted down by 4)
+ *         (V, then 2 x 32 bytes of high bits: bits 2 v, 2 v + 1 of byte 4 r + i of the first = those of row r's
+ *         value 4 v + i, of the second = value 16 + 4 v + i's)
  * Rows past the last whole group keep GGUF's layout (the generic tiles above compute them). */
 
 static int rows8_known(int64_t type) {
@@ -692,39 +698,82 @@ static int rows8_known(int64_t type) {
            type == LLM_Q6_K;
 }
 
+/* Where a group block's values of sub-block c start, and (Q5_0, Q6_K) their high bits; bytes of a sub-block's
+ * values. */
+static inline const uint8_t *rows8_values(const int64_t type, const uint8_t *g, int c) {
+    switch (type) {
+        case LLM_Q4_0: return g + 16;
+        case LLM_Q4_1: return g + 32;
+        case LLM_Q5_0: return g + 48;
+        case LLM_Q8_0: return g + 16;
+        case LLM_Q4_K: return g + 128 + 128 * c;
+        default: return g + 144 + 192 * c; /* Q6_K */
+    }
+}
+static inline const uint8_t *rows8_highs(const int64_t type, const uint8_t *g, int c) {
+    return type == LLM_Q5_0 ? g + 16 : rows8_values(type, g, c) + 128;
+}
+
+/* 8 rows' values of one 32-value sub-block (values[r][l], GGUF's integers: Q8_0's signed) into its V (and its
+ * high bits) at q (h). */
+static void pack_values(int64_t type, int values[8][32], uint8_t *q, uint8_t *h) {
+    if (type == LLM_Q8_0) {
+        for (int v = 0; v < 8; v++)
+            for (int r = 0; r < 8; r++)
+                for (int i = 0; i < 4; i++) q[32 * v + 4 * r + i] = (uint8_t)(values[r][4 * v + i] + 128);
+        return;
+    }
+    if (type == LLM_Q5_0) memset(h, 0, 32);
+    if (type == LLM_Q6_K) memset(h, 0, 64);
+    for (int v = 0; v < 4; v++)
+        for (int r = 0; r < 8; r++)
+            for (int i = 0; i < 4; i++) {
+                int lo = values[r][4 * v + i], hi = values[r][16 + 4 * v + i], at = 4 * r + i;
+                q[32 * v + at] = (uint8_t)((lo & 15) | (hi & 15) << 4);
+                if (type == LLM_Q5_0) h[at] |= (uint8_t)(((lo >> 4) & 1) << v | ((hi >> 4) & 1) << (4 + v));
+                if (type == LLM_Q6_K) {
+                    h[at] |= (uint8_t)(((lo >> 4) & 3) << (2 * v));
+                    h[32 + at] |= (uint8_t)(((hi >> 4) & 3) << (2 * v));
+                }
+            }
+}
+
+/* Row `lane`'s values of one sub-block back from its V (and high bits): pack_values' inverse. */
+static void unpack_values(int64_t type, const uint8_t *q, const uint8_t *h, int lane, int out[32]) {
+    for (int v = 0; v < (type == LLM_Q8_0 ? 8 : 4); v++)
+        for (int i = 0; i < 4; i++) {
+            int at = 4 * lane + i;
+            if (type == LLM_Q8_0) {
+                out[4 * v + i] = (int)q[32 * v + at] - 128;
+                continue;
+            }
+            int lo = q[32 * v + at] & 15, hi = q[32 * v + at] >> 4;
+            if (type == LLM_Q5_0) {
+                lo |= ((h[at] >> v) & 1) << 4;
+                hi |= ((h[at] >> (4 + v)) & 1) << 4;
+            } else if (type == LLM_Q6_K) {
+                lo |= ((h[at] >> (2 * v)) & 3) << 4;
+                hi |= ((h[32 + at] >> (2 * v)) & 3) << 4;
+            }
+            out[4 * v + i] = lo;
+            out[16 + 4 * v + i] = hi;
+        }
+}
+
 /* 8 rows' GGUF block b (rows[i] points at row i) -> the group block at g. */
 static void to_rows8(int64_t type, const uint8_t *const rows[8], int64_t b, int64_t bytes, uint8_t *g) {
     int per = type == LLM_Q4_K || type == LLM_Q6_K ? 8 : 1;
     const uint8_t *block[8];
     for (int r = 0; r < 8; r++) block[r] = rows[r] + b * bytes;
-    int values[8][32];
-    switch (type) {
-        case LLM_Q4_0: case LLM_Q4_1: case LLM_Q5_0: case LLM_Q4_K: {
-            int heads = type == LLM_Q4_0 || type == LLM_Q5_0 ? 1 : 2; /* fp16 fields ahead of the rest */
-            for (int h = 0; h < heads; h++)
-                for (int r = 0; r < 8; r++) memcpy(g + 16 * h + 2 * r, block[r] + 2 * h, 2);
-            uint8_t *pairs = g + 16 * heads;
-            if (type == LLM_Q5_0) {
-                for (int r = 0; r < 8; r++) memcpy(g + 16 + 4 * r, block[r] + 2, 4);
-                pairs = g + 48;
-            } else if (type == LLM_Q4_K) {
+    switch (type) { /* the scales */
+        case LLM_Q4_0: case LLM_Q5_0: case LLM_Q8_0:
+            for (int r = 0; r < 8; r++) memcpy(g + 2 * r, block[r], 2);
+            break;
+        case LLM_Q4_1: case LLM_Q4_K:
+            for (int r = 0; r < 8; r++) memcpy(g + 2 * r, block[r], 2), memcpy(g + 16 + 2 * r, block[r] + 2, 2);
+            if (type == LLM_Q4_K)
                 for (int i = 0; i < 12; i++)
                     for (int r = 0; r < 8; r++) g[32 + 8 * i + r] = block[r][4 + i];
-                pairs = g + 128;
-            }
-            for (int c = 0; c < per; c++) {
-                for (int r = 0; r < 8; r++) block_values(type, block[r], c, values[r]);
-                for (int p = 0; p < 4; p++)
-                    for (int l = 0; l < 32; l++)
-                        pairs[c * 128 + p * 32 + l] = (uint8_t)((values[2 * p][l] & 15) | (values[2 * p + 1][l] & 15) << 4);
-            }
-            break;
-        }
-        case LLM_Q8_0: /* (the values' sign bit flipped: q + 128, read as unsigned) */
-            for (int r = 0; r < 8; r++) {
-                memcpy(g + 2 * r, block[r], 2);
-                for (int l = 0; l < 32; l++) g[16 + 32 * r + l] = block[r][2 + l] ^ 0x80;
-            }
             break;
         case LLM_Q6_K:
             for (int r = 0; r < 8; r++) memcpy(g + 2 * r, block[r] + 208, 2);
@@ -733,54 +782,46 @@ static void to_rows8(int64_t type, const uint8_t *const rows[8], int64_t b, int6
                     g[16 + 16 * c + r] = block[r][192 + 2 * c];
                     g[16 + 16 * c + 8 + r] = block[r][192 + 2 * c + 1];
                 }
-            for (int c = 0; c < 8; c++) {
-                uint8_t *q = g + 144 + 192 * c;
-                memset(q + 128, 0, 64);
-                for (int r = 0; r < 8; r++) block_values(type, block[r], c, values[r]);
-                for (int l = 0; l < 32; l++) {
-                    for (int p = 0; p < 4; p++)
-                        q[32 * p + l] = (uint8_t)((values[2 * p][l] & 15) | (values[2 * p + 1][l] & 15) << 4);
-                    for (int r = 0; r < 8; r++) q[128 + 32 * (r / 4) + l] |= (uint8_t)((values[r][l] >> 4) << (2 * (r % 4)));
-                }
-            }
             break;
+    }
+    for (int c = 0; c < per; c++) {
+        int values[8][32];
+        for (int r = 0; r < 8; r++) block_values(type, block[r], c, values[r]);
+        pack_values(type, values, (uint8_t *)rows8_values(type, g, c), (uint8_t *)rows8_highs(type, g, c));
     }
 }
 
 /* Row `lane` (0..7) of group block g as its GGUF block (at out). */
 static void from_rows8(int64_t type, const uint8_t *g, int lane, uint8_t *out) {
-    int values[256];
     int per = type == LLM_Q4_K || type == LLM_Q6_K ? 8 : 1;
+    int values[256];
+    for (int c = 0; c < per; c++) unpack_values(type, rows8_values(type, g, c), rows8_highs(type, g, c), lane, values + 32 * c);
     switch (type) {
         case LLM_Q4_0: case LLM_Q4_1: case LLM_Q5_0: case LLM_Q4_K: {
             int heads = type == LLM_Q4_0 || type == LLM_Q5_0 ? 1 : 2;
             for (int h = 0; h < heads; h++) memcpy(out + 2 * h, g + 16 * h + 2 * lane, 2);
-            const uint8_t *pairs = g + 16 * heads;
             uint8_t *qs = out + 2 * heads;
             if (type == LLM_Q5_0) {
-                memcpy(out + 2, g + 16 + 4 * lane, 4);
-                pairs = g + 48;
+                uint32_t high = 0;
+                for (int j = 0; j < 32; j++) high |= (uint32_t)((values[j] >> 4) & 1) << j;
+                memcpy(out + 2, &high, 4);
                 qs = out + 6;
             } else if (type == LLM_Q4_K) {
                 for (int i = 0; i < 12; i++) out[4 + i] = g[32 + 8 * i + lane];
-                pairs = g + 128;
                 qs = out + 16;
             }
-            for (int c = 0; c < per; c++)
-                for (int l = 0; l < 32; l++)
-                    values[c * 32 + l] = (pairs[c * 128 + (lane / 2) * 32 + l] >> (4 * (lane % 2))) & 15;
             if (type == LLM_Q4_K) {
                 memset(qs, 0, 128);
                 for (int j = 0; j < 8; j++)
                     for (int l = 0; l < 32; l++) qs[(j / 2) * 32 + l] |= (uint8_t)(values[j * 32 + l] << (4 * (j & 1)));
             } else {
-                for (int j = 0; j < 16; j++) qs[j] = (uint8_t)(values[j] | values[j + 16] << 4);
+                for (int j = 0; j < 16; j++) qs[j] = (uint8_t)((values[j] & 15) | (values[j + 16] & 15) << 4);
             }
             break;
         }
         case LLM_Q8_0:
             memcpy(out, g + 2 * lane, 2);
-            for (int l = 0; l < 32; l++) out[2 + l] = g[16 + 32 * lane + l] ^ 0x80;
+            for (int l = 0; l < 32; l++) out[2 + l] = (uint8_t)(int8_t)values[l];
             break;
         case LLM_Q6_K:
             memcpy(out + 208, g + 2 * lane, 2);
@@ -789,15 +830,10 @@ static void from_rows8(int64_t type, const uint8_t *g, int lane, uint8_t *out) {
                 out[192 + 2 * c + 1] = g[16 + 16 * c + 8 + lane];
             }
             memset(out, 0, 192);
-            for (int c = 0; c < 8; c++) {
-                const uint8_t *q = g + 144 + 192 * c;
-                for (int l = 0; l < 32; l++) {
-                    int v = ((q[32 * (lane / 2) + l] >> (4 * (lane % 2))) & 15) |
-                            (((q[128 + 32 * (lane / 4) + l] >> (2 * (lane % 4))) & 3) << 4);
-                    int h = c / 4, grp = c % 4;
-                    out[h * 64 + (grp & 1) * 32 + l] |= (uint8_t)((v & 15) << (4 * (grp >> 1)));
-                    out[128 + h * 32 + l] |= (uint8_t)((v >> 4) << (2 * grp));
-                }
+            for (int at = 0; at < 256; at++) {
+                int v = values[at], h = at / 128, grp = (at % 128) / 32, l = at % 32;
+                out[h * 64 + (grp & 1) * 32 + l] |= (uint8_t)((v & 15) << (4 * (grp >> 1)));
+                out[128 + h * 32 + l] |= (uint8_t)((v >> 4) << (2 * grp));
             }
             break;
     }
@@ -874,27 +910,80 @@ int llm_q_dequantize(int64_t type, int64_t layout, const void *blocks, int64_t n
 static inline __m256i srl16(__m256i v, int n) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(n)); }
 static inline __m256i sll16(__m256i v, int n) { return _mm256_sll_epi16(v, _mm_cvtsi32_si128(n)); }
 
-/* One row's integer dot with the input block's digits, as 8 int32 lanes: 127 (w . hi) + w . lo (w unsigned), or
- * with one digit w . hi (w unsigned, or signed: Q8_0's values, multiplied as |w| and hi given w's sign). */
-static inline __attribute__((always_inline)) __m256i digits_dot(__m256i w, __m256i xh, __m256i xl, const int digits,
-                                                               const int is_signed) {
-    if (digits == 1 && is_signed)
-        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xh, w)), _mm256_set1_epi16(1));
-    if (digits == 1) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xh), _mm256_set1_epi16(1));
-    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w, xh), _mm256_set1_epi16(127)),
-                            _mm256_madd_epi16(_mm256_maddubs_epi16(w, xl), _mm256_set1_epi16(1)));
+static inline __m256i broadcast4(const int8_t *p) { /* 4 input values into every 32-bit lane */
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
 }
 
-/* The 8 rows' sums of the values 0..15 (lo) and 16..31 (hi) of an input block (digits xh, xl) against the 32
- * bytes of each row (rows 2p and 2p + 1 in a[p] and b[p]), as 8 int32 lanes in row order. */
-static inline __attribute__((always_inline)) void sums8(const __m256i a[4], const __m256i b[4], __m256i xh, __m256i xl,
-                                                       const int digits, const int is_signed, __m256i *lo, __m256i *hi) {
-    __m256i h[4];
-    for (int p = 0; p < 4; p++)
-        h[p] = _mm256_hadd_epi32(digits_dot(a[p], xh, xl, digits, is_signed), digits_dot(b[p], xh, xl, digits, is_signed));
-    __m256i g0 = _mm256_hadd_epi32(h[0], h[1]), g1 = _mm256_hadd_epi32(h[2], h[3]);
-    *lo = _mm256_permute2x128_si256(g0, g1, 0x20);
-    *hi = _mm256_permute2x128_si256(g0, g1, 0x31);
+/* Sub-block c of group block g as 8 vectors: w[v] the 8 rows' values 4 v .. 4 v + 3 (lane r: row r), unsigned
+ * (Q8_0's stored + 128; signed again with one digit). */
+static inline __attribute__((always_inline)) void rows8_unpack(const int64_t type, const int digits, const uint8_t *g,
+                                                              int c, __m256i w[8]) {
+    const uint8_t *q = rows8_values(type, g, c);
+    if (type == LLM_Q8_0) {
+        for (int v = 0; v < 8; v++) {
+            w[v] = _mm256_loadu_si256((const __m256i *)(q + 32 * v));
+            if (digits == 1) w[v] = _mm256_xor_si256(w[v], _mm256_set1_epi8((char)0x80));
+        }
+        return;
+    }
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int v = 0; v < 4; v++) {
+        __m256i n = _mm256_loadu_si256((const __m256i *)(q + 32 * v));
+        w[v] = _mm256_and_si256(n, low);
+        w[4 + v] = _mm256_and_si256(_mm256_srli_epi16(n, 4), low);
+    }
+    if (type == LLM_Q5_0) { /* (bit v of a byte to bit 4 for value 4 v + i, bit 4 + v for 16 + 4 v + i) */
+        const __m256i h = _mm256_loadu_si256((const __m256i *)rows8_highs(type, g, c)), bit = _mm256_set1_epi8(0x10);
+        for (int v = 0; v < 4; v++) {
+            w[v] = _mm256_or_si256(w[v], _mm256_and_si256(sll16(h, 4 - v), bit));
+            w[4 + v] = _mm256_or_si256(w[4 + v], _mm256_and_si256(srl16(h, v), bit));
+        }
+    } else if (type == LLM_Q6_K) { /* (bits 2 v, 2 v + 1 to bits 4, 5) */
+        const uint8_t *hp = rows8_highs(type, g, c);
+        const __m256i h0 = _mm256_loadu_si256((const __m256i *)hp), h1 = _mm256_loadu_si256((const __m256i *)(hp + 32));
+        const __m256i three = _mm256_set1_epi8(3);
+        for (int v = 0; v < 4; v++) {
+            w[v] = _mm256_or_si256(w[v], sll16(_mm256_and_si256(srl16(h0, 2 * v), three), 4));
+            w[4 + v] = _mm256_or_si256(w[4 + v], sll16(_mm256_and_si256(srl16(h1, 2 * v), three), 4));
+        }
+    }
+}
+
+/* The 8 rows' dot products (lane r: row r) of vectors w[v0 .. v0 + n) with one digit of an input block (x: its 32
+ * int8): each vector against its 4 input values broadcast, summed in 16 bits in runs of `run` vectors (as many as
+ * run x 2 x max|w| x max|digit| < 2^15 allows), each run widened by madd with `mul` (per lane: the row's integer
+ * factor in both 16-bit halves) and added in 32 bits. is_signed: w signed (Q8_0 with one digit), multiplied as
+ * |w| and the digits given w's signs. */
+static inline __attribute__((always_inline)) __m256i rows8_sum(const __m256i w[8], const int v0, const int n,
+                                                              const int8_t *x, const int run, const int is_signed,
+                                                              __m256i mul) {
+    __m256i total = _mm256_setzero_si256();
+    for (int v = v0; v < v0 + n; v += run) {
+        __m256i part = _mm256_setzero_si256();
+        for (int u = v; u < v + run; u++) {
+            __m256i xv = broadcast4(x + 4 * u);
+            __m256i p = is_signed ? _mm256_maddubs_epi16(_mm256_sign_epi8(w[u], w[u]), _mm256_sign_epi8(xv, w[u]))
+                                  : _mm256_maddubs_epi16(w[u], xv);
+            part = u == v ? p : _mm256_add_epi16(part, p);
+        }
+        total = _mm256_add_epi32(total, _mm256_madd_epi16(part, mul));
+    }
+    return total;
+}
+
+/* How many vectors rows8_sum may sum in 16 bits: pairs of |w| <= 15 (4-bit), 31 (Q5_0), 63 (Q6_K), 128 / 255
+ * (Q8_0 signed / + 128) times digits of |d| <= 127 (one digit) or 64 (two). */
+static inline int rows8_run(const int64_t type, const int digits) {
+    if (type == LLM_Q8_0) return 1;
+    if (type == LLM_Q6_K) return digits == 1 ? 2 : 4;
+    if (type == LLM_Q5_0) return digits == 1 ? 4 : 8;
+    return 8;
+}
+
+static inline __m256i pairs16(__m256i v32) { /* each int32 lane's low 16 bits into both its halves */
+    return _mm256_or_si256(_mm256_and_si256(v32, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v32, 16));
 }
 
 /* out[a][r] = row r of the group . input row r0 + a of x (a < mr; mr and digits compile-time constants where
@@ -903,7 +992,8 @@ static inline __attribute__((always_inline)) void sums8(const __m256i a[4], cons
 static inline __attribute__((always_inline)) void rows8_dot(const int64_t type, const int digits, const uint8_t *group,
                                                            int64_t bytes, const acts_t *x, int64_t r0, const int mr,
                                                            float out[QMR][8]) {
-    const int per = type == LLM_Q4_K || type == LLM_Q6_K ? 8 : 1;
+    const int per = type == LLM_Q4_K || type == LLM_Q6_K ? 8 : 1, run = rows8_run(type, digits);
+    const int is_signed = type == LLM_Q8_0 && digits == 1;
     const int64_t format_blocks = x->blocks / per;
     const int8_t *xh[QMR], *xl[QMR];
     const float *xd[QMR], *x32[QMR], *x16[QMR];
@@ -916,7 +1006,7 @@ static inline __attribute__((always_inline)) void rows8_dot(const int64_t type, 
         x16[a] = x->s16 + (r0 + a) * 2 * x->blocks;
         acc[a] = off[a] = _mm256_setzero_ps();
     }
-    const __m256i low = _mm256_set1_epi8(15);
+    const __m256i one = _mm256_set1_epi16(1), hi_weight = _mm256_set1_epi16(HI_WEIGHT(digits));
     for (int64_t fb = 0; fb < format_blocks; fb++) {
         const uint8_t *g = group + fb * 8 * bytes;
         /* (every cache line of a group block PREFETCH_BLOCKS ahead: a block of 8 rows is 144-1680 bytes, and the
@@ -947,72 +1037,42 @@ static inline __attribute__((always_inline)) void rows8_dot(const int64_t type, 
                     sc = _mm_or_si128(_mm_and_si128(s[j + 4], four), top_sc);
                     mn = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(s[j + 4], 4), four), top_mn);
                 }
-                scale8[j] = _mm256_cvtepu8_epi32(sc);
+                scale8[j] = pairs16(_mm256_cvtepu8_epi32(sc));
                 min8[j] = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn))));
             }
         }
         for (int c = 0; c < per; c++) {
             const int64_t b = fb * per + c;
-            __m256i wa[4], wb[4];
-            const uint8_t *pairs = type == LLM_Q4_0 ? g + 16 : type == LLM_Q4_1 ? g + 32 : type == LLM_Q5_0 ? g + 48
-                                   : type == LLM_Q4_K ? g + 128 + 128 * c : g + 144 + 192 * c;
-            if (type == LLM_Q8_0) {
-                for (int p = 0; p < 4; p++) {
-                    wa[p] = _mm256_loadu_si256((const __m256i *)(g + 16 + 64 * p));
-                    wb[p] = _mm256_loadu_si256((const __m256i *)(g + 16 + 64 * p + 32));
-                    if (digits == 1) { /* (back to signed: one digit reaches 127, and 255 x 127 x 2 overflows) */
-                        wa[p] = _mm256_xor_si256(wa[p], _mm256_set1_epi8((char)0x80));
-                        wb[p] = _mm256_xor_si256(wb[p], _mm256_set1_epi8((char)0x80));
-                    }
-                }
-            } else {
-                for (int p = 0; p < 4; p++) {
-                    __m256i v = _mm256_loadu_si256((const __m256i *)(pairs + 32 * p));
-                    wa[p] = _mm256_and_si256(v, low);
-                    wb[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                }
-            }
-            if (type == LLM_Q5_0) {
-                for (int p = 0; p < 4; p++) {
-                    uint32_t ha, hb;
-                    memcpy(&ha, g + 16 + 8 * p, 4);
-                    memcpy(&hb, g + 16 + 8 * p + 4, 4);
-                    wa[p] = _mm256_or_si256(wa[p], fifth_bits(ha));
-                    wb[p] = _mm256_or_si256(wb[p], fifth_bits(hb));
-                }
-            } else if (type == LLM_Q6_K) {
-                const __m256i three = _mm256_set1_epi8(3);
-                for (int p = 0; p < 4; p++) {
-                    __m256i high = _mm256_loadu_si256((const __m256i *)(pairs + 128 + 32 * (p / 2)));
-                    int shift = 4 * (p % 2); /* rows 4h + 2(p % 2) and 4h + 2(p % 2) + 1: bits shift, shift + 2 */
-                    wa[p] = _mm256_or_si256(wa[p], sll16(_mm256_and_si256(srl16(high, shift), three), 4));
-                    wb[p] = _mm256_or_si256(wb[p], sll16(_mm256_and_si256(srl16(high, shift + 2), three), 4));
-                }
-            }
-            __m256i sc_lo = _mm256_setzero_si256(), sc_hi = _mm256_setzero_si256();
+            __m256i w[8];
+            rows8_unpack(type, digits, g, c, w);
+            __m256i mul_lo = one, mul_hi = one;
             __m256 off_lo = _mm256_setzero_ps(), off_hi = _mm256_setzero_ps();
             if (type == LLM_Q6_K) {
-                sc_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(g + 16 + 16 * c)));
-                sc_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(g + 16 + 16 * c + 8)));
+                __m256i sc_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(g + 16 + 16 * c)));
+                __m256i sc_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(g + 16 + 16 * c + 8)));
                 __m256 d32 = _mm256_mul_ps(d8, _mm256_set1_ps(-32.0f));
                 off_lo = _mm256_mul_ps(d32, _mm256_cvtepi32_ps(sc_lo));
                 off_hi = _mm256_mul_ps(d32, _mm256_cvtepi32_ps(sc_hi));
+                mul_lo = pairs16(sc_lo);
+                mul_hi = pairs16(sc_hi);
+            } else if (type == LLM_Q4_K) {
+                mul_lo = mul_hi = scale8[c];
             }
+            const __m256i hi_lo = _mm256_mullo_epi16(mul_lo, hi_weight), hi_hi = _mm256_mullo_epi16(mul_hi, hi_weight);
             for (int a = 0; a < mr; a++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xh[a] + b * 32));
-                const __m256i xr = _mm256_loadu_si256((const __m256i *)(xl[a] + b * 32));
-                __m256i lo, hi, total;
-                sums8(wa, wb, xv, xr, digits, type == LLM_Q8_0, &lo, &hi);
+                const int8_t *h = xh[a] + b * 32, *l = xl[a] + b * 32;
+                __m256i total;
                 if (type == LLM_Q6_K) {
-                    total = _mm256_add_epi32(_mm256_mullo_epi32(lo, sc_lo), _mm256_mullo_epi32(hi, sc_hi));
+                    total = _mm256_add_epi32(rows8_sum(w, 0, 4, h, run, 0, hi_lo), rows8_sum(w, 4, 4, h, run, 0, hi_hi));
+                    if (digits == 2)
+                        total = _mm256_add_epi32(total, _mm256_add_epi32(rows8_sum(w, 0, 4, l, run, 0, mul_lo),
+                                                                         rows8_sum(w, 4, 4, l, run, 0, mul_hi)));
                     off[a] = _mm256_fmadd_ps(off_lo, _mm256_set1_ps(x16[a][2 * b]), off[a]);
                     off[a] = _mm256_fmadd_ps(off_hi, _mm256_set1_ps(x16[a][2 * b + 1]), off[a]);
-                } else if (type == LLM_Q4_K) {
-                    total = _mm256_mullo_epi32(_mm256_add_epi32(lo, hi), scale8[c]);
-                    off[a] = _mm256_fmadd_ps(min8[c], _mm256_set1_ps(x32[a][b]), off[a]);
                 } else {
-                    total = _mm256_add_epi32(lo, hi);
-                    off[a] = _mm256_fmadd_ps(offset8, _mm256_set1_ps(x32[a][b]), off[a]);
+                    total = rows8_sum(w, 0, 8, h, run, is_signed, hi_lo);
+                    if (digits == 2) total = _mm256_add_epi32(total, rows8_sum(w, 0, 8, l, run, 0, mul_lo));
+                    off[a] = _mm256_fmadd_ps(type == LLM_Q4_K ? min8[c] : offset8, _mm256_set1_ps(x32[a][b]), off[a]);
                 }
                 acc[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d8, _mm256_set1_ps(xd[a][b])), acc[a]);
             }
