@@ -101,6 +101,32 @@ def embedding_dtype(module: nn.Module) -> torch.dtype:
     return module.weight.dtype  # type: ignore[union-attr, return-value]
 
 
+# QUANT_ACTIVATIONS=auto: one digit (llama.cpp's precision) from this many parameters up, two below. Measured
+# (docs/model-options.md, "The products"): the 135M embedded model's greedy answers change with one digit (6 of 8
+# chats) and its batch-1 decode is at llama.cpp's with two; on a 1B model the products are the step's cost and two
+# digits keep prefill at ~0.75x llama.cpp's, while one gives llama.cpp's own numerics at 1.0-1.3x.
+AUTO_ONE_DIGIT_PARAMETERS = 1_000_000_000
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Weights a model holds, float parameters and quantized tables alike (a table two modules share, a tied
+    head's, counted once)."""
+    count = sum(p.numel() for p in model.parameters())
+    seen: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)) and module.blocks.data_ptr() not in seen:
+            seen.add(module.blocks.data_ptr())
+            count += module.quantized.rows * module.quantized.in_features
+    return count
+
+
+def input_digits_for(model: nn.Module, setting: str) -> int:
+    """The input digits QUANT_ACTIVATIONS asks for (``auto``: by ``AUTO_ONE_DIGIT_PARAMETERS``)."""
+    if setting != "auto":
+        return quant.INPUT_DIGITS[setting]
+    return 1 if parameter_count(model) >= AUTO_ONE_DIGIT_PARAMETERS else 2
+
+
 def set_input_digits(model: nn.Module, digits: int) -> int:
     """Every ``QuantizedLinear`` of ``model`` quantizes its inputs to ``digits`` 8-bit digits a value (1 or 2:
     ``quant.INPUT_DIGITS``, QUANT_ACTIVATIONS); before the first product is made (a merged layer's product

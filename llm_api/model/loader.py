@@ -24,7 +24,7 @@ import torch
 from llm_api.kernels import interpreter_enabled
 from llm_api.kernels.cpu import library as cpu_kernels_library
 from llm_api.kernels.cpu.quant import INPUT_DIGITS
-from llm_api.layers.quantized import set_input_digits
+from llm_api.layers.quantized import input_digits_for, set_input_digits
 from llm_api.model import cpu
 from llm_api.model.host_memory import release_freed_heap
 from llm_api.model.packed_linear import pack_linear_weights, weight_layout
@@ -169,11 +169,11 @@ def _load_gguf(settings: Settings, path: Path, on_gpu: bool) -> LoadedModel:
         tokenizer = gguf_model.tokenizer_for(file, Path(settings.cache_dir))
         model = gguf_model.build_model(file, config, dtype)
         formats = Counter(type_name(info.type_id) for info in file.tensors.values())
-    set_input_digits(model, INPUT_DIGITS[settings.quant_activations])
+    activations = _set_input_digits(model, settings)
     _pad_left(tokenizer)
     release_freed_heap()
-    logger.info("loaded %s: GGUF (%s), dtype=%s, QUANT_ACTIVATIONS=%s", path.name,
-                ", ".join(f"{n} {t}" for t, n in formats.most_common()), dtype, settings.quant_activations)
+    logger.info("loaded %s: GGUF (%s), dtype=%s, %s", path.name, ", ".join(f"{n} {t}" for t, n in formats.most_common()),
+                dtype, activations)
     return _loaded(model, tokenizer)
 
 
@@ -205,9 +205,9 @@ def _load(settings: Settings, path: Path, device_map, cuda: bool) -> LoadedModel
     model.eval()
     if settings.quantization in SCHEMES:
         counts = quantize_model(model, settings.quantization, dtype)
-        set_input_digits(model, INPUT_DIGITS[settings.quant_activations])
-        logger.info("QUANTIZATION=%s: %s; QUANT_ACTIVATIONS=%s", settings.quantization,
-                    ", ".join(f"{n} {f}" for f, n in sorted(counts.items())), settings.quant_activations)
+        activations = _set_input_digits(model, settings)
+        logger.info("QUANTIZATION=%s: %s; %s", settings.quantization, ", ".join(f"{n} {f}" for f, n in sorted(counts.items())),
+                    activations)
     layout = "plain" if quant is not None or settings.quantization in SCHEMES else weight_layout(
         settings.cpu_packed_weights, dtype, on_cpu=not on_gpu, cpu_kernels=_cpu_kernels_ahead(settings, on_gpu))
     if layout == "packed":
@@ -225,6 +225,14 @@ def _load(settings: Settings, path: Path, device_map, cuda: bool) -> LoadedModel
         settings.quantization, f" ({settings.bnb_4bit_quant_type})" if settings.quantization == "4bit" else "",
     )
     return _loaded(model, tokenizer)
+
+
+def _set_input_digits(model: torch.nn.Module, settings: Settings) -> str:
+    """QUANT_ACTIVATIONS applied to every quantized linear; what was chosen, for the load's log line."""
+    digits = input_digits_for(model, settings.quant_activations)
+    set_input_digits(model, digits)
+    name = next(name for name, value in INPUT_DIGITS.items() if value == digits)
+    return f"QUANT_ACTIVATIONS={settings.quant_activations}" + (f" ({name})" if settings.quant_activations == "auto" else "")
 
 
 def _pad_left(tokenizer: Any) -> None:

@@ -157,14 +157,13 @@ class Settings:
         choices=("none", "q8_0", "q4_0", "q4_k", "8bit", "4bit"), aliases=QUANTIZATION_OFF_ALIASES,
         shown_default="`None`")
     quant_activations: str = setting(
-        "QUANT_ACTIVATIONS", "int8x2",
+        "QUANT_ACTIVATIONS", "auto",
         "how the CPU kernels' products over GGUF block formats (a GGUF file's, or QUANTIZATION's `q8_0`, `q4_0`, "
         "`q4_k`) quantize their input rows, per block of 32 values: `int8x2`, two 8-bit digits a value (~13 bits: "
-        "the float model's answers; the embedded model's perplexity equals float's to 5 digits); `int8`, one "
-        "digit, as llama.cpp's Q8_0/Q8_1 activations (llama.cpp's answers and precision, one integer product a "
-        "value instead of two: +19% batch-1 decode on a 1B Q4_K_M model on a 2-core AVX2 host). "
-        "docs/model-options.md compares them",
-        choices=("int8x2", "int8"))
+        "the float model's answers); `int8`, one digit, as llama.cpp's Q8_0/Q8_1 activations (llama.cpp's "
+        "precision, one integer product a value instead of two: 1.3-1.7x the prefill); `auto`: `int8` for "
+        "models of 1B parameters and more, `int8x2` below. docs/model-options.md compares them",
+        choices=("auto", "int8x2", "int8"))
     bnb_4bit_quant_type: str = setting("BNB_4BIT_QUANT_TYPE", "nf4", "`nf4`, `fp4` (the 4-bit data type)",
                                        choices=("nf4", "fp4"))
     cpu_packed_weights: str = setting(  # llm_api.model.packed_linear

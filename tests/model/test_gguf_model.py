@@ -146,6 +146,20 @@ def test_one_digit_inputs_compute_the_files_values_to_8_bits(tmp_path, cache):
     assert 1e-4 * span < (one - want).abs().max() <= 2e-2 * span and (one - want).abs().max() > (two - want).abs().max()
 
 
+def test_auto_activations_take_one_digit_from_a_parameter_count_up(tmp_path, cache, monkeypatch):
+    from llm_api.layers import quantized
+
+    model = tiny_model("llama", True)
+    write_gguf(tmp_path / "m.gguf", model, "llama", "Q4_K", "Q8_0")
+    lm = _load(cache, tmp_path / "m.gguf")  # (QUANT_ACTIVATIONS unset: auto)
+    count = quantized.parameter_count(lm.model)
+    assert count == sum(p.numel() for p in model.parameters())  # (the tied head's table counted once)
+    assert {m.input_digits for m in lm.model.modules() if isinstance(m, QuantizedLinear)} == {2}
+    monkeypatch.setattr(quantized, "AUTO_ONE_DIGIT_PARAMETERS", count)
+    lm = _load(cache, tmp_path / "m.gguf", QUANT_ACTIVATIONS="auto")
+    assert {m.input_digits for m in lm.model.modules() if isinstance(m, QuantizedLinear)} == {1}
+
+
 def test_lora_over_a_quantized_base_is_pefts_over_the_dequantized_one(tmp_path, cache):
     pytest.importorskip("peft")
     from lora_helpers import make_adapter, peft_greedy
