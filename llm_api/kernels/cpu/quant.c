@@ -3,14 +3,15 @@
  * -march=native (the AVX2 paths below where the compiler targets AVX2 + FMA + F16C, scalar C elsewhere),
  * -ffp-contract=off (the de-quantization then rounds exactly where the gguf package's reference does).
  *
- * A product quantizes each input row once per call, per block of 32 values: int8 values, a float32 scale
- * d = max|x| / 127, and d times the sum of each 16 and each 32 of the block's values (what the formats whose
- * values are offset, q - 8 or d q + m, subtract or add). Each weight block is unpacked once into 32 unsigned
- * bytes and multiplied with up to 4 input rows by integer dot products (maddubs: u8 x s8 pairs), the
- * sub-block scales of the K formats applied as integers too (madd), then each block's sum times (d_w d_x)
- * is added to float32 sums kept per (weight row, input row): every row's result is computed by the same
- * instructions in the same order whatever the number of rows beside it, so a row's output never depends
- * on its batch (prefill chunks, decode batches, generate() and the engine give the same numbers). */
+ * A product quantizes each input row once per call, per block of 32 values: one or two signed 8-bit digits a
+ * value ("The product's input rows" below), a float32 unit, and the unit times the sum of each 16 and each 32
+ * of the block's values (what the formats whose values are offset, q - 8 or d q + m, subtract or add). Each
+ * weight block is unpacked once and multiplied with up to 4 input rows by integer dot products (maddubs: u8 x s8
+ * pairs), the sub-block scales of the K formats applied as integers too (madd), then each block's sum times
+ * (d_w d_x) is added to float32 sums kept per (weight row, input row): every row's result is computed by the
+ * same instructions in the same order whatever the number of rows beside it, so a row's output never depends
+ * on its batch (prefill chunks, decode batches, generate() and the engine give the same numbers). Changing a
+ * kernel changes the key of the host's build cache (llm_api.kernels.cpu.library), so no stale library runs. */
 #include "common.h"
 #include "quant.h"
 
@@ -351,14 +352,15 @@ int llm_q_quantize(int64_t type, const float *x, int64_t n, int64_t k, void *out
  *   1: one signed 8-bit digit, x ~ unit hi, unit = max|x| / 127 (|hi| <= 127): llama.cpp's Q8_0 / Q8_1
  *     activations, one dot product a value. Q8_0's weights are then multiplied signed (maddubs of |w| and the
  *     digit given w's sign: 2 x 128 x 127 fits 16 bits), the other formats' values are unsigned below 64.
- * Why two by default: with one digit the embedded model's greedy answers change where large and small values
- * share a block (SmolLM2-135M's Q4_1 file answers "What is the capital of France?" with "L'Étoile, la
- * Marseillaise..." as llama.cpp does on the same file, where two digits and float activations answer "The
- * capital of France is Paris."; docs/model-options.md), and the second digit costs most where the step is not
- * bound by reading the weights. Also stored: `unit`, and unit x the digits' sum (127 hi + lo, or hi) of each
- * half block and each block (what the formats whose values are offset, q - 8 or d q + m, subtract or add).
- * Rounding is to nearest even. A block holding an infinity or a NaN gets unit = NaN (and digits 0): the row's
- * outputs become NaN, as a float product's would, and the engine's finiteness check sees them. */
+ * Why two below 1B parameters (QUANT_ACTIVATIONS=auto): with one digit the embedded model's greedy answers change
+ * where large and small values share a block (SmolLM2-135M's Q4_1 file answers "What is the capital of France?"
+ * with "L'Étoile, la Marseillaise..." as llama.cpp does on the same file, where two digits and float activations
+ * answer "The capital of France is Paris."; docs/model-options.md); from 1B up the products are most of a step,
+ * and one digit is llama.cpp's precision (its perplexity to 0.03% on the same file). Also stored: `unit`, and
+ * unit x the digits' sum (127 hi + lo, or hi) of each half block and each block (what the formats whose values
+ * are offset, q - 8 or d q + m, subtract or add). Rounding is to nearest even. A block holding an infinity or a
+ * NaN gets unit = NaN (and digits 0): the row's outputs become NaN, as a float product's would, and the engine's
+ * finiteness check sees them. */
 
 typedef struct {
     int8_t *hi, *lo;      /* [m][k] each (lo all 0 with one digit) */
