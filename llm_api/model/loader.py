@@ -172,7 +172,7 @@ def _load_gguf(settings: Settings, path: Path, on_gpu: bool) -> LoadedModel:
     activations = _set_input_digits(model, settings)
     _pad_left(tokenizer)
     release_freed_heap()
-    logger.info("loaded %s: GGUF (%s), dtype=%s, %s", path.name, ", ".join(f"{n} {t}" for t, n in formats.most_common()),
+    logger.info("loaded %s: GGUF (%s), dtype=%s (%s)", path.name, ", ".join(f"{n} {t}" for t, n in formats.most_common()),
                 dtype, activations)
     return _loaded(model, tokenizer)
 
@@ -206,7 +206,7 @@ def _load(settings: Settings, path: Path, device_map, cuda: bool) -> LoadedModel
     if settings.quantization in SCHEMES:
         counts = quantize_model(model, settings.quantization, dtype)
         activations = _set_input_digits(model, settings)
-        logger.info("QUANTIZATION=%s: %s; %s", settings.quantization, ", ".join(f"{n} {f}" for f, n in sorted(counts.items())),
+        logger.info("QUANTIZATION=%s: %s (%s)", settings.quantization, ", ".join(f"{n} {f}" for f, n in sorted(counts.items())),
                     activations)
     layout = "plain" if quant is not None or settings.quantization in SCHEMES else weight_layout(
         settings.cpu_packed_weights, dtype, on_cpu=not on_gpu, cpu_kernels=_cpu_kernels_ahead(settings, on_gpu))
@@ -228,11 +228,12 @@ def _load(settings: Settings, path: Path, device_map, cuda: bool) -> LoadedModel
 
 
 def _set_input_digits(model: torch.nn.Module, settings: Settings) -> str:
-    """QUANT_ACTIVATIONS applied to every quantized linear; what was chosen, for the load's log line."""
+    """QUANT_ACTIVATIONS applied to every quantized linear; what was chosen, for the load's log line (after the
+    dtype, which log readers take as the word after ``dtype=``)."""
     digits = input_digits_for(model, settings.quant_activations)
     set_input_digits(model, digits)
     name = next(name for name, value in INPUT_DIGITS.items() if value == digits)
-    return f"QUANT_ACTIVATIONS={settings.quant_activations}" + (f" ({name})" if settings.quant_activations == "auto" else "")
+    return f"QUANT_ACTIVATIONS={settings.quant_activations}" + (f": {name}" if settings.quant_activations == "auto" else "")
 
 
 def _pad_left(tokenizer: Any) -> None:
