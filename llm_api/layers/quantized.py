@@ -116,7 +116,8 @@ def parameter_count(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, (QuantizedLinear, QuantizedEmbedding)) and module.blocks.data_ptr() not in seen:
             seen.add(module.blocks.data_ptr())
-            count += module.quantized.rows * module.quantized.in_features
+            weight = module.quantized
+            count += weight.rows * weight.in_features
     return count
 
 

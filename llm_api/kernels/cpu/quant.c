@@ -203,6 +203,47 @@ static void dequantize_row(int64_t type, const uint8_t *row, int64_t k, float *o
  * than llama.cpp's (no search for the scale that least squares the error): each sub-block's scale from its
  * range, the scales themselves quantized against the block's largest, the values rounded to nearest. */
 
+/* The value bits of one block of `type` (its 32 or 256 integers as block_values below reads them back: unsigned,
+ * Q8_0's signed) written into the block at p; its scale fields are left as they are. The quantizers and the
+ * grouped layout's way back (from_rows8) share it. */
+static void put_block_values(int64_t type, const int *values, uint8_t *p) {
+    switch (type) {
+        case LLM_Q4_0:
+        case LLM_Q4_1:
+        case LLM_Q5_0: {
+            uint8_t *qs = p + (type == LLM_Q4_1 ? 4 : 2);
+            if (type == LLM_Q5_0) {
+                uint32_t high = 0;
+                for (int j = 0; j < 32; j++) high |= (uint32_t)((values[j] >> 4) & 1) << j;
+                memcpy(p + 2, &high, 4);
+                qs = p + 6;
+            }
+            for (int j = 0; j < 16; j++) qs[j] = (uint8_t)((values[j] & 15) | (values[j + 16] & 15) << 4);
+            break;
+        }
+        case LLM_Q8_0:
+            for (int j = 0; j < 32; j++) p[2 + j] = (uint8_t)(int8_t)values[j];
+            break;
+        case LLM_Q4_K: {
+            uint8_t *qs = p + 16;
+            memset(qs, 0, 128);
+            for (int j = 0; j < 8; j++)
+                for (int l = 0; l < 32; l++) qs[(j / 2) * 32 + l] |= (uint8_t)((values[j * 32 + l] & 15) << (4 * (j & 1)));
+            break;
+        }
+        case LLM_Q6_K: {
+            uint8_t *ql = p, *qh = p + 128;
+            memset(ql, 0, 192);
+            for (int at = 0; at < 256; at++) {
+                int v = values[at], h = at / 128, g = (at % 128) / 32, l = at % 32;
+                ql[h * 64 + (g & 1) * 32 + l] |= (uint8_t)((v & 15) << (4 * (g >> 1)));
+                qh[h * 32 + l] |= (uint8_t)(((v >> 4) & 3) << (2 * g));
+            }
+            break;
+        }
+    }
+}
+
 static void quantize_q8_0(const float *x, uint8_t *p) {
     float amax = 0.0f;
     for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
@@ -224,19 +265,12 @@ static void quantize_q4_0_or_q5_0(const float *x, uint8_t *p, int five) {
     int top = five ? 31 : 15;
     float d = signed_max(x, 32) / levels, id = d != 0.0f ? 1.0f / d : 0.0f;
     put_half(p, d);
-    uint8_t q[32];
+    int q[32];
     for (int j = 0; j < 32; j++) {
         int v = (int)(x[j] * id + center);
-        q[j] = (uint8_t)(v < 0 ? 0 : v > top ? top : v);
+        q[j] = v < 0 ? 0 : v > top ? top : v;
     }
-    uint8_t *qs = p + 2;
-    if (five) {
-        uint32_t high = 0;
-        for (int j = 0; j < 32; j++) high |= (uint32_t)(q[j] >> 4) << j;
-        memcpy(p + 2, &high, 4);
-        qs = p + 6;
-    }
-    for (int j = 0; j < 16; j++) qs[j] = (uint8_t)((q[j] & 15) | ((q[j + 16] & 15) << 4));
+    put_block_values(five ? LLM_Q5_0 : LLM_Q4_0, q, p);
 }
 
 static void quantize_q4_1(const float *x, uint8_t *p) {
@@ -245,12 +279,12 @@ static void quantize_q4_1(const float *x, uint8_t *p) {
     float d = (hi - lo) / 15.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
     put_half(p, d);
     put_half(p + 2, lo);
-    for (int j = 0; j < 16; j++) {
-        int a = (int)((x[j] - lo) * id + 0.5f), b = (int)((x[j + 16] - lo) * id + 0.5f);
-        a = a < 0 ? 0 : a > 15 ? 15 : a;
-        b = b < 0 ? 0 : b > 15 ? 15 : b;
-        p[4 + j] = (uint8_t)(a | (b << 4));
+    int q[32];
+    for (int j = 0; j < 32; j++) {
+        int v = (int)((x[j] - lo) * id + 0.5f);
+        q[j] = v < 0 ? 0 : v > 15 ? 15 : v;
     }
+    put_block_values(LLM_Q4_1, q, p);
 }
 
 static inline int clamp_int(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
@@ -282,16 +316,13 @@ static void quantize_q4_k(const float *x, uint8_t *p) {
         s[j + 8] = (uint8_t)((sc[j + 4] & 15) | ((mn[j + 4] & 15) << 4));
     }
     float stored_d = half_at(p), stored_dmin = half_at(p + 2);
-    uint8_t *qs = p + 16;
-    memset(qs, 0, 128);
+    int q[256];
     for (int j = 0; j < 8; j++) {
         float ds = stored_d * (float)sc[j], dm = stored_dmin * (float)mn[j];
         float ids = ds != 0.0f ? 1.0f / ds : 0.0f;
-        for (int l = 0; l < 32; l++) {
-            int v = clamp_int((int)nearbyintf((x[j * 32 + l] + dm) * ids), 0, 15);
-            qs[(j / 2) * 32 + l] |= (uint8_t)(v << (4 * (j & 1)));
-        }
+        for (int l = 0; l < 32; l++) q[j * 32 + l] = clamp_int((int)nearbyintf((x[j * 32 + l] + dm) * ids), 0, 15);
     }
+    put_block_values(LLM_Q4_K, q, p);
 }
 
 static void quantize_q6_k(const float *x, uint8_t *p) {
@@ -305,15 +336,12 @@ static void quantize_q6_k(const float *x, uint8_t *p) {
     for (int j = 0; j < 16; j++) sc[j] = (int8_t)clamp_int((int)nearbyintf(scales[j] * id), -128, 127);
     put_half(p + 208, d);
     float stored_d = half_at(p + 208);
-    uint8_t *ql = p, *qh = p + 128;
-    memset(ql, 0, 192);
+    int q[256];
     for (int at = 0; at < 256; at++) {
         float ds = stored_d * (float)sc[at / 16], ids = ds != 0.0f ? 1.0f / ds : 0.0f;
-        int v = clamp_int((int)nearbyintf(x[at] * ids) + 32, 0, 63);
-        int h = at / 128, g = (at % 128) / 32, l = at % 32;
-        ql[h * 64 + (g & 1) * 32 + l] |= (uint8_t)((v & 15) << (4 * (g >> 1)));
-        qh[h * 32 + l] |= (uint8_t)((v >> 4) << (2 * g));
+        q[at] = clamp_int((int)nearbyintf(x[at] * ids) + 32, 0, 63);
     }
+    put_block_values(LLM_Q6_K, q, p);
 }
 
 /* n rows of k float32 values into rows of `type` blocks at out (row after row). 2: a type this library does
@@ -700,8 +728,7 @@ static int rows8_known(int64_t type) {
            type == LLM_Q6_K;
 }
 
-/* Where a group block's values of sub-block c start, and (Q5_0, Q6_K) their high bits; bytes of a sub-block's
- * values. */
+/* Where a group block's values of sub-block c start, and (Q5_0, Q6_K) where their high bits are. */
 static inline const uint8_t *rows8_values(const int64_t type, const uint8_t *g, int c) {
     switch (type) {
         case LLM_Q4_0: return g + 16;
@@ -793,37 +820,21 @@ static void to_rows8(int64_t type, const uint8_t *const rows[8], int64_t b, int6
     }
 }
 
-/* Row `lane` (0..7) of group block g as its GGUF block (at out). */
+/* Row `lane` (0..7) of group block g as its GGUF block (at out): its scale fields copied back, its values
+ * unpacked and written as GGUF stores them. */
 static void from_rows8(int64_t type, const uint8_t *g, int lane, uint8_t *out) {
     int per = type == LLM_Q4_K || type == LLM_Q6_K ? 8 : 1;
     int values[256];
     for (int c = 0; c < per; c++) unpack_values(type, rows8_values(type, g, c), rows8_highs(type, g, c), lane, values + 32 * c);
     switch (type) {
-        case LLM_Q4_0: case LLM_Q4_1: case LLM_Q5_0: case LLM_Q4_K: {
-            int heads = type == LLM_Q4_0 || type == LLM_Q5_0 ? 1 : 2;
-            for (int h = 0; h < heads; h++) memcpy(out + 2 * h, g + 16 * h + 2 * lane, 2);
-            uint8_t *qs = out + 2 * heads;
-            if (type == LLM_Q5_0) {
-                uint32_t high = 0;
-                for (int j = 0; j < 32; j++) high |= (uint32_t)((values[j] >> 4) & 1) << j;
-                memcpy(out + 2, &high, 4);
-                qs = out + 6;
-            } else if (type == LLM_Q4_K) {
-                for (int i = 0; i < 12; i++) out[4 + i] = g[32 + 8 * i + lane];
-                qs = out + 16;
-            }
-            if (type == LLM_Q4_K) {
-                memset(qs, 0, 128);
-                for (int j = 0; j < 8; j++)
-                    for (int l = 0; l < 32; l++) qs[(j / 2) * 32 + l] |= (uint8_t)(values[j * 32 + l] << (4 * (j & 1)));
-            } else {
-                for (int j = 0; j < 16; j++) qs[j] = (uint8_t)((values[j] & 15) | (values[j + 16] & 15) << 4);
-            }
-            break;
-        }
-        case LLM_Q8_0:
+        case LLM_Q4_0: case LLM_Q5_0: case LLM_Q8_0:
             memcpy(out, g + 2 * lane, 2);
-            for (int l = 0; l < 32; l++) out[2 + l] = (uint8_t)(int8_t)values[l];
+            break;
+        case LLM_Q4_1: case LLM_Q4_K:
+            memcpy(out, g + 2 * lane, 2);
+            memcpy(out + 2, g + 16 + 2 * lane, 2);
+            if (type == LLM_Q4_K)
+                for (int i = 0; i < 12; i++) out[4 + i] = g[32 + 8 * i + lane];
             break;
         case LLM_Q6_K:
             memcpy(out + 208, g + 2 * lane, 2);
@@ -831,14 +842,9 @@ static void from_rows8(int64_t type, const uint8_t *g, int lane, uint8_t *out) {
                 out[192 + 2 * c] = g[16 + 16 * c + lane];
                 out[192 + 2 * c + 1] = g[16 + 16 * c + 8 + lane];
             }
-            memset(out, 0, 192);
-            for (int at = 0; at < 256; at++) {
-                int v = values[at], h = at / 128, grp = (at % 128) / 32, l = at % 32;
-                out[h * 64 + (grp & 1) * 32 + l] |= (uint8_t)((v & 15) << (4 * (grp >> 1)));
-                out[128 + h * 32 + l] |= (uint8_t)((v >> 4) << (2 * grp));
-            }
             break;
     }
+    put_block_values(type, values, out);
 }
 
 /* A weight of `rows` rows of k values between the layouts: to_rows8 1 (GGUF's -> groups of 8), 0 (back).
