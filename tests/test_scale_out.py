@@ -189,8 +189,9 @@ def _headers() -> dict[str, str]:
 
 
 def _chat(server, messages, max_tokens=2, model=None) -> httpx.Response:
-    return httpx.post(f"{server.http}/v1/chat/completions", headers=_headers(), timeout=120,
-                      json={"model": model or server.model_name, "messages": messages, "max_tokens": max_tokens})
+    # Greedy: OpenAI's default temperature (1) samples, and a sample may end at EOS before max_tokens.
+    return httpx.post(f"{server.http}/v1/chat/completions", headers=_headers(), timeout=120, json={
+        "model": model or server.model_name, "messages": messages, "max_tokens": max_tokens, "temperature": 0})
 
 
 def _replica_pid(server, replica: str) -> int:
@@ -480,6 +481,9 @@ def test_a_failure_mid_stream_ends_each_route_in_its_own_format(ray_app):
     own in-band error, and the app serves on after it."""
     from edge_failure_checks import check_chat_and_completions, check_messages, check_native, check_responses
 
+    still = [{"role": "user", "content": "Still serving?"}]
+    before = _chat(ray_app, still, max_tokens=8)
+    assert before.status_code == 200, before.text
     switch = ray_app.workdir / INJECT_FILE
     switch.touch()
     try:
@@ -489,8 +493,9 @@ def test_a_failure_mid_stream_ends_each_route_in_its_own_format(ray_app):
         check_native(ray_app, KEY)
     finally:
         switch.unlink()
-    after = _chat(ray_app, [{"role": "user", "content": "Still serving?"}], max_tokens=8)
-    assert after.status_code == 200 and after.json()["choices"][0]["finish_reason"] == "length", after.text
+    # (the same greedy answer as before the failures, on whichever replica: no stream's end left state behind)
+    after = _chat(ray_app, still, max_tokens=8)
+    assert after.status_code == 200 and after.json()["choices"] == before.json()["choices"], (before.text, after.text)
 
 
 # (near the end: the killed replica is replaced, and its successor loads for a while)
