@@ -162,6 +162,27 @@ def test_a_rows_result_does_not_depend_on_its_batch(build, name, digits):
             assert torch.equal(quant.product(x[rows], product), whole[rows]), (each.layout, rows)
 
 
+@pytest.mark.parametrize("digits", [2, 1])
+@pytest.mark.parametrize("name", quant.REPACKABLE)
+def test_the_native_build_computes_the_avx2_builds_numbers(libraries, monkeypatch, name, digits):
+    """Where the host has more than AVX2 (VNNI's dpbusd on the Intel kinds and Zen 4: quant.c's ROWS8_VNNI), the
+    grouped products compute the same integers by other instructions: the results equal the AVX2 build's to the
+    bit, so which build a host runs never changes an answer. (On an AVX2-only host both builds are one code.)"""
+    if "x86-64-v3" not in libraries:
+        pytest.skip("this CPU does not run the AVX2 build")
+    monkeypatch.setattr(cpu_library, "_library", libraries["native"])
+    fmt = quant.FORMATS[name]
+    k = fmt.block * 3
+    rng = _rng(f"builds{name}")
+    weight = quant.repack(quant.QuantizedWeight(fmt, random_blocks(fmt, 24, k, rng), k, input_digits=digits))
+    x = torch.from_numpy(rng.standard_normal((6, k)).astype(np.float32) * 3)
+    results = {}
+    for march in ("native", "x86-64-v3"):
+        monkeypatch.setattr(cpu_library, "_library", libraries[march])
+        results[march] = quant.product(x, quant.Product([weight], k))
+    assert torch.equal(results["native"], results["x86-64-v3"])
+
+
 def test_a_product_of_parts_of_different_formats_with_a_bias(build):
     rng = _rng("parts")
     k = 512
