@@ -389,7 +389,8 @@ def main():
     runs = variants(info, args)
     flags = cpu_flags()
     print(f"CPU {cpu_model()}, {os.cpu_count()} cores, flags: {' '.join(flags) or 'none of ' + ' '.join(CPU_FLAGS)}")
-    print(f"llama.cpp {info.get('llama_cpp_commit')} ({info.get('sdist')}), torch {torch.__version__}, "
+    built_with = f", built with {info['extra_cflags']}" if info.get("extra_cflags") else ""  # (AMX compiled out)
+    print(f"llama.cpp {info.get('llama_cpp_commit')} ({info.get('sdist')}{built_with}), torch {torch.__version__}, "
           f"{args.threads} threads, {args.rounds} round(s)", flush=True)
     parts = args.parts.split(",")
     results: dict[str, dict] = {}

@@ -9,7 +9,8 @@
 #   dl/      the llama-cpp-python sdist from PyPI: its vendor/llama.cpp is a pinned llama.cpp
 #            checkout, so PyPI alone gives a reproducible llama.cpp source (no GitHub access needed)
 #   src/     the unpacked sdist
-#   build/   cmake build (Release, GGML_NATIVE: the host's AVX2/AVX-512/AMX paths), bin/llama-bench,
+#   build/   cmake build (Release, GGML_NATIVE: the host's AVX2/AVX-512 paths; AMX only with LLAMACPP_AMX=1,
+#            see step 2), bin/llama-bench,
 #            bin/llama-server, bin/llama-quantize and bin/llama-perplexity, statically linked (only the
 #            targets whose binary is missing are built)
 #   pylib/   the gguf package from PyPI and its dependencies (numpy, pyyaml, tqdm, requests), kept out
@@ -70,9 +71,20 @@ targets=()
 for target in llama-bench llama-server llama-quantize llama-perplexity; do
   [ -x "$out/build/bin/$target" ] || targets+=("$target")
 done
+# On a host with AMX-INT8 (the Intel kinds), ggml's AMX matrix products are compiled out unless
+# LLAMACPP_AMX=1: at this commit they crash on their first call (llama-bench and llama-server die with
+# SIGSEGV in ggml_backend_amx_mul_mat, a general protection fault on ldtilecfg, on every quantized file
+# we bench; measured on a 2-core Intel Xeon with amx_int8, 2026-11-29; llama.cpp PR #26954: the tile
+# config on the stack is optimized away). GCC keeps explicit -mno-* flags over -march=native's, so
+# everything else native stays (AVX512-VNNI, AVX512-BF16 and the repacked Q4_0/Q4_K products).
+amx_flags=""
+if grep -qw amx_int8 /proc/cpuinfo && [ "${LLAMACPP_AMX:-0}" != "1" ]; then
+  amx_flags="-mno-amx-int8 -mno-amx-tile -mno-amx-bf16"
+fi
 if [ "${#targets[@]}" -gt 0 ]; then
-  echo "build_llamacpp: building ${targets[*]} of llama.cpp $commit (nice $NICE, $JOBS jobs)"
+  echo "build_llamacpp: building ${targets[*]} of llama.cpp $commit (nice $NICE, $JOBS jobs${amx_flags:+, $amx_flags})"
   nice -n "$NICE" cmake -S "$llama" -B "$out/build" -G Ninja \
+    -DCMAKE_C_FLAGS="$amx_flags" -DCMAKE_CXX_FLAGS="$amx_flags" \
     -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >/dev/null
@@ -229,6 +241,7 @@ gguf_q8_0=$out/gguf/SmolLM2-135M-Instruct-Q8_0.gguf
 gguf_q4_k_m=$out/gguf/SmolLM2-135M-Instruct-Q4_K_M.gguf
 tensor_types=$types
 model=$model
+extra_cflags=$amx_flags
 EOF
   if [ -f "$m1b/config.json" ]; then echo "model_1b=$m1b"; fi
   if [ -s "$g1b" ]; then echo "gguf_1b_bf16=$g1b"; fi

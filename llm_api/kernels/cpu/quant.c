@@ -1,6 +1,7 @@
 /* Products over weights kept in GGUF's block formats, and the formats' conversions (llm_api.kernels.cpu.quant
  * states the contract, the formats and why they are hand-written). Same build as kernels.c: one library,
- * -march=native (the AVX2 paths below where the compiler targets AVX2 + FMA + F16C, scalar C elsewhere),
+ * -march=native (the AVX2 paths below where the compiler targets AVX2 + FMA + F16C, with VNNI's dot products in the
+ * grouped rows' where it targets AVX512-VNNI or AVX-VNNI too: ROWS8_VNNI; scalar C elsewhere),
  * -ffp-contract=off (the de-quantization then rounds exactly where the gguf package's reference does).
  *
  * A product quantizes each input row once per call, per block of 32 values: one or two signed 8-bit digits a
