@@ -144,14 +144,18 @@ def test_preempted_requests_keep_their_grammar_state(lm, compiler):
             assert reason is FinishReason.LENGTH and len(tokens) == 64
 
 
-def test_reference_core_gives_the_engine_tokens(lm, compiler, embedded_model_path):
+def test_reference_core_gives_the_engine_tokens(lm, compiler, embedded_checkpoint_path):
+    """On the float32 checkpoint: the GGUF file's quantized products round their inputs, which can turn the last
+    bits in which the engine's paged attention and the reference core's differ into a different greedy token on
+    some host kinds (the Intel Xeon's "free" answer parted at its second token, 2026-11-29)."""
     specs = {"person": GrammarSpec.json_schema(PERSON), "date": GrammarSpec.regex(DATE), "free": None}
     prompts = {"person": chat(lm, "Describe a person as JSON."), "date": chat(lm, "A date please."),
                "free": chat(lm, "Say hello.")}
-    engine = make_engine(lm.model, lm.eos_token_ids, block_size=16, num_blocks=64)
+    float_lm = load_fp32(embedded_checkpoint_path)
+    engine = make_engine(float_lm.model, lm.eos_token_ids, block_size=16, num_blocks=64)
     expected = run_engine(engine, {0: [(rid, prompts[rid], params(compiler, specs[rid], max_new_tokens=40))
                                        for rid in specs]})
-    core = ReferenceCore(load_fp32(embedded_model_path).model, lm.eos_token_ids, lm.tokenizer.pad_token_id)
+    core = ReferenceCore(load_fp32(embedded_checkpoint_path).model, lm.eos_token_ids, lm.tokenizer.pad_token_id)
     for rid in specs:
         core.add_request(rid, prompts[rid], params(compiler, specs[rid], max_new_tokens=40))
     got: dict[str, list] = {rid: [[], None] for rid in specs}
