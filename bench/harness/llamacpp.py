@@ -34,7 +34,8 @@ from .server_process import REPO, free_ports
 
 LLAMACPP_DIR = REPO / ".cache" / "llamacpp"
 # --formats name -> the build-info key of its GGUF file (build_llamacpp.sh writes these keys)
-FORMATS = {"q4_1": "gguf_q4_1", "q8_0": "gguf_q8_0", "q4_k_m": "gguf_q4_k_m", "1b_q4_k_m": "gguf_1b_q4_k_m"}
+FORMATS = {"q4_1": "gguf_q4_1", "q8_0": "gguf_q8_0", "q4_k_m": "gguf_q4_k_m", "1b_q4_k_m": "gguf_1b_q4_k_m",
+           "1b_q5_k_m": "gguf_1b_q5_k_m"}
 FLOAT_FORMATS = {"f32": "gguf_f32", "bf16": "gguf_bf16"}
 
 

@@ -225,11 +225,16 @@ static void put_block_values(int64_t type, const int *values, uint8_t *p) {
         case LLM_Q8_0:
             for (int j = 0; j < 32; j++) p[2 + j] = (uint8_t)(int8_t)values[j];
             break;
-        case LLM_Q4_K: {
-            uint8_t *qs = p + 16;
-            memset(qs, 0, 128);
+        case LLM_Q4_K:
+        case LLM_Q5_K: {
+            int five = type == LLM_Q5_K;
+            uint8_t *qs = p + 16 + (five ? 32 : 0);
+            memset(p + 16, 0, five ? 160 : 128);
             for (int j = 0; j < 8; j++)
-                for (int l = 0; l < 32; l++) qs[(j / 2) * 32 + l] |= (uint8_t)((values[j * 32 + l] & 15) << (4 * (j & 1)));
+                for (int l = 0; l < 32; l++) {
+                    qs[(j / 2) * 32 + l] |= (uint8_t)((values[j * 32 + l] & 15) << (4 * (j & 1)));
+                    if (five) p[16 + l] |= (uint8_t)(((values[j * 32 + l] >> 4) & 1) << j);
+                }
             break;
         }
         case LLM_Q6_K: {
@@ -734,6 +739,7 @@ static inline __attribute__((always_inline)) void tile(const int64_t type, const
  *   Q8_0  8 d | 8 vectors of 32 bytes: byte 4 r + i of vector v = row r's value 4 v + i + 128 (the sign bit
  *         flipped: read as unsigned, like the 4-bit formats, with two digits)
  *   Q4_K  8 d | 8 dmin | 12 x 8 scale bytes (scale byte i of row r at 8 i + r) | 8 sub-blocks x V
+ *   Q5_K  Q4_K's scales | 8 sub-blocks x (V, then 32 bytes of fifth bits as Q5_0's)
  *   Q6_K  8 d | 8 blocks of 32 x (8 rows' first-half scales, 8 rows' second-half scales) | 8 blocks of 32 x
  *         (V, then 2 x 32 bytes of high bits: bits 2 v, 2 v + 1 of byte 4 r + i of the first = those of row r's
  *         value 4 v + i, of the second = value 16 + 4 v + i's)
@@ -741,8 +747,14 @@ static inline __attribute__((always_inline)) void tile(const int64_t type, const
 
 static int rows8_known(int64_t type) {
     return type == LLM_Q4_0 || type == LLM_Q4_1 || type == LLM_Q5_0 || type == LLM_Q8_0 || type == LLM_Q4_K ||
-           type == LLM_Q6_K;
+           type == LLM_Q5_K || type == LLM_Q6_K;
 }
+
+/* The formats of 256 values in 8 sub-blocks of 32 (a group block holds 8 sub-blocks' V); of them, those with
+ * Q4_K's scale fields (fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins); and those with a fifth bit. */
+static inline int k_format(int64_t type) { return type == LLM_Q4_K || type == LLM_Q5_K || type == LLM_Q6_K; }
+static inline int k4_scales(int64_t type) { return type == LLM_Q4_K || type == LLM_Q5_K; }
+static inline int five_bits(int64_t type) { return type == LLM_Q5_0 || type == LLM_Q5_K; }
 
 /* Where a group block's values of sub-block c start, and (Q5_0, Q6_K) where their high bits are. */
 static inline const uint8_t *rows8_values(const int64_t type, const uint8_t *g, int c) {
@@ -752,6 +764,7 @@ static inline const uint8_t *rows8_values(const int64_t type, const uint8_t *g, 
         case LLM_Q5_0: return g + 48;
         case LLM_Q8_0: return g + 16;
         case LLM_Q4_K: return g + 128 + 128 * c;
+        case LLM_Q5_K: return g + 128 + 160 * c;
         default: return g + 144 + 192 * c; /* Q6_K */
     }
 }
@@ -768,14 +781,14 @@ static void pack_values(int64_t type, int values[8][32], uint8_t *q, uint8_t *h)
                 for (int i = 0; i < 4; i++) q[32 * v + 4 * r + i] = (uint8_t)(values[r][4 * v + i] + 128);
         return;
     }
-    if (type == LLM_Q5_0) memset(h, 0, 32);
+    if (five_bits(type)) memset(h, 0, 32);
     if (type == LLM_Q6_K) memset(h, 0, 64);
     for (int v = 0; v < 4; v++)
         for (int r = 0; r < 8; r++)
             for (int i = 0; i < 4; i++) {
                 int lo = values[r][4 * v + i], hi = values[r][16 + 4 * v + i], at = 4 * r + i;
                 q[32 * v + at] = (uint8_t)((lo & 15) | (hi & 15) << 4);
-                if (type == LLM_Q5_0) h[at] |= (uint8_t)(((lo >> 4) & 1) << v | ((hi >> 4) & 1) << (4 + v));
+                if (five_bits(type)) h[at] |= (uint8_t)(((lo >> 4) & 1) << v | ((hi >> 4) & 1) << (4 + v));
                 if (type == LLM_Q6_K) {
                     h[at] |= (uint8_t)(((lo >> 4) & 3) << (2 * v));
                     h[32 + at] |= (uint8_t)(((hi >> 4) & 3) << (2 * v));
@@ -793,7 +806,7 @@ static void unpack_values(int64_t type, const uint8_t *q, const uint8_t *h, int 
                 continue;
             }
             int lo = q[32 * v + at] & 15, hi = q[32 * v + at] >> 4;
-            if (type == LLM_Q5_0) {
+            if (five_bits(type)) {
                 lo |= ((h[at] >> v) & 1) << 4;
                 hi |= ((h[at] >> (4 + v)) & 1) << 4;
             } else if (type == LLM_Q6_K) {
@@ -807,16 +820,16 @@ static void unpack_values(int64_t type, const uint8_t *q, const uint8_t *h, int 
 
 /* 8 rows' GGUF block b (rows[i] points at row i) -> the group block at g. */
 static void to_rows8(int64_t type, const uint8_t *const rows[8], int64_t b, int64_t bytes, uint8_t *g) {
-    int per = type == LLM_Q4_K || type == LLM_Q6_K ? 8 : 1;
+    int per = k_format(type) ? 8 : 1;
     const uint8_t *block[8];
     for (int r = 0; r < 8; r++) block[r] = rows[r] + b * bytes;
     switch (type) { /* the scales */
         case LLM_Q4_0: case LLM_Q5_0: case LLM_Q8_0:
             for (int r = 0; r < 8; r++) memcpy(g + 2 * r, block[r], 2);
             break;
-        case LLM_Q4_1: case LLM_Q4_K:
+        case LLM_Q4_1: case LLM_Q4_K: case LLM_Q5_K:
             for (int r = 0; r < 8; r++) memcpy(g + 2 * r, block[r], 2), memcpy(g + 16 + 2 * r, block[r] + 2, 2);
-            if (type == LLM_Q4_K)
+            if (k4_scales(type))
                 for (int i = 0; i < 12; i++)
                     for (int r = 0; r < 8; r++) g[32 + 8 * i + r] = block[r][4 + i];
             break;
@@ -839,17 +852,17 @@ static void to_rows8(int64_t type, const uint8_t *const rows[8], int64_t b, int6
 /* Row `lane` (0..7) of group block g as its GGUF block (at out): its scale fields copied back, its values
  * unpacked and written as GGUF stores them. */
 static void from_rows8(int64_t type, const uint8_t *g, int lane, uint8_t *out) {
-    int per = type == LLM_Q4_K || type == LLM_Q6_K ? 8 : 1;
+    int per = k_format(type) ? 8 : 1;
     int values[256];
     for (int c = 0; c < per; c++) unpack_values(type, rows8_values(type, g, c), rows8_highs(type, g, c), lane, values + 32 * c);
     switch (type) {
         case LLM_Q4_0: case LLM_Q5_0: case LLM_Q8_0:
             memcpy(out, g + 2 * lane, 2);
             break;
-        case LLM_Q4_1: case LLM_Q4_K:
+        case LLM_Q4_1: case LLM_Q4_K: case LLM_Q5_K:
             memcpy(out, g + 2 * lane, 2);
             memcpy(out + 2, g + 16 + 2 * lane, 2);
-            if (type == LLM_Q4_K)
+            if (k4_scales(type))
                 for (int i = 0; i < 12; i++) out[4 + i] = g[32 + 8 * i + lane];
             break;
         case LLM_Q6_K:
@@ -958,7 +971,7 @@ static inline __attribute__((always_inline)) void rows8_unpack(const int64_t typ
         w[v] = _mm256_and_si256(n, low);
         w[4 + v] = _mm256_and_si256(_mm256_srli_epi16(n, 4), low);
     }
-    if (type == LLM_Q5_0) { /* (bit v of a byte to bit 4 for value 4 v + i, bit 4 + v for 16 + 4 v + i) */
+    if (five_bits(type)) { /* (bit v of a byte to bit 4 for value 4 v + i, bit 4 + v for 16 + 4 v + i) */
         const __m256i h = _mm256_loadu_si256((const __m256i *)rows8_highs(type, g, c)), bit = _mm256_set1_epi8(0x10);
         for (int v = 0; v < 4; v++) {
             w[v] = _mm256_or_si256(w[v], _mm256_and_si256(sll16(h, 4 - v), bit));
@@ -1002,7 +1015,7 @@ static inline __attribute__((always_inline)) __m256i rows8_sum(const __m256i w[8
 static inline int rows8_run(const int64_t type, const int digits) {
     if (type == LLM_Q8_0) return 1;
     if (type == LLM_Q6_K) return digits == 1 ? 2 : 4;
-    if (type == LLM_Q5_0) return digits == 1 ? 4 : 8;
+    if (five_bits(type)) return digits == 1 ? 4 : 8;
     return 8;
 }
 
@@ -1052,7 +1065,7 @@ static inline __attribute__((always_inline)) __m256i rows8_dp_digits(const __m25
 static inline __attribute__((always_inline)) void rows8_dot(const int64_t type, const int digits, const uint8_t *group,
                                                            int64_t bytes, const acts_t *x, int64_t r0, const int mr,
                                                            float out[QMR][8]) {
-    const int per = type == LLM_Q4_K || type == LLM_Q6_K ? 8 : 1, run = rows8_run(type, digits);
+    const int per = k_format(type) ? 8 : 1, run = rows8_run(type, digits);
     const int is_signed = type == LLM_Q8_0 && digits == 1;
     const int64_t format_blocks = x->blocks / per;
     const int8_t *xh[QMR], *xl[QMR];
@@ -1081,7 +1094,7 @@ static inline __attribute__((always_inline)) void rows8_dot(const int64_t type, 
         if (type == LLM_Q4_1) offset8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)));
         __m256i scale8[8], scale32[8];
         __m256 min8[8];
-        if (type == LLM_Q4_K) { /* the 8 sub-blocks' 6-bit scales and mins of the 8 rows */
+        if (k4_scales(type)) { /* the 8 sub-blocks' 6-bit scales and mins of the 8 rows */
             const __m256 dmin8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)));
             __m128i s[12];
             for (int i = 0; i < 12; i++) s[i] = _mm_loadl_epi64((const __m128i *)(g + 32 + 8 * i));
@@ -1116,7 +1129,7 @@ static inline __attribute__((always_inline)) void rows8_dot(const int64_t type, 
                 off_hi = _mm256_mul_ps(d32, _mm256_cvtepi32_ps(sc_hi));
                 mul_lo = pairs16(sc_lo);
                 mul_hi = pairs16(sc_hi);
-            } else if (type == LLM_Q4_K) {
+            } else if (k4_scales(type)) {
                 mul_lo = mul_hi = scale8[c];
             }
             const __m256i hi_lo = _mm256_mullo_epi16(mul_lo, hi_weight), hi_hi = _mm256_mullo_epi16(mul_hi, hi_weight);
@@ -1131,8 +1144,8 @@ static inline __attribute__((always_inline)) void rows8_dot(const int64_t type, 
                     off[a] = _mm256_fmadd_ps(off_hi, _mm256_set1_ps(x16[a][2 * b + 1]), off[a]);
                 } else {
                     total = rows8_dp_digits(w, 0, 8, h, l, digits, is_signed);
-                    if (type == LLM_Q4_K) total = _mm256_mullo_epi32(total, scale32[c]);
-                    off[a] = _mm256_fmadd_ps(type == LLM_Q4_K ? min8[c] : offset8, _mm256_set1_ps(x32[a][b]), off[a]);
+                    if (k4_scales(type)) total = _mm256_mullo_epi32(total, scale32[c]);
+                    off[a] = _mm256_fmadd_ps(k4_scales(type) ? min8[c] : offset8, _mm256_set1_ps(x32[a][b]), off[a]);
                 }
 #else
                 if (type == LLM_Q6_K) {
@@ -1145,7 +1158,7 @@ static inline __attribute__((always_inline)) void rows8_dot(const int64_t type, 
                 } else {
                     total = rows8_sum(w, 0, 8, h, run, is_signed, hi_lo);
                     if (digits == 2) total = _mm256_add_epi32(total, rows8_sum(w, 0, 8, l, run, 0, mul_lo));
-                    off[a] = _mm256_fmadd_ps(type == LLM_Q4_K ? min8[c] : offset8, _mm256_set1_ps(x32[a][b]), off[a]);
+                    off[a] = _mm256_fmadd_ps(k4_scales(type) ? min8[c] : offset8, _mm256_set1_ps(x32[a][b]), off[a]);
                 }
 #endif
                 acc[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d8, _mm256_set1_ps(xd[a][b])), acc[a]);
@@ -1158,7 +1171,7 @@ static inline __attribute__((always_inline)) void rows8_dot(const int64_t type, 
 /* Without AVX2: the grouped rows are unpacked block by block into GGUF's layout and computed as the tiles do. */
 static inline void rows8_dot(const int64_t type, const int digits, const uint8_t *group, int64_t bytes, const acts_t *x,
                              int64_t r0, const int mr, float out[QMR][8]) {
-    int64_t block = type == LLM_Q4_K || type == LLM_Q6_K ? 256 : 32, blocks = x->k / block;
+    int64_t block = k_format(type) ? 256 : 32, blocks = x->k / block;
     uint8_t rows[8][210];
     float sums[QMR][8] = {{0}}, offsets[QMR][8] = {{0}};
     int offsets_kind = offset_kind(type);

@@ -69,7 +69,7 @@ BY_TYPE: dict[int, BlockFormat] = {f.type_id: f for f in FORMATS.values()}
 # What ``quantize`` makes (Q8_0, Q4_0, Q4_1, Q5_0 bit for bit as the gguf package's quantizers; Q4_K and Q6_K by
 # a simpler rule than llama.cpp's, quant.c), and what ``repack`` groups by 8 rows (the others run in GGUF's layout).
 QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")
-REPACKABLE = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
+REPACKABLE = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 class _Weight(ctypes.Structure):
