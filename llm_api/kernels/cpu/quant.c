@@ -756,7 +756,7 @@ static inline int k_format(int64_t type) { return type == LLM_Q4_K || type == LL
 static inline int k4_scales(int64_t type) { return type == LLM_Q4_K || type == LLM_Q5_K; }
 static inline int five_bits(int64_t type) { return type == LLM_Q5_0 || type == LLM_Q5_K; }
 
-/* Where a group block's values of sub-block c start, and (Q5_0, Q6_K) where their high bits are. */
+/* Where a group block's values of sub-block c start, and (Q5_0, Q5_K, Q6_K) where their high bits are. */
 static inline const uint8_t *rows8_values(const int64_t type, const uint8_t *g, int c) {
     switch (type) {
         case LLM_Q4_0: return g + 16;
