@@ -164,13 +164,17 @@ fi
 
 # 6. Q8_0 and Q4_K_M, made from the f32 file by llama.cpp's own llama-quantize (as a llama.cpp user makes
 # them). Q4_K_M is a mix: some tensors stay in other types (tensor-types.json below says which).
+# quantize SRC DST QTYPE LOG: llama-quantize SRC into DST by way of DST.part (a killed run leaves no file that
+# a later run would take as made).
+quantize() {
+  nice -n "$NICE" "$out/build/bin/llama-quantize" "$1" "$2.part" "$3" "$JOBS" >"$4" 2>&1 || { tail -20 "$4" >&2; exit 1; }
+  mv "$2.part" "$2"
+}
 for qtype in Q8_0 Q4_K_M; do
   gguf="$out/gguf/SmolLM2-135M-Instruct-$qtype.gguf"
   if [ ! -s "$gguf" ]; then
     echo "build_llamacpp: quantizing the f32 file to $qtype"
-    nice -n "$NICE" "$out/build/bin/llama-quantize" "$f32" "$gguf.part" "$qtype" "$JOBS" \
-      >"$out/gguf/quantize-$qtype.log" 2>&1 || { tail -20 "$out/gguf/quantize-$qtype.log" >&2; exit 1; }
-    mv "$gguf.part" "$gguf"
+    quantize "$f32" "$gguf" "$qtype" "$out/gguf/quantize-$qtype.log"
   fi
 done
 
@@ -202,9 +206,7 @@ if [ "${BUILD_1B:-0}" = 1 ]; then
     q="$out/gguf/llama-1b-shape-$qtype.gguf"
     if [ ! -s "$q" ]; then
       echo "build_llamacpp: quantizing the 1B-shape bf16 file to $qtype"
-      nice -n "$NICE" "$out/build/bin/llama-quantize" "$g1b" "$q.part" "$qtype" "$JOBS" \
-        >"$out/gguf/quantize-1b-$qtype.log" 2>&1 || { tail -20 "$out/gguf/quantize-1b-$qtype.log" >&2; exit 1; }
-      mv "$q.part" "$q"
+      quantize "$g1b" "$q" "$qtype" "$out/gguf/quantize-1b-$qtype.log"
     fi
   done
   free_gb=$(( $(df -Pk "$out" | awk 'NR == 2 {print $4}') / 1024 / 1024 ))
