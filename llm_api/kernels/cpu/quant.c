@@ -1136,31 +1136,28 @@ static inline __attribute__((always_inline)) void rows8_dot(const int64_t type, 
             for (int a = 0; a < mr; a++) {
                 const int8_t *h = xh[a] + b * 32, *l = xl[a] + b * 32;
                 __m256i total;
-#ifdef ROWS8_VNNI
                 if (type == LLM_Q6_K) {
+#ifdef ROWS8_VNNI
                     total = _mm256_add_epi32(_mm256_mullo_epi32(rows8_dp_digits(w, 0, 4, h, l, digits, 0), sc_lo),
                                              _mm256_mullo_epi32(rows8_dp_digits(w, 4, 4, h, l, digits, 0), sc_hi));
-                    off[a] = _mm256_fmadd_ps(off_lo, _mm256_set1_ps(x16[a][2 * b]), off[a]);
-                    off[a] = _mm256_fmadd_ps(off_hi, _mm256_set1_ps(x16[a][2 * b + 1]), off[a]);
-                } else {
-                    total = rows8_dp_digits(w, 0, 8, h, l, digits, is_signed);
-                    if (k4_scales(type)) total = _mm256_mullo_epi32(total, scale32[c]);
-                    off[a] = _mm256_fmadd_ps(k4_scales(type) ? min8[c] : offset8, _mm256_set1_ps(x32[a][b]), off[a]);
-                }
 #else
-                if (type == LLM_Q6_K) {
                     total = _mm256_add_epi32(rows8_sum(w, 0, 4, h, run, 0, hi_lo), rows8_sum(w, 4, 4, h, run, 0, hi_hi));
                     if (digits == 2)
                         total = _mm256_add_epi32(total, _mm256_add_epi32(rows8_sum(w, 0, 4, l, run, 0, mul_lo),
                                                                          rows8_sum(w, 4, 4, l, run, 0, mul_hi)));
+#endif
                     off[a] = _mm256_fmadd_ps(off_lo, _mm256_set1_ps(x16[a][2 * b]), off[a]);
                     off[a] = _mm256_fmadd_ps(off_hi, _mm256_set1_ps(x16[a][2 * b + 1]), off[a]);
                 } else {
+#ifdef ROWS8_VNNI
+                    total = rows8_dp_digits(w, 0, 8, h, l, digits, is_signed);
+                    if (k4_scales(type)) total = _mm256_mullo_epi32(total, scale32[c]);
+#else
                     total = rows8_sum(w, 0, 8, h, run, is_signed, hi_lo);
                     if (digits == 2) total = _mm256_add_epi32(total, rows8_sum(w, 0, 8, l, run, 0, mul_lo));
+#endif
                     off[a] = _mm256_fmadd_ps(k4_scales(type) ? min8[c] : offset8, _mm256_set1_ps(x32[a][b]), off[a]);
                 }
-#endif
                 acc[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d8, _mm256_set1_ps(xd[a][b])), acc[a]);
             }
         }
