@@ -164,18 +164,16 @@ fi
 
 # 6. Q8_0 and Q4_K_M, made from the f32 file by llama.cpp's own llama-quantize (as a llama.cpp user makes
 # them). Q4_K_M is a mix: some tensors stay in other types (tensor-types.json below says which).
-# quantize SRC DST QTYPE LOG: llama-quantize SRC into DST by way of DST.part (a killed run leaves no file that
-# a later run would take as made).
+# quantize WHAT SRC DST QTYPE LOG: unless DST is there, llama-quantize SRC (WHAT, for the message) into DST by
+# way of DST.part (a killed run leaves no file that a later run would take as made).
 quantize() {
-  nice -n "$NICE" "$out/build/bin/llama-quantize" "$1" "$2.part" "$3" "$JOBS" >"$4" 2>&1 || { tail -20 "$4" >&2; exit 1; }
-  mv "$2.part" "$2"
+  [ -s "$3" ] && return 0
+  echo "build_llamacpp: quantizing $1 to $4"
+  nice -n "$NICE" "$out/build/bin/llama-quantize" "$2" "$3.part" "$4" "$JOBS" >"$5" 2>&1 || { tail -20 "$5" >&2; exit 1; }
+  mv "$3.part" "$3"
 }
 for qtype in Q8_0 Q4_K_M; do
-  gguf="$out/gguf/SmolLM2-135M-Instruct-$qtype.gguf"
-  if [ ! -s "$gguf" ]; then
-    echo "build_llamacpp: quantizing the f32 file to $qtype"
-    quantize "$f32" "$gguf" "$qtype" "$out/gguf/quantize-$qtype.log"
-  fi
+  quantize "the f32 file" "$f32" "$out/gguf/SmolLM2-135M-Instruct-$qtype.gguf" "$qtype" "$out/gguf/quantize-$qtype.log"
 done
 
 # 7. With BUILD_1B=1: a model of Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 heads / 8 KV heads,
@@ -203,11 +201,8 @@ if [ "${BUILD_1B:-0}" = 1 ]; then
   fi
   # (Q4_K_M, Ollama's default; Q5_K_M, Q5_K and Q6_K: the other K mix people download)
   for qtype in Q4_K_M Q5_K_M; do
-    q="$out/gguf/llama-1b-shape-$qtype.gguf"
-    if [ ! -s "$q" ]; then
-      echo "build_llamacpp: quantizing the 1B-shape bf16 file to $qtype"
-      quantize "$g1b" "$q" "$qtype" "$out/gguf/quantize-1b-$qtype.log"
-    fi
+    quantize "the 1B-shape bf16 file" "$g1b" "$out/gguf/llama-1b-shape-$qtype.gguf" "$qtype" \
+      "$out/gguf/quantize-1b-$qtype.log"
   done
   free_gb=$(( $(df -Pk "$out" | awk 'NR == 2 {print $4}') / 1024 / 1024 ))
   if [ -f "$g1b" ] && [ "$free_gb" -lt "${KEEP_FREE_GB:-20}" ]; then
