@@ -14,11 +14,22 @@
 # 4-8 times slower than with passive waiting (measured on the 2-core EPYC, flags avx2, 2026-11-25). A
 # single serving process on its own cores is better off spinning, which is why the servers' default is left
 # alone outside the tests.
+#
+# OMP_NUM_THREADS=1: one torch and OpenMP thread a process. The suite is many processes (three workers, the
+# servers they start, the Ray replicas) on 2 cores, all busy (99% of both cores, sampled every 5 s through a
+# run), so a process's second thread adds no core, only the cost of handing it work: a sleeping (passive)
+# thread is woken by a futex for each parallel region, and the embedded model's regions are microseconds long.
+# Measured on the 2-core Intel Xeon (amx_int8, avx512_vnni), 2026-11-29: `llm_api serve` on the embedded
+# GGUF, 18 greedy chats of up to 64 tokens, used 15.0-16.0 s of CPU with two passive threads against 8.6-9.9
+# with one (and 13.7-14.4 s of wall time against 8.6-9.8, on a quiet host); tests/engine/test_bf16.py and
+# test_parity.py in-process 70 CPU seconds against 57. The kernel tests set two threads themselves
+# (tests/kernels/conftest.py: the products' and attention's splitting across threads is what they check).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test
 . scripts/env.sh
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 workers="${LLM_API_TEST_WORKERS:-3}"
 if [ "$workers" = "0" ]; then
   exec python -m pytest "$@"

@@ -71,6 +71,20 @@ def host_kind(tmp_path_factory):
         yield
 
 
+@pytest.fixture
+def two_threads():
+    """Two torch threads for the test, then the number the process had: for tests of how work is split across
+    threads (the CPU kernels, the split float32 products), where scripts/test.sh starts the suite with one
+    thread a process (OMP_NUM_THREADS=1: its processes share 2 cores, and a second thread a process only adds
+    the cost of waking it)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def embedded_model_path() -> Path:
     """What the servers serve: MODEL_PATH where set, else the embedded model's GGUF file (the default)."""

@@ -96,12 +96,12 @@ def test_engine_on_packed_or_split_float32_weights_matches_generate(arch, layout
         assert results[request_id][0] == reference_greedy(reference_model, prompt, params.max_new_tokens)
 
 
-def test_the_loader_lays_out_weights_as_the_setting_says(embedded_checkpoint_path):
+def test_the_loader_lays_out_weights_as_the_setting_says(embedded_checkpoint_path, two_threads):
     """Through the loader (the servers' path): the weights as loaded where the CPU kernels will run (their
     products read them); else bfloat16 packed where this CPU can, float32 split on AMD CPUs; each when
     asked. (The packed embedded model's answers: tests/engine/test_bf16.py, against generate().)"""
     amd = cpu.cpu_vendor() == "AuthenticAMD"
-    splits = SplitLinear if torch.get_num_threads() > 1 else nn.Linear  # (one thread: nothing to split across)
+    splits = SplitLinear  # (two threads: two_threads)
     kernels = shutil.which("cc") is not None or shutil.which("gcc") is not None
     for dtype, mode, fused, expect in [
             ("bfloat16", "auto", "false", PackedLinear if _bf16_packs() else nn.Linear),

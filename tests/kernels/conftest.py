@@ -15,6 +15,9 @@ the builds go to the host's build cache, the one the servers use: ``build_cache`
 ``LLM_API_CPU_KERNELS_BUILDS=native,x86-64`` (a comma-separated list) offers only those builds: the tests of the
 others skip.
 Nothing here changes what the server builds or loads.
+
+Every kernel test runs with two torch threads (``kernel_threads``), whatever the process was started with: the kernels take their thread count from torch, and how they split rows, heads and blocks across
+threads is part of what these tests check, where scripts/test.sh starts the suite with one thread a process.
 """
 
 from __future__ import annotations
@@ -33,6 +36,11 @@ SANITIZED_ENV = "LLM_API_CPU_KERNELS_SANITIZED"
 CACHE_ENV = "LLM_API_CPU_KERNELS_CACHE"
 BUILDS_ENV = "LLM_API_CPU_KERNELS_BUILDS"
 BUILDS = ("native", "x86-64-v3", "x86-64")
+
+
+@pytest.fixture(autouse=True)
+def kernel_threads(two_threads) -> None:
+    """Every kernel test with two torch threads (tests/conftest.py's ``two_threads``)."""
 
 
 def sanitized() -> bool:
