@@ -101,13 +101,12 @@ def test_the_loader_lays_out_weights_as_the_setting_says(embedded_checkpoint_pat
     products read them); else bfloat16 packed where this CPU can, float32 split on AMD CPUs; each when
     asked. (The packed embedded model's answers: tests/engine/test_bf16.py, against generate().)"""
     amd = cpu.cpu_vendor() == "AuthenticAMD"
-    splits = SplitLinear  # (two threads: two_threads)
     kernels = shutil.which("cc") is not None or shutil.which("gcc") is not None
     for dtype, mode, fused, expect in [
             ("bfloat16", "auto", "false", PackedLinear if _bf16_packs() else nn.Linear),
             ("bfloat16", "auto", "true", nn.Linear if kernels else PackedLinear if _bf16_packs() else nn.Linear),
-            ("bfloat16", "false", "true", nn.Linear), ("float32", "auto", "false", splits if amd else nn.Linear),
-            ("float32", "true", "true", PackedLinear), ("float32", "split", "true", splits)]:
+            ("bfloat16", "false", "true", nn.Linear), ("float32", "auto", "false", SplitLinear if amd else nn.Linear),
+            ("float32", "true", "true", PackedLinear), ("float32", "split", "true", SplitLinear)]:
         settings = Settings.from_env({"MODEL_PATH": str(embedded_checkpoint_path), "DTYPE": dtype,
                                       "CPU_PACKED_WEIGHTS": mode, "FUSED_KERNELS": fused})
         model = load(settings).model

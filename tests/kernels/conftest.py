@@ -16,8 +16,9 @@ the builds go to the host's build cache, the one the servers use: ``build_cache`
 others skip.
 Nothing here changes what the server builds or loads.
 
-Every kernel test runs with two torch threads (``kernel_threads``), whatever the process was started with: the kernels take their thread count from torch, and how they split rows, heads and blocks across
-threads is part of what these tests check, where scripts/test.sh starts the suite with one thread a process.
+Every kernel test runs with two torch threads (``kernel_threads``), whatever the process was started with: the
+kernels take their thread count from torch, and how they split rows, heads and blocks across threads is part of
+what these tests check, where scripts/test.sh starts the suite with one thread a process.
 """
 
 from __future__ import annotations
