@@ -211,13 +211,15 @@ def _stop(server) -> None:
 
 @pytest.fixture
 def embedded_lm_fp32(group_shared, embedded_model_path):
-    """The embedded model loaded as the server loads it, in float32 on every host (tests compare its greedy
-    tokens; in bfloat16 two paths may part at a one-ulp tie). Shared within the test's group."""
+    """The embedded model's file loaded as the server loads it, in float32 on every host (tests compare its greedy
+    tokens; in bfloat16 two paths may part at a one-ulp tie), into transformers' classes (ENGINE=generate), whose
+    ``generate()`` and forward are the oracle; the server runs the same quantized modules in our tree
+    (llm_api.model.decoder_weights). Shared within the test's group."""
     from llm_api.model import loader as model_loader
     from llm_api.model.settings import Settings
 
     return group_shared.get("embedded_lm_fp32", lambda: model_loader.load(
-        Settings.from_env({"MODEL_PATH": str(embedded_model_path), "DTYPE": "float32"})))
+        Settings.from_env({"MODEL_PATH": str(embedded_model_path), "DTYPE": "float32", "ENGINE": "generate"})))
 
 
 def _grammar_compiler_built(server):

@@ -106,13 +106,15 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphRunner | None = None
         self.block_size = kv_cache.block_size
         self.block_tables = BlockTables()
-        name = register_paged_attention()
-        hf_model: Any = model  # a transformers model (nn.Module's __getattr__ is typed Tensor | Module)
-        hf_model.set_attn_implementation(name)
-        if getattr(hf_model.config, "_attn_implementation", None) != name:
-            raise NotImplementedError(
-                f"{type(model).__name__} does not take a pluggable attention function (AttentionInterface)"
-            )
+        hf_model: Any = model  # (nn.Module's __getattr__ is typed Tensor | Module)
+        transformers_classes = callable(getattr(hf_model, "set_attn_implementation", None))
+        if transformers_classes:  # (else our module tree, llm_api.model.decoder_weights: only our decoder runs it)
+            name = register_paged_attention()
+            hf_model.set_attn_implementation(name)
+            if getattr(hf_model.config, "_attn_implementation", None) != name:
+                raise NotImplementedError(
+                    f"{type(model).__name__} does not take a pluggable attention function (AttentionInterface)"
+                )
         self.input_embeddings = hf_model.get_input_embeddings()
         # Not the weight's device: an offloaded embedding's weight is on "meta" until its hook runs.
         self.input_device = execution_device(model, self.input_embeddings)
@@ -122,6 +124,9 @@ class ModelRunner:
         # The model the steps run: ours where its family is, else the loaded one (set to the paged attention above).
         kernels = choose_kernel_set(model, fused_kernels, cpu_kernels_cache)
         owned, self.path = own_model(model, kernels, merged=fused_layers)
+        if owned is None and not transformers_classes:
+            raise NotImplementedError(f"{type(model).__name__} has no forward of its own, and llm_api's decoder "
+                                      f"refused it: {self.path.reason}")
         self.model: nn.Module = owned if owned is not None else model
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
 

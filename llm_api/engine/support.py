@@ -3,7 +3,8 @@
 ``unsupported_reason(model)`` returns ``None`` for a decoder the engine runs exactly like ``generate()``,
 else one sentence saying why not; ``check_supported`` raises ``UnsupportedModelError`` (a
 ``NotImplementedError``) with it. The handler then serves the model with the ``generate()`` reference
-path. The engine needs all of:
+path. A GGUF model's module tree (``llm_api.model.decoder_weights``) is ours and always driven: our decoder runs
+it. A transformers model needs all of:
 
 1. A causal decoder: an encoder-decoder's cross-attention K/V would need a second, unpaged cache.
 2. A class that declares ``_supports_attention_backend`` and whose module calls
@@ -25,6 +26,7 @@ from typing import Any
 from torch import nn
 
 from llm_api.engine.kv_cache import attention_modules
+from llm_api.model.decoder_weights import CausalLMWeights
 
 # Layer kinds the paged attention function implements (causal, optionally within a sliding window).
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
@@ -38,6 +40,8 @@ def unsupported_reason(model: nn.Module) -> str | None:
     name = type(model).__name__
     config: Any = model.config  # (nn.Module's __getattr__ is typed Tensor | Module)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if isinstance(model, CausalLMWeights):  # (our module tree, which our decoder runs: llm_api.models.families)
+        return None
     if getattr(config, "is_encoder_decoder", False):
         return f"{name} is an encoder-decoder model (its cross-attention K/V are not paged)"
     if not getattr(type(model), "_supports_attention_backend", False):

@@ -1,10 +1,13 @@
 """A model served from a GGUF file as it is: its configuration, tokenizer and chat template from the file's
 metadata, its quantized tensors kept in their block formats (``llm_api.layers.quantized``).
 
-``load_gguf(settings, path)`` reads the file (``llm_api.model.gguf_file``: header, metadata and tensor table,
-checked), maps its architecture to the transformers family that has the same decoder (``FAMILIES``: Llama,
-which covers SmolLM, Mistral and Llama 2/3 files; Qwen2 and Qwen3), builds that family's model with no
-weights (on the meta device), and puts every tensor of the file in its place:
+The loader (``llm_api.model.loader``) reads the file (``llm_api.model.gguf_file``: header, metadata and tensor
+table, checked), maps its architecture to the family that has the same decoder (``FAMILIES``: Llama, which covers
+SmolLM, Mistral and Llama 2/3 files; Qwen2 and Qwen3), reads its configuration (``gguf_config``: our
+``DecoderConfig``), builds the family's module tree with no weights (on the meta device: our
+``llm_api.model.decoder_weights``, which the paged engine runs as our decoder, without importing transformers'
+model classes; for ENGINE=generate transformers' classes of the family, whose ``generate()`` is the reference), and
+puts every tensor of the file in its place, the same in either tree:
 
 * a quantized linear weight (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) becomes a ``QuantizedLinear`` over
   the file's blocks, repacked once into groups of 8 rows where the format has that layout (the products read
@@ -44,6 +47,8 @@ from llm_api.kernels.cpu import quant
 from llm_api.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from llm_api.model.gguf_file import GGUFError, GGUFFile, TensorInfo, type_name
 from llm_api.model.settings import ConfigError
+from llm_api.model.decoder_config import DecoderConfig
+from llm_api.model.decoder_weights import CausalLMWeights
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +86,9 @@ def _metadata(file: GGUFFile, key: str, kind: type, default: Any = None) -> Any:
     return value
 
 
-def gguf_config(file: GGUFFile) -> Any:
-    """The transformers config of the file's model (its family's), from the metadata; GGUFError for an
-    architecture or rotary scaling we do not serve."""
-    from transformers import AutoConfig
-
+def gguf_config(file: GGUFFile) -> DecoderConfig:
+    """The configuration of the file's model (its family's), from the metadata; GGUFError for an architecture or
+    rotary scaling we do not serve."""
     arch = file.metadata.get("general.architecture")
     family = FAMILIES.get(arch) if isinstance(arch, str) else None
     if family is None:
@@ -103,22 +106,20 @@ def gguf_config(file: GGUFFile) -> Any:
         rope.update(rope_type="linear", factor=_metadata(file, p + "rope.scaling.factor", float))
     elif scaling not in ("none", None):
         raise GGUFError(f"{file.path}: rotary scaling {str(scaling)[:40]!r} is not served (none or linear)")
-    config: dict[str, Any] = {
-        "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": _metadata(file, p + "feed_forward_length", int),
-        "num_hidden_layers": _metadata(file, p + "block_count", int), "num_attention_heads": heads,
-        "num_key_value_heads": _metadata(file, p + "attention.head_count_kv", int, heads),
-        "head_dim": _metadata(file, p + "attention.key_length", int, hidden // heads),
-        "max_position_embeddings": _metadata(file, p + "context_length", int, 4096),
-        "rms_norm_eps": _metadata(file, p + "attention.layer_norm_rms_epsilon", float),
-        "rope_parameters": rope, "tie_word_embeddings": "output.weight" not in file.tensors,
-    }
-    for name, key in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id"),
-                      ("pad_token_id", "tokenizer.ggml.padding_token_id")):
-        if isinstance(file.metadata.get(key), int):
-            config[name] = file.metadata[key]
-    if config["num_attention_heads"] % config["num_key_value_heads"]:
-        raise GGUFError(f"{file.path}: {heads} attention heads cannot share {config['num_key_value_heads']} key/value heads")
-    return AutoConfig.for_model(family.model_type, **config)
+    tokens_ids = {name: file.metadata[key] for name, key in (
+        ("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+        ("pad_token_id", "tokenizer.ggml.padding_token_id")) if isinstance(file.metadata.get(key), int)}
+    kv_heads = _metadata(file, p + "attention.head_count_kv", int, heads)
+    if heads % kv_heads:
+        raise GGUFError(f"{file.path}: {heads} attention heads cannot share {kv_heads} key/value heads")
+    return DecoderConfig(
+        model_type=family.model_type, vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=_metadata(file, p + "feed_forward_length", int),
+        num_hidden_layers=_metadata(file, p + "block_count", int), num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=_metadata(file, p + "attention.key_length", int, hidden // heads),
+        max_position_embeddings=_metadata(file, p + "context_length", int, 4096),
+        rms_norm_eps=_metadata(file, p + "attention.layer_norm_rms_epsilon", float),
+        rope_parameters=rope, tie_word_embeddings="output.weight" not in file.tensors, **tokens_ids)
 
 
 def _tensor(file: GGUFFile, info: TensorInfo) -> torch.Tensor:
@@ -327,16 +328,23 @@ class _Placer:
         self.set("model.rotary_emb", rotary)
 
 
-def build_model(file: GGUFFile, config: Any, dtype: torch.dtype) -> nn.Module:
+def build_model(file: GGUFFile, config: DecoderConfig, dtype: torch.dtype, reference: bool = False) -> nn.Module:
     """The family's causal LM of ``config`` with the file's tensors in place (every tensor used, every weight
-    filled: else GGUFError)."""
-    from transformers import AutoModelForCausalLM
-
+    filled: else GGUFError): our module tree (``llm_api.model.decoder_weights``), which the owned decoder runs, or with
+    ``reference`` transformers' classes of the family, whose ``generate()`` is the reference path."""
     family = FAMILIES[file.metadata["general.architecture"]]
     check_tensors(file, config)  # (all of it before a byte is copied)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    placer = _Placer(file, model, config, family, dtype)
+    model: Any
+    placed: Any = config
+    if reference:
+        from transformers import AutoModelForCausalLM
+
+        placed = config.to_transformers()
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(placed, dtype=dtype)
+    else:
+        model = CausalLMWeights(config, dtype)
+    placer = _Placer(file, model, placed, family, dtype)
     for i in range(config.num_hidden_layers):
         placer.layer(i)
     placer.embeddings()

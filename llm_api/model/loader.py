@@ -167,7 +167,8 @@ def _load_gguf(settings: Settings, path: Path, on_gpu: bool) -> LoadedModel:
     with GGUFFile.open(path) as file:
         config = gguf_model.gguf_config(file)
         tokenizer = gguf_model.tokenizer_for(file, Path(settings.cache_dir))
-        model = gguf_model.build_model(file, config, dtype)
+        # (ENGINE=generate runs transformers' generate(): its classes; the paged engine runs our decoder)
+        model = gguf_model.build_model(file, config, dtype, reference=settings.engine != "paged")
         formats = Counter(type_name(info.type_id) for info in file.tensors.values())
     activations = _set_input_digits(model, settings)
     _pad_left(tokenizer)
@@ -255,7 +256,8 @@ def _loaded(model: torch.nn.Module, tokenizer: Any) -> LoadedModel:
 
 def eos_token_ids(model, tokenizer) -> frozenset[int]:
     ids: set[int] = set()
-    eos = getattr(model.generation_config, "eos_token_id", None)
+    # (transformers' models: their generation config; ours: the config, read from the GGUF file's metadata)
+    eos = getattr(getattr(model, "generation_config", None) or model.config, "eos_token_id", None)
     if isinstance(eos, int):
         ids.add(eos)
     elif eos:

@@ -2,12 +2,14 @@
 writes them (tests/model/gguf_helpers.py): Llama (q/k rows interleaved in the file), Qwen2 (q/k/v biases) and
 Qwen3 (q/k norms), tied and untied heads, every block format.
 
-* The loaded model computes what the same transformers model holding the file's de-quantized values computes,
-  up to its inputs' two-digit quantization: logits within 1e-3 of their range; every quantized linear keeps its
-  format, repacked in groups of 8 rows where the format has that layout.
-* Through the engine (the CPU kernels' one-call decode step), greedy tokens equal ``generate()``'s on the same
-  loaded model, with and without n-gram speculation, and with LoRA adapters over the quantized base equal PEFT's
-  over the de-quantized one.
+* The file loaded into transformers' classes (ENGINE=generate, the reference path) computes what the same
+  transformers model holding the file's de-quantized values computes, up to its inputs' two-digit quantization:
+  logits within 1e-3 of their range; every quantized linear keeps its format, repacked in groups of 8 rows where
+  the format has that layout, in that tree and in our own (``llm_api.model.decoder_weights``, what the paged
+  engine serves), which loads without transformers' model classes.
+* Through the engine (our decoder on our tree, the CPU kernels' one-call decode step), greedy tokens equal
+  ``generate()``'s on the same file in transformers' classes, with and without n-gram speculation, and with LoRA
+  adapters over the quantized base equal PEFT's over the de-quantized one.
 * Bad files and settings stop the load with a ConfigError naming the file and the reason.
 """
 
@@ -24,6 +26,7 @@ from llm_api.engine.engine import EngineConfig, LLMEngine
 from llm_api.engine.sampling_params import SamplingParams
 from llm_api.kernels.cpu import library as cpu_library
 from llm_api.layers.quantized import QuantizedEmbedding, QuantizedLinear
+from llm_api.model.decoder_weights import CausalLMWeights
 from llm_api.model.loader import load
 from llm_api.model.settings import ConfigError, Settings, default_cache_dir
 
@@ -54,6 +57,11 @@ def _load(cache, path, **env):
     return load(Settings.from_env({"MODEL_PATH": str(path), "LLM_API_CACHE": str(cache), "DTYPE": "float32", **env}))
 
 
+def _reference(cache, path, **env):
+    """The file in transformers' classes over the same quantized modules (ENGINE=generate: ``generate()``)."""
+    return _load(cache, path, ENGINE="generate", **env)
+
+
 def _logits(model, ids):
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0]
@@ -68,18 +76,21 @@ CASES = [("llama", True, "Q8_0", "Q8_0", "Q6_K"), ("llama", False, "Q4_1", "Q4_0
 def test_the_served_model_computes_the_files_values(tmp_path, cache, arch, tied, linear, embedding, head):
     model = tiny_model(arch, tied)
     held = write_gguf(tmp_path / "m.gguf", model, arch, linear, embedding, head)
-    lm = _load(cache, tmp_path / "m.gguf")
+    lm, transformers_lm = _load(cache, tmp_path / "m.gguf"), _reference(cache, tmp_path / "m.gguf")
+    assert isinstance(lm.model, CausalLMWeights) and not isinstance(transformers_lm.model, CausalLMWeights)
     reference = reference_model(model, held)
-    got, want = _logits(lm.model, PROMPT), _logits(reference, PROMPT)
+    got, want = _logits(transformers_lm.model, PROMPT), _logits(reference, PROMPT)
     assert (got - want).abs().max() <= 1e-3 * (want.max() - want.min()), (got - want).abs().max()
-    linears = [m for m in lm.model.modules() if isinstance(m, QuantizedLinear)]
-    assert len(linears) == 7 * 2 + (0 if head in ("F32", "F16") and not tied else 1) - (1 if tied and embedding == "F16" else 0)
-    assert {m.format.name for m in linears if m is not lm.model.lm_head} == {linear}
-    assert all(m.layout == ("rows8" if m.format.name != "Q5_1" else "gguf") for m in linears)
-    if embedding != "F16":
-        assert isinstance(lm.model.model.embed_tokens, QuantizedEmbedding)
-        if tied:  # one table in memory for both
-            assert lm.model.lm_head.blocks.data_ptr() == lm.model.model.embed_tokens.blocks.data_ptr()
+    for loaded in (lm.model, transformers_lm.model):
+        linears = [m for m in loaded.modules() if isinstance(m, QuantizedLinear)]
+        assert len(linears) == 7 * 2 + (0 if head in ("F32", "F16") and not tied else 1) - (1 if tied and embedding == "F16" else 0)
+        assert {m.format.name for m in linears if m is not loaded.lm_head} == {linear}
+        assert all(m.layout == ("rows8" if m.format.name != "Q5_1" else "gguf") for m in linears)
+        if embedding != "F16":
+            assert isinstance(loaded.model.embed_tokens, QuantizedEmbedding)
+            if tied:  # one table in memory for both
+                assert loaded.lm_head.blocks.data_ptr() == loaded.model.embed_tokens.blocks.data_ptr()
+    assert lm.model.state_dict().keys() == transformers_lm.model.state_dict().keys()  # (LoRA and PEFT keys alike)
     assert lm.tokenizer.decode(lm.tokenizer("the cat").input_ids) == "the cat"
     assert lm.tokenizer.chat_template.startswith("{% for m in messages %}")
 
@@ -119,7 +130,8 @@ def test_engine_greedy_equals_generate_with_and_without_speculation(tmp_path, ca
     digits = {m.input_digits for m in lm.model.modules() if isinstance(m, QuantizedLinear)}
     assert digits == {2 if activations == "int8x2" else 1}
     prompts = [PROMPT, [1, 9, 9, 9, 9, 30, 31, 32, 30, 31, 32, 30, 31], list(range(3, 60))]
-    expected = [_generate(lm.model, prompt, 24) for prompt in prompts]
+    transformers_lm = _reference(cache, tmp_path / "m.gguf", QUANT_ACTIVATIONS=activations)
+    expected = [_generate(transformers_lm.model, prompt, 24) for prompt in prompts]
     engine = _engine(lm, cpu_kernels_cache=str(cache))
     # (the owned decoder, the one-call decode step over the quantized layers: Qwen2's q/k/v bias and Qwen3's q/k
     # norms included)
@@ -139,7 +151,7 @@ def test_one_digit_inputs_compute_the_files_values_to_8_bits(tmp_path, cache):
     model = tiny_model("llama", True)
     held = write_gguf(tmp_path / "m.gguf", model, "llama", "Q4_0", "Q8_0", "Q6_K")
     want = _logits(reference_model(model, held), PROMPT)
-    one, two = (_logits(_load(cache, tmp_path / "m.gguf", QUANT_ACTIVATIONS=value).model, PROMPT)
+    one, two = (_logits(_reference(cache, tmp_path / "m.gguf", QUANT_ACTIVATIONS=value).model, PROMPT)
                 for value in ("int8", "int8x2"))
     span = want.max() - want.min()
     assert (two - want).abs().max() <= 1e-3 * span
@@ -160,6 +172,28 @@ def test_auto_activations_take_one_digit_from_a_parameter_count_up(tmp_path, cac
     assert {m.input_digits for m in lm.model.modules() if isinstance(m, QuantizedLinear)} == {1}
 
 
+def test_a_gguf_model_loads_without_transformers_model_classes(tmp_path, cache):
+    """The paged engine's GGUF load builds our tree (``llm_api.model.decoder_weights``) from our config: no
+    transformers modeling or config class, nor what they import (torch._dynamo, sympy: a third of a server's
+    start). Only the tokenizer is transformers'."""
+    import subprocess
+    import sys
+
+    write_gguf(tmp_path / "m.gguf", tiny_model("qwen3", tied=True), "qwen3", "Q4_K", "Q8_0")
+    _load(cache, tmp_path / "m.gguf")  # (the tokenizer converted once, into the cache, as a server's first start)
+    probe = ("import sys; from llm_api.model.loader import load; from llm_api.model.settings import Settings; "
+             f"lm = load(Settings.from_env({{'MODEL_PATH': {str(tmp_path / 'm.gguf')!r}, "
+             f"'LLM_API_CACHE': {str(cache)!r}}})); print(type(lm.model).__name__); "
+             "print(sorted(m for m in ('transformers.modeling_utils', 'transformers.models.qwen3.modeling_qwen3', "
+             "'transformers.models.qwen3.configuration_qwen3', 'torch._dynamo', 'sympy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    name, modules = out.stdout.splitlines()[-2:]
+    assert name == "CausalLMWeights"
+    assert modules == "[]", modules
+
+
 def test_lora_over_a_quantized_base_is_pefts_over_the_dequantized_one(tmp_path, cache):
     pytest.importorskip("peft")
     from lora_helpers import make_adapter, peft_greedy
@@ -170,7 +204,7 @@ def test_lora_over_a_quantized_base_is_pefts_over_the_dequantized_one(tmp_path, 
     reference = reference_model(model, held)
     folder = make_adapter(reference, tmp_path / "adapter", seed=3, scale=2.0)
     lm = _load(cache, tmp_path / "m.gguf")
-    base_expected = _generate(lm.model, PROMPT, 16)
+    base_expected = _generate(_reference(cache, tmp_path / "m.gguf").model, PROMPT, 16)
     registry = LoraRegistry(lm.model, max_loras=1, max_rank=16, model_name="m")
     lora_id = registry.load("a", folder).lora_id
     engine = LLMEngine(lm.model, EngineConfig(block_size=4, num_blocks=128, cpu_kernels_cache=str(cache)), set(),

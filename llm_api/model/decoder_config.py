@@ -1,0 +1,62 @@
+"""The configuration of a Llama-family decoder as our own value, read without transformers (a GGUF file's metadata).
+
+``DecoderConfig`` holds what the owned decoder (``llm_api.models.llama``), the engine (the KV layout, the model
+length, the vocabulary) and the GGUF placer read, under transformers' attribute names, so every reader takes it
+or a transformers config alike. ``to_transformers()`` makes the family's transformers config of the same
+values, for the reference model (``generate()``: ENGINE=generate and the tests' oracles).
+
+Why our own: the transformers config classes import most of transformers on first use (its activations pull in
+the hub-kernel integration, torch._dynamo, torch.distributed.tensor and sympy: 2.4 of a server start's ~6 CPU
+seconds on a 2-core Xeon, flags amx_int8 avx512_bf16, 2026-11-29), and a GGUF server never needs them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# The rotary types the decoder computes (transformers' "rope_type" names).
+ROPE_TYPES = ("default", "linear")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    model_type: str  # "llama", "qwen2" or "qwen3" (a family of llm_api.models.families)
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    hidden_act: str = "silu"
+
+    def __post_init__(self) -> None:
+        if self.rope_parameters.get("rope_type") not in ROPE_TYPES:
+            raise ValueError(f"rope_type {self.rope_parameters.get('rope_type')!r} is not computed (one of {ROPE_TYPES})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"{self.num_attention_heads} attention heads cannot share {self.num_key_value_heads} "
+                             "key/value heads")
+
+    def biased(self, projection: str) -> bool:
+        """Whether the family's ``projection`` (q_proj, ..., down_proj) has a bias: Qwen2's q/k/v do."""
+        return self.model_type == "qwen2" and projection in ("q_proj", "k_proj", "v_proj")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields, as transformers' configs give theirs (the step budget's cache key reads it)."""
+        return dataclasses.asdict(self)
+
+    def to_transformers(self) -> Any:
+        """The family's transformers config with these values (imports transformers: the reference model only)."""
+        from transformers import AutoConfig
+
+        values = {name: value for name, value in self.to_dict().items() if value is not None and name != "model_type"}
+        return AutoConfig.for_model(self.model_type, **values)
