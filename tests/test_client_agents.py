@@ -11,11 +11,13 @@ dependencies: its jiter pin excludes our openai's)."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 
 import pytest
 
-pytestmark = pytest.mark.server
-agents = pytest.importorskip("agents")
+# (the SDK imported in the tests: ~1.9 s, which every xdist worker would pay at collection)
+pytestmark = [pytest.mark.server, pytest.mark.skipif(importlib.util.find_spec("agents") is None,
+                                                     reason="needs the openai-agents SDK")]
 QUESTION = "What is the weather in Paris?"
 MAX_TOKENS = 48  # (the embedded model's answers are cut short: the loop, not the prose, is under test)
 

@@ -15,6 +15,7 @@ runtime loading confined to a root, and the hostile inputs of the new fields and
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import json
 import re
 import time
@@ -28,8 +29,8 @@ from bench.harness.hostile import (STALL_LIMIT_S, Witness, native_path, openai_p
                      report)
 from lora_helpers import HOSTILE_ADAPTERS, make_adapter, make_hostile_adapters, peft_greedy
 
-pytest.importorskip("peft")
-pytestmark = pytest.mark.server
+# (peft is imported where used, by lora_helpers: ~2.2 s, which every xdist worker would pay at collection)
+pytestmark = [pytest.mark.server, pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs peft")]
 MAX_TOKENS = 10
 PROMPT = "The three most useful kitchen tools are"
 

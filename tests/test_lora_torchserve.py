@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import importlib.util
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -14,8 +15,8 @@ from transformers import AutoModelForCausalLM
 from bench.harness.hostile import STALL_LIMIT_S, Witness, openai_path, post_json, raw_request, refusal_problems, report
 from lora_helpers import HOSTILE_ADAPTERS, make_adapter, make_hostile_adapters
 
-pytest.importorskip("peft")
-pytestmark = pytest.mark.server
+# (peft is imported where used, by lora_helpers: ~2.2 s, which every xdist worker would pay at collection)
+pytestmark = [pytest.mark.server, pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs peft")]
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ TorchServe's frontend checks ``Authorization`` only, so there the SDK gets the k
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import urllib.parse
 
@@ -16,15 +17,23 @@ import pytest
 
 from bench.harness.hostile import Witness, post_json, raw_request, refusal_problems, report
 
-pytestmark = pytest.mark.server
-anthropic = pytest.importorskip("anthropic")
+# (the SDK imported in _sdk(): ~1.8 s, which every xdist worker would pay at collection)
+pytestmark = [pytest.mark.server, pytest.mark.skipif(importlib.util.find_spec("anthropic") is None,
+                                                     reason="needs the anthropic SDK")]
 QUESTION = "What is the capital of France?"
 GREEDY = {"temperature": 0}  # (the SDK of 2026 no longer names temperature; clients send it as extra_body)
 TOOLS = [{"name": "get_weather", "description": "The current weather of a city.",
           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
 
 
-def _client(server, key: str | None = None) -> anthropic.Anthropic:
+def _sdk():
+    import anthropic
+
+    return anthropic
+
+
+def _client(server, key: str | None = None):
+    anthropic = _sdk()
     base = server.openai_base.removesuffix("/v1")
     key = server.key() if key is None else key
     if server.kind == "standalone":
@@ -87,6 +96,7 @@ def test_a_tool_loop_finishes(async_frontend):
 
 
 def test_errors_are_the_sdks_typed_exceptions(async_frontend):
+    anthropic = _sdk()
     client = _client(async_frontend)
     with pytest.raises(anthropic.NotFoundError) as missing:
         client.messages.create(model="claude-unknown", max_tokens=8, messages=[{"role": "user", "content": "x"}])

@@ -5,6 +5,7 @@ the SDK's, not ours. tests/test_messages_api.py serves the same to the SDK over 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -20,7 +21,8 @@ from llm_api.text.detokenizer import TextStream
 from llm_api.text.reasoning import QWEN3
 from llm_api.text.tools import HERMES
 
-anthropic = pytest.importorskip("anthropic")
+# (imported where used: the SDK takes ~1.8 s to import, which every xdist worker would pay at collection)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("anthropic") is None, reason="needs the anthropic SDK")
 LIMITS = Limits(max_input_tokens=2048, max_new_tokens=256)  # no tool format: the generic form
 TOOLS = [{"name": "get_weather", "description": "The weather of a city.",
           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
@@ -269,6 +271,8 @@ def test_answers_streamed_and_whole_agree_through_the_sdk(name, pieces):
     whole = json.loads(_answer(MessagesCall("m", False, **fields), split, reason, stop_sequence))
     streamed_text = _answer(MessagesCall("m", True, **fields), split, reason, stop_sequence)
     streamed = _accumulated(streamed_text).to_dict()
+    import anthropic
+
     message = anthropic.types.Message.model_validate(whole)  # (the SDK's own model of a whole answer)
     for answer in (whole, streamed):
         got = [{k: v for k, v in b.items() if k != "id" and v is not None} for b in answer["content"]]

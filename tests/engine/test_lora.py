@@ -9,6 +9,7 @@ model family, and adapters refused at load with the reason.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -24,7 +25,8 @@ from llm_api.engine.engine import EngineConfig, LLMEngine
 from llm_api.lora.config import AdapterError
 from llm_api.lora.registry import AdapterPathError, LoraRegistry, confined_path
 
-pytest.importorskip("peft")
+# (peft is imported where used, by lora_helpers: ~2.2 s, which every xdist worker would pay at collection)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs peft")
 MAX_NEW_TOKENS = 12
 
 
