@@ -45,6 +45,8 @@ class DecoderConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"{self.num_attention_heads} attention heads cannot share {self.num_key_value_heads} "
                              "key/value heads")
+        if self.head_dim % 2:
+            raise ValueError(f"heads of {self.head_dim} values: the rotary embedding rotates pairs of a head's values")
 
     def biased(self, projection: str) -> bool:
         """Whether the family's ``projection`` (q_proj, ..., down_proj) has a bias: Qwen2's q/k/v do."""

@@ -81,6 +81,8 @@ def _metadata(file: GGUFFile, key: str, kind: type, default: Any = None) -> Any:
         value = float(value)
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
         raise GGUFError(f"{file.path}: metadata {key!r} is {type(value).__name__}, expected {kind.__name__}")
+    if kind is float and not 0 < cast(float, value) < float("inf"):  # (a rotary base, a factor, an epsilon; NaN too)
+        raise GGUFError(f"{file.path}: metadata {key!r} = {value} is not a positive finite number")
     if kind is int and not 0 < cast(int, value) < 2**31:
         raise GGUFError(f"{file.path}: metadata {key!r} = {value} is out of range")
     return value
@@ -112,11 +114,14 @@ def gguf_config(file: GGUFFile) -> DecoderConfig:
     kv_heads = _metadata(file, p + "attention.head_count_kv", int, heads)
     if heads % kv_heads:
         raise GGUFError(f"{file.path}: {heads} attention heads cannot share {kv_heads} key/value heads")
+    head_dim = _metadata(file, p + "attention.key_length", int, hidden // heads)
+    if head_dim % 2:  # (else a well-formed file that the first request's rotary cannot compute)
+        raise GGUFError(f"{file.path}: heads of {head_dim} values: the rotary embedding rotates pairs of a head's values")
     return DecoderConfig(
         model_type=family.model_type, vocab_size=vocab, hidden_size=hidden,
         intermediate_size=_metadata(file, p + "feed_forward_length", int),
         num_hidden_layers=_metadata(file, p + "block_count", int), num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=_metadata(file, p + "attention.key_length", int, hidden // heads),
+        num_key_value_heads=kv_heads, head_dim=head_dim,
         max_position_embeddings=_metadata(file, p + "context_length", int, 4096),
         rms_norm_eps=_metadata(file, p + "attention.layer_norm_rms_epsilon", float),
         rope_parameters=rope, tie_word_embeddings="output.weight" not in file.tensors, **tokens_ids)

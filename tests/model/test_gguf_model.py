@@ -265,6 +265,16 @@ def test_a_shape_that_disagrees_with_the_metadata(tmp_path, cache):
     assert "blk.0.ffn_gate.weight" in message and "the metadata says" in message, message
 
 
+def test_heads_of_an_odd_width_and_numbers_that_are_not_positive(tmp_path, cache):
+    """Well-formed files whose model the first request could not compute: refused at load."""
+    write_gguf(tmp_path / "m.gguf", tiny_model("llama"), "llama", metadata={"llama.attention.key_length": 15})
+    assert "heads of 15 values" in _error(cache, tmp_path / "m.gguf")
+    for key, value in (("llama.rope.freq_base", float("nan")), ("llama.rope.freq_base", -1.0),
+                       ("llama.attention.layer_norm_rms_epsilon", 0.0), ("llama.rope.freq_base", float("inf"))):
+        write_gguf(tmp_path / "m.gguf", tiny_model("llama"), "llama", metadata={key: value})
+        assert f"{key!r} = {value} is not a positive finite number" in _error(cache, tmp_path / "m.gguf"), (key, value)
+
+
 def test_missing_and_unexpected_tensors(tmp_path, cache):
     write_gguf(tmp_path / "a.gguf", tiny_model("llama"), "llama", skip=("blk.1.ffn_up.weight",))
     assert "no tensor 'blk.1.ffn_up.weight'" in _error(cache, tmp_path / "a.gguf")
