@@ -95,15 +95,17 @@ def test_quantized_embedded_model_answers_paris(embedded_checkpoint_path, quanti
     is the capital of France"; llama.cpp's own llama-quantize Q4_K_M file of it answers "La femme de France, le
     Grand Croix...": docs/model-options.md.)"""
     env = {"MODEL_PATH": str(embedded_checkpoint_path), "QUANTIZATION": quantization, "KV_CACHE_MEMORY_MIB": "16"}
-    lm = model_loader.load(Settings.from_env(env))
-    if quantization in ("8bit", "4bit"):
-        assert lm.model.is_quantized
-    else:
-        assert type(lm.model.model.layers[0].mlp.down_proj).__name__ == "QuantizedLinear"
     answers = {}
-    # The reference path first: building the engine switches the model's attention to the paged one.
-    for engine in ("generate", "paged"):
-        service = ModelService(Settings.from_env({**env, "ENGINE": engine}), lm)
+    lm = None
+    for engine in ("generate", "paged"):  # (as each server loads it: our tree for q8_0/q4_0's paged engine;
+        settings = Settings.from_env({**env, "ENGINE": engine})  # bitsandbytes' model the same for both)
+        if lm is None or quantization not in ("8bit", "4bit"):
+            lm = model_loader.load(settings)
+        if quantization in ("8bit", "4bit"):
+            assert lm.model.is_quantized
+        else:
+            assert type(lm.model.model.layers[0].mlp.down_proj).__name__ == "QuantizedLinear"
+        service = ModelService(settings, lm)
         try:
             answers[service.path_name] = _run(service, {"q": {"messages": QUESTION, "max_new_tokens": 24}})["q"]
         finally:

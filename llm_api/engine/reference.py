@@ -64,6 +64,9 @@ class ReferenceRequest:
 
 class ReferenceCore:
     def __init__(self, model, eos_token_ids: frozenset[int], pad_token_id: int):
+        if not callable(getattr(model, "generate", None)):  # (our module tree: loaded for the paged engine)
+            raise ValueError(f"the generate() reference path needs transformers' classes, which {type(model).__name__} "
+                             f"is not: load the model with ENGINE=generate")
         self._model = model
         self._eos = eos_token_ids
         self._pad = pad_token_id

@@ -1,4 +1,5 @@
-"""The configuration of a Llama-family decoder as our own value, read without transformers (a GGUF file's metadata).
+"""The configuration of a Llama-family decoder as our own value, read without transformers (a GGUF file's metadata:
+``llm_api.model.gguf_model``; a checkpoint's config.json: ``llm_api.model.checkpoint_model``).
 
 ``DecoderConfig`` holds what the owned decoder (``llm_api.models.llama``), the engine (the KV layout, the model
 length, the vocabulary) and the GGUF placer read, under transformers' attribute names, so every reader takes it
@@ -34,8 +35,10 @@ class DecoderConfig:
     rms_norm_eps: float
     rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Llama's and Qwen3's q/k/v/o biases (Qwen2's q/k/v have theirs always)
+    mlp_bias: bool = False  # Llama's gate/up/down biases
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None  # (a checkpoint's generation config may name several)
     pad_token_id: int | None = None
     hidden_act: str = "silu"
 
@@ -49,8 +52,16 @@ class DecoderConfig:
             raise ValueError(f"heads of {self.head_dim} values: the rotary embedding rotates pairs of a head's values")
 
     def biased(self, projection: str) -> bool:
-        """Whether the family's ``projection`` (q_proj, ..., down_proj) has a bias: Qwen2's q/k/v do."""
-        return self.model_type == "qwen2" and projection in ("q_proj", "k_proj", "v_proj")
+        """Whether the family's ``projection`` (q_proj, ..., down_proj, lm_head) has a bias, as transformers'
+        classes of the family build it: Qwen2's q/k/v always, Llama's and Qwen3's attention projections with
+        ``attention_bias``, Llama's MLP with ``mlp_bias``; Mistral's none."""
+        if projection in ("q_proj", "k_proj", "v_proj") and self.model_type == "qwen2":
+            return True
+        if projection in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            return self.attention_bias and self.model_type in ("llama", "qwen3")
+        if projection in ("gate_proj", "up_proj", "down_proj"):
+            return self.mlp_bias and self.model_type == "llama"
+        return False
 
     def to_dict(self) -> dict[str, Any]:
         """The fields, as transformers' configs give theirs (the step budget's cache key reads it)."""
@@ -61,4 +72,10 @@ class DecoderConfig:
         from transformers import AutoConfig
 
         values = {name: value for name, value in self.to_dict().items() if value is not None and name != "model_type"}
+        if self.model_type not in ("llama", "qwen3"):
+            values.pop("attention_bias")  # (fields the family's config does not have)
+        if self.model_type != "llama":
+            values.pop("mlp_bias")
+        if isinstance(self.eos_token_id, tuple):
+            values["eos_token_id"] = list(self.eos_token_id)
         return AutoConfig.for_model(self.model_type, **values)

@@ -104,7 +104,7 @@ class DecoderWeights(nn.Module):
     def __init__(self, config: DecoderConfig, dtype: torch.dtype):
         super().__init__()
         # (given its weight: an embedding's own initialization on the meta device imports torch._dynamo, 1 s)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=torch.empty(
+        self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, config.hidden_size, _weight=torch.empty(
             config.vocab_size, config.hidden_size, dtype=dtype, device="meta"), _freeze=True)
         self.layers = nn.ModuleList(DecoderLayerWeights(config, i, dtype) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -118,7 +118,7 @@ class CausalLMWeights(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderWeights(config, dtype)
-        self.lm_head = _linear(config, "lm_head", config.hidden_size, config.vocab_size, dtype)
+        self.lm_head: nn.Module = _linear(config, "lm_head", config.hidden_size, config.vocab_size, dtype)
         self._dtype = dtype
 
     @property
@@ -134,3 +134,9 @@ class CausalLMWeights(nn.Module):
 
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
+
+    def set_input_embeddings(self, module: nn.Module) -> None:  # (QUANTIZATION at load: llm_api.model.quantize)
+        self.model.embed_tokens = module
+
+    def set_output_embeddings(self, module: nn.Module) -> None:
+        self.lm_head = module

@@ -7,11 +7,17 @@ cannot work on this machine (checked before loading, by trying the operation whe
 honest test). The tokenizer gets a pad token (falling back to EOS) and left padding, which batched
 ``generate()`` needs. ``LoadedModel.device`` is where input ids go: the input embedding's execution
 device, which differs from its weight's device when accelerate offloads it.
+
+Who reads the weights: a GGUF file, always llm_api (``llm_api.model.gguf_model``); a checkpoint of a family the
+engine runs as its own code, llm_api too where the paged engine runs it on a CPU (``llm_api.model.checkpoint_model``,
+into our module tree; what it does not take is logged with the reason); everything else transformers'
+``from_pretrained``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import sys
 from collections import Counter
@@ -30,6 +36,8 @@ from llm_api.model.host_memory import release_freed_heap
 from llm_api.model.packed_linear import pack_linear_weights, weight_layout
 from llm_api.model.split_linear import MAX_SPLIT_ROWS, split_linear_weights
 from llm_api.model.settings import ConfigError, Settings, check_model_path, parse_device_map
+from llm_api.model.checkpoint_model import checkpoint_config, checkpoint_dtype, load_weights
+from llm_api.model.decoder_config import DecoderConfig
 from llm_api.model.gguf_file import type_name
 from llm_api.model.placement import execution_device
 from llm_api.model.quantize import SCHEMES, quantize_model
@@ -178,14 +186,53 @@ def _load_gguf(settings: Settings, path: Path, on_gpu: bool) -> LoadedModel:
     return _loaded(model, tokenizer)
 
 
-def _load(settings: Settings, path: Path, device_map, cuda: bool) -> LoadedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def _owned_config(settings: Settings, path: Path, device_map, on_gpu: bool) -> DecoderConfig | None:
+    """Our configuration of the checkpoint where the paged engine will run it on a CPU from our tree
+    (``llm_api.model.checkpoint_model``), else None: transformers loads it (the reason logged)."""
+    if on_gpu or device_map not in ("auto", "cpu") or settings.engine != "paged" or settings.quantization in ("8bit", "4bit"):
+        return None  # (CUDA placement, offload, bitsandbytes, generate(): transformers' loading and classes)
+    config, reason = checkpoint_config(path)
+    if config is None:
+        logger.info("loading %s with transformers' classes: %s", path.name, reason)
+    return config
 
-    config = AutoConfig.from_pretrained(path)
+
+def _checkpoint_tokenizer(path: Path, owned: DecoderConfig | None) -> Any:
+    """The checkpoint's tokenizer as ``AutoTokenizer`` loads it. Given no config, AutoTokenizer loads the model's
+    through AutoConfig, whose family class imports transformers' modeling stack (torch._dynamo, sympy: what our
+    tree avoids, ``llm_api.model.decoder_config``); where tokenizer_config.json names the tokenizer's class (and
+    no remote code), AutoTokenizer reads nothing of the config but its ``model_type``, so a bare config of that
+    type is given instead."""
+    from transformers import AutoTokenizer
+
+    names_class = False
+    if owned is not None:
+        with contextlib.suppress(OSError, ValueError):
+            tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+            names_class = (isinstance(tokenizer_config, dict) and isinstance(tokenizer_config.get("tokenizer_class"), str)
+                           and "auto_map" not in tokenizer_config)
+    if owned is None or not names_class:
+        return AutoTokenizer.from_pretrained(path)
+    from transformers import PreTrainedConfig
+
+    config = PreTrainedConfig()
+    config.model_type = owned.model_type
+    return AutoTokenizer.from_pretrained(path, config=config)
+
+
+def _load(settings: Settings, path: Path, device_map, cuda: bool) -> LoadedModel:
     if not cuda and _wants_cuda(device_map):
         raise ConfigError(f"DEVICE_MAP={settings.device_map!r} asks for CUDA, but no CUDA device is available")
     on_gpu = cuda and device_map != "cpu"
-    dtype = resolve_dtype(settings, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None), on_gpu)
+    owned = _owned_config(settings, path, device_map, on_gpu)
+    if owned is not None:
+        saved_dtype: Any = checkpoint_dtype(path)
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+        saved_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    dtype = resolve_dtype(settings, saved_dtype, on_gpu)
     if not on_gpu:
         check_cpu_dtype(dtype)
     kwargs = {"dtype": dtype, "device_map": device_map}
@@ -200,9 +247,15 @@ def _load(settings: Settings, path: Path, device_map, cuda: bool) -> LoadedModel
         raise ConfigError(f"QUANTIZATION={settings.quantization} runs on the CPU kernels: " + (
             "set DEVICE_MAP=cpu (no GPU kernels for these formats yet)" if on_gpu else
             "they did not build or load here (a C compiler, cc or gcc, is needed; the log says why)"))
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = _checkpoint_tokenizer(path, owned)
     _pad_left(tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model: Any = load_weights(path, owned, dtype) if owned is not None else None
+    if isinstance(model, str):
+        logger.info("loading %s with transformers' classes: %s", path.name, model)
+    if not isinstance(model, torch.nn.Module):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model.eval()
     if settings.quantization in SCHEMES:
         counts = quantize_model(model, settings.quantization, dtype)

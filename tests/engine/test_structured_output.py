@@ -34,11 +34,13 @@ LONG_LIST = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximu
 DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
 
 
-def load_fp32(path):
+def load_fp32(path, engine: str = "paged"):
+    """``path`` loaded as a server loads it in float32 (``engine`` generate: transformers' classes, for
+    ``generate()``)."""
     from llm_api.model import loader
     from llm_api.model.settings import Settings
 
-    return loader.load(Settings.from_env({"MODEL_PATH": str(path), "DTYPE": "float32"}))
+    return loader.load(Settings.from_env({"MODEL_PATH": str(path), "DTYPE": "float32", "ENGINE": engine}))
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +157,8 @@ def test_reference_core_gives_the_engine_tokens(lm, compiler, embedded_checkpoin
     engine = make_engine(float_lm.model, lm.eos_token_ids, block_size=16, num_blocks=64)
     expected = run_engine(engine, {0: [(rid, prompts[rid], params(compiler, specs[rid], max_new_tokens=40))
                                        for rid in specs]})
-    core = ReferenceCore(load_fp32(embedded_checkpoint_path).model, lm.eos_token_ids, lm.tokenizer.pad_token_id)
+    core = ReferenceCore(load_fp32(embedded_checkpoint_path, "generate").model, lm.eos_token_ids,
+                         lm.tokenizer.pad_token_id)
     for rid in specs:
         core.add_request(rid, prompts[rid], params(compiler, specs[rid], max_new_tokens=40))
     got: dict[str, list] = {rid: [[], None] for rid in specs}

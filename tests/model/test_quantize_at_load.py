@@ -44,10 +44,7 @@ def _load(folder, cache, scheme, **env):
 EXPECTED = {"q8_0": ("Q8_0", "Q8_0", "Q8_0"), "q4_0": ("Q4_0", "Q4_0", "Q6_K"), "q4_k": ("Q4_K", "Q4_K", "Q6_K")}
 
 
-@pytest.mark.parametrize("scheme", sorted(EXPECTED))
-@pytest.mark.parametrize("tied", [True, False])
-def test_formats_follow_llama_quantizes_rules_and_the_logits_hold(checkpoints, tmp_path, scheme, tied):
-    lm = _load(checkpoints[tied], tmp_path, scheme)
+def _check_formats(lm, scheme, tied):
     layers_format, down_format, head_format = EXPECTED[scheme]
     layer = lm.model.model.layers[0]
     assert {type(m) for m in (layer.self_attn.q_proj, layer.mlp.down_proj, lm.model.lm_head)} == {QuantizedLinear}
@@ -59,6 +56,18 @@ def test_formats_follow_llama_quantizes_rules_and_the_logits_hold(checkpoints, t
         assert embedding.blocks.data_ptr() == lm.model.lm_head.blocks.data_ptr()
     else:
         assert embedding.format.name == layers_format
+
+
+@pytest.mark.parametrize("scheme", sorted(EXPECTED))
+@pytest.mark.parametrize("tied", [True, False])
+def test_formats_follow_llama_quantizes_rules_and_the_logits_hold(checkpoints, tmp_path, scheme, tied):
+    """In our tree (the paged engine's: llm_api.model.checkpoint_model) and in transformers' classes (ENGINE=generate),
+    whose forward gives the logits."""
+    ours, lm = _load(checkpoints[tied], tmp_path, scheme), _load(checkpoints[tied], tmp_path, scheme, ENGINE="generate")
+    assert type(ours.model).__name__ == "CausalLMWeights" and type(lm.model).__name__ != "CausalLMWeights"
+    _check_formats(ours, scheme, tied)
+    _check_formats(lm, scheme, tied)
+    embedding = lm.model.model.embed_tokens
     float_model = tiny_model("llama", tied=tied, seed=4)
     with torch.no_grad():  # the float model holding the quantized values
         for name, module in lm.model.named_modules():
