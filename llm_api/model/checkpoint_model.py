@@ -37,7 +37,7 @@ from llm_api.model.decoder_config import ROPE_TYPES, DecoderConfig
 from llm_api.model.decoder_weights import CausalLMWeights
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FLOAT_DTYPES = ("F32", "BF16", "F16")  # (safetensors' names)
 # Tensors older checkpoints hold that the tree computes itself.
 IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
@@ -134,8 +134,9 @@ def checkpoint_config(folder: Path) -> tuple[DecoderConfig | None, str]:
         return None, "num_key_value_heads, head_dim, rms_norm_eps or a bias/tie flag is not of the expected type"
     if (flags["mlp_bias"] and model_type != "llama") or (flags["attention_bias"] and model_type not in ("llama", "qwen3")):
         return None, f"a bias flag {model_type} does not read"
-    generation = _read_json(Path(folder) / "generation_config.json") or {}
-    eos = generation.get("eos_token_id", raw.get("eos_token_id"))
+    # (as transformers: the generation config's end ids where the file exists, else the model config's)
+    generation = _read_json(Path(folder) / "generation_config.json")
+    eos = generation.get("eos_token_id") if generation is not None else raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else eos
     token_ids: dict[str, Any] = {"bos_token_id": raw.get("bos_token_id"), "pad_token_id": raw.get("pad_token_id"),
                                  "eos_token_id": eos_ids}
@@ -189,9 +190,12 @@ def load_weights(folder: Path, config: DecoderConfig, dtype: torch.dtype) -> Cau
                         continue
                     if name not in expected:
                         return f"{path.name} holds {name[:80]!r}, which our {config.model_type} tree has no place for"
-                    shape = tuple(file.get_slice(name).get_shape())
+                    tensor_slice = file.get_slice(name)
+                    shape = tuple(tensor_slice.get_shape())
                     if shape != expected[name]:
                         return f"{name[:80]!r} has shape {shape}, the config says {expected[name]}"
+                    if tensor_slice.get_dtype() not in FLOAT_DTYPES:
+                        return f"{name[:80]!r} is {str(tensor_slice.get_dtype())[:20]}, not a float tensor"
                     found[name] = path
     except Exception as error:  # (safetensors' own errors: a truncated or foreign file)
         return f"its safetensors files could not be read ({type(error).__name__}: {str(error)[:200]})"
@@ -204,8 +208,6 @@ def load_weights(folder: Path, config: DecoderConfig, dtype: torch.dtype) -> Cau
                 if found.get(name) != path:
                     continue
                 tensor = file.get_tensor(name)
-                if tensor.dtype not in FLOAT_DTYPES:
-                    return f"{name[:80]!r} is {tensor.dtype}, not a float tensor"
                 parent, _, leaf = name.rpartition(".")
                 setattr(model.get_submodule(parent), leaf, nn.Parameter(tensor.to(dtype), requires_grad=False))
     if config.tie_word_embeddings:
