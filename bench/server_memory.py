@@ -69,7 +69,8 @@ while True:
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llamacpp-dir", default=str(REPO / ".cache" / "llamacpp"))
-    parser.add_argument("--model", default=None, help="HF checkpoint llm_api loads (default: the embedded model)")
+    parser.add_argument("--model", default=None,
+                        help="HF checkpoint llm_api loads in the float rows (default: the embedded float32 checkpoint)")
     parser.add_argument("--dtypes", default="bfloat16,float32", help="precisions of the float model (\"\": none)")
     parser.add_argument("--formats", default="",
                         help=f"comma list of GGUF files with quantized weights: {', '.join(FORMATS)} (default: none)")
@@ -216,7 +217,8 @@ def bytes_per_token(dtype: str, model: str | None) -> int:
 def measure_memory(info: dict, dtype: str, context: int, args, work: Path, gguf: str | None = None) -> dict:
     """Both servers' figures for one row: the float model in ``dtype`` (``gguf`` None), or the GGUF file
     ``gguf`` in both (llm_api computing in ``dtype``, "" for the host's default)."""
-    model = gguf or args.model
+    # (the float rows: the float checkpoint, --model or the embedded model's; llm_api's own default is its GGUF file)
+    model = gguf or args.model or str(model_dir())
     label = Path(gguf).stem if gguf else dtype
     load_args = argparse.Namespace(**{**vars(args)})
     warm = argparse.Namespace(**{**vars(args), "requests": 1, "max_tokens": 8})
