@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from load_probe import load_in_a_fresh_process
 from tests.engine.engine_helpers import TINY_CONFIGS, greedy, make_engine, reference_greedy
 from llm_api.model.decoder_weights import CausalLMWeights
 from llm_api.model.loader import load
@@ -127,14 +125,6 @@ def test_what_is_not_ours_loads_through_transformers(tmp_path, tokenizer_folder,
 
 def test_the_load_imports_no_transformers_model_or_config_class(tmp_path, tokenizer_folder):
     folder = _checkpoint(tmp_path, tokenizer_folder, "qwen3")
-    probe = ("import sys; from llm_api.model.loader import load; from llm_api.model.settings import Settings; "
-             f"lm = load(Settings.from_env({{'MODEL_PATH': {str(folder)!r}, 'DTYPE': 'float32'}})); "
-             "print(type(lm.model).__name__, type(lm.tokenizer).__name__); "
-             "print(sorted(m for m in ('transformers.modeling_utils', 'transformers.models.qwen3.modeling_qwen3', "
-             "'transformers.models.qwen3.configuration_qwen3', 'torch._dynamo', 'sympy') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    names, modules = out.stdout.splitlines()[-2:]
-    assert names.split()[0] == "CausalLMWeights"
-    assert modules == "[]", modules
+    name, modules = load_in_a_fresh_process({"MODEL_PATH": str(folder), "DTYPE": "float32"})
+    assert name == "CausalLMWeights"
+    assert modules == [], modules

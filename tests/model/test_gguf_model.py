@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from gguf_helpers import reference_model, tiny_model, write_gguf
+from load_probe import load_in_a_fresh_process
 from llm_api.engine.engine import EngineConfig, LLMEngine
 from llm_api.engine.sampling_params import SamplingParams
 from llm_api.kernels.cpu import library as cpu_library
@@ -176,22 +177,11 @@ def test_a_gguf_model_loads_without_transformers_model_classes(tmp_path, cache):
     """The paged engine's GGUF load builds our tree (``llm_api.model.decoder_weights``) from our config: no
     transformers modeling or config class, nor what they import (torch._dynamo, sympy: a third of a server's
     start). Only the tokenizer is transformers'."""
-    import subprocess
-    import sys
-
     write_gguf(tmp_path / "m.gguf", tiny_model("qwen3", tied=True), "qwen3", "Q4_K", "Q8_0")
     _load(cache, tmp_path / "m.gguf")  # (the tokenizer converted once, into the cache, as a server's first start)
-    probe = ("import sys; from llm_api.model.loader import load; from llm_api.model.settings import Settings; "
-             f"lm = load(Settings.from_env({{'MODEL_PATH': {str(tmp_path / 'm.gguf')!r}, "
-             f"'LLM_API_CACHE': {str(cache)!r}}})); print(type(lm.model).__name__); "
-             "print(sorted(m for m in ('transformers.modeling_utils', 'transformers.models.qwen3.modeling_qwen3', "
-             "'transformers.models.qwen3.configuration_qwen3', 'torch._dynamo', 'sympy') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    name, modules = out.stdout.splitlines()[-2:]
+    name, modules = load_in_a_fresh_process({"MODEL_PATH": str(tmp_path / "m.gguf"), "LLM_API_CACHE": str(cache)})
     assert name == "CausalLMWeights"
-    assert modules == "[]", modules
+    assert modules == [], modules
 
 
 def test_lora_over_a_quantized_base_is_pefts_over_the_dequantized_one(tmp_path, cache):
