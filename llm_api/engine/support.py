@@ -3,8 +3,8 @@
 ``unsupported_reason(model)`` returns ``None`` for a decoder the engine runs exactly like ``generate()``,
 else one sentence saying why not; ``check_supported`` raises ``UnsupportedModelError`` (a
 ``NotImplementedError``) with it. The handler then serves the model with the ``generate()`` reference
-path. A GGUF model's module tree (``llm_api.model.decoder_weights``) is ours and always driven: our decoder runs
-it. A transformers model needs all of:
+path. Our module tree (``llm_api.model.decoder_weights``: GGUF files, our families' checkpoints on a CPU) is
+always driven: our decoder runs it. A transformers model needs all of:
 
 1. A causal decoder: an encoder-decoder's cross-attention K/V would need a second, unpaged cache.
 2. A class that declares ``_supports_attention_backend`` and whose module calls

@@ -8,7 +8,7 @@ values, for the reference model (``generate()``: ENGINE=generate and the tests' 
 
 Why our own: the transformers config classes import most of transformers on first use (its activations pull in
 the hub-kernel integration, torch._dynamo, torch.distributed.tensor and sympy: 2.4 of a server start's ~6 CPU
-seconds on a 2-core Xeon, flags amx_int8 avx512_bf16, 2026-11-29), and a GGUF server never needs them.
+seconds on a 2-core Xeon, flags amx_int8 avx512_bf16, 2026-11-29), and a server of our families never needs them.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ ROPE_TYPES = ("default", "linear")
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    model_type: str  # "llama", "qwen2" or "qwen3" (a family of llm_api.models.families)
+    model_type: str  # "llama", "mistral", "qwen2" or "qwen3" (a family of llm_api.models.families)
     vocab_size: int
     hidden_size: int
     intermediate_size: int

@@ -1,6 +1,7 @@
 """A Llama-family model's weights as modules under transformers' names, built without transformers.
 
-``CausalLMWeights(config, dtype)`` is the tree a GGUF file's tensors are placed into (``llm_api.model.gguf_model``):
+``CausalLMWeights(config, dtype)`` is the tree a GGUF file's tensors are placed into (``llm_api.model.gguf_model``),
+and a checkpoint's of our families on a CPU (``llm_api.model.checkpoint_model``):
 ``model.embed_tokens``, ``model.layers.N.{input_layernorm, self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm (Qwen3),
 post_attention_layernorm, mlp.{gate,up,down}_proj}``, ``model.norm``, ``model.rotary_emb``, ``lm_head``; linears
 and norms start on the meta device, with no bytes, and the placer puts every one in its place. It is what
@@ -11,11 +12,11 @@ These modules hold weights; they compute nothing but the rotary's cos and sin (`
 arithmetic, so that the decoder's output is the same whichever tree it reads). The computation is the owned
 decoder's: ``llm_api.models.families.own_model`` always takes this tree, and the paged engine runs it
 (``llm_api.engine.support``). ``generate()`` needs transformers' classes: ENGINE=generate and the tests' oracles
-build those instead (``gguf_model.build_model(..., reference=True)``).
+build those instead (``gguf_model.build_model(..., reference=True)``, ``from_pretrained``).
 
 Why not transformers' classes here too: building them imports most of transformers (see
-``llm_api.model.decoder_config``), a third of a GGUF server's start, and a transformers release that renames a module
-would change what the GGUF path loads into.
+``llm_api.model.decoder_config``), a third of a server's start, and a transformers release that renames a module
+would change what our paths load into.
 """
 
 from __future__ import annotations
