@@ -111,20 +111,18 @@ def gguf_config(file: GGUFFile) -> DecoderConfig:
     tokens_ids = {name: file.metadata[key] for name, key in (
         ("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id"),
         ("pad_token_id", "tokenizer.ggml.padding_token_id")) if isinstance(file.metadata.get(key), int)}
-    kv_heads = _metadata(file, p + "attention.head_count_kv", int, heads)
-    if heads % kv_heads:
-        raise GGUFError(f"{file.path}: {heads} attention heads cannot share {kv_heads} key/value heads")
-    head_dim = _metadata(file, p + "attention.key_length", int, hidden // heads)
-    if head_dim % 2:  # (else a well-formed file that the first request's rotary cannot compute)
-        raise GGUFError(f"{file.path}: heads of {head_dim} values: the rotary embedding rotates pairs of a head's values")
-    return DecoderConfig(
-        model_type=family.model_type, vocab_size=vocab, hidden_size=hidden,
-        intermediate_size=_metadata(file, p + "feed_forward_length", int),
-        num_hidden_layers=_metadata(file, p + "block_count", int), num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=head_dim,
-        max_position_embeddings=_metadata(file, p + "context_length", int, 4096),
-        rms_norm_eps=_metadata(file, p + "attention.layer_norm_rms_epsilon", float),
-        rope_parameters=rope, tie_word_embeddings="output.weight" not in file.tensors, **tokens_ids)
+    try:  # (DecoderConfig refuses heads that cannot share key/value heads and heads of an odd width)
+        return DecoderConfig(
+            model_type=family.model_type, vocab_size=vocab, hidden_size=hidden,
+            intermediate_size=_metadata(file, p + "feed_forward_length", int),
+            num_hidden_layers=_metadata(file, p + "block_count", int), num_attention_heads=heads,
+            num_key_value_heads=_metadata(file, p + "attention.head_count_kv", int, heads),
+            head_dim=_metadata(file, p + "attention.key_length", int, hidden // heads),
+            max_position_embeddings=_metadata(file, p + "context_length", int, 4096),
+            rms_norm_eps=_metadata(file, p + "attention.layer_norm_rms_epsilon", float),
+            rope_parameters=rope, tie_word_embeddings="output.weight" not in file.tensors, **tokens_ids)
+    except ValueError as error:
+        raise GGUFError(f"{file.path}: {error}") from None
 
 
 def _tensor(file: GGUFFile, info: TensorInfo) -> torch.Tensor:

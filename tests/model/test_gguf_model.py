@@ -259,6 +259,8 @@ def test_heads_of_an_odd_width_and_numbers_that_are_not_positive(tmp_path, cache
     """Well-formed files whose model the first request could not compute: refused at load."""
     write_gguf(tmp_path / "m.gguf", tiny_model("llama"), "llama", metadata={"llama.attention.key_length": 15})
     assert "heads of 15 values" in _error(cache, tmp_path / "m.gguf")
+    write_gguf(tmp_path / "m.gguf", tiny_model("llama"), "llama", metadata={"llama.attention.head_count_kv": 3})
+    assert "4 attention heads cannot share 3 key/value heads" in _error(cache, tmp_path / "m.gguf")
     for key, value in (("llama.rope.freq_base", float("nan")), ("llama.rope.freq_base", -1.0),
                        ("llama.attention.layer_norm_rms_epsilon", 0.0), ("llama.rope.freq_base", float("inf"))):
         write_gguf(tmp_path / "m.gguf", tiny_model("llama"), "llama", metadata={key: value})
