@@ -35,7 +35,7 @@ from llm_api.model import cpu
 from llm_api.model.host_memory import release_freed_heap
 from llm_api.model.packed_linear import pack_linear_weights, weight_layout
 from llm_api.model.split_linear import MAX_SPLIT_ROWS, split_linear_weights
-from llm_api.model.settings import ConfigError, Settings, check_model_path, parse_device_map
+from llm_api.model.settings import BITSANDBYTES_SCHEMES, ConfigError, Settings, check_model_path, parse_device_map
 from llm_api.model.checkpoint_model import checkpoint_config, checkpoint_dtype, load_weights
 from llm_api.model.decoder_config import DecoderConfig
 from llm_api.model.gguf_file import type_name
@@ -92,7 +92,7 @@ def check_cpu_dtype(dtype: torch.dtype) -> None:
 def quantization_config(settings: Settings, compute_dtype: torch.dtype, on_gpu: bool, device_map=None):
     """QUANTIZATION -> a BitsAndBytesConfig (None for none and for the GGUF formats, ``llm_api.model.quantize``);
     ConfigError for what bitsandbytes rejects."""
-    if settings.quantization not in ("8bit", "4bit"):
+    if settings.quantization not in BITSANDBYTES_SCHEMES:
         return None
     try:
         import bitsandbytes  # noqa: F401
@@ -189,7 +189,7 @@ def _load_gguf(settings: Settings, path: Path, on_gpu: bool) -> LoadedModel:
 def _owned_config(settings: Settings, path: Path, device_map, on_gpu: bool) -> DecoderConfig | None:
     """Our configuration of the checkpoint where the paged engine will run it on a CPU from our tree
     (``llm_api.model.checkpoint_model``), else None: transformers loads it (the reason logged)."""
-    if on_gpu or device_map not in ("auto", "cpu") or settings.engine != "paged" or settings.quantization in ("8bit", "4bit"):
+    if on_gpu or device_map not in ("auto", "cpu") or settings.engine != "paged" or settings.quantization in BITSANDBYTES_SCHEMES:
         return None  # (CUDA placement, offload, bitsandbytes, generate(): transformers' loading and classes)
     config, reason = checkpoint_config(path)
     if config is None:

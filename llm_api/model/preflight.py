@@ -16,13 +16,13 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from llm_api.model.settings import ConfigError, Settings, check_model_path, parse_device_map
+from llm_api.model.settings import BITSANDBYTES_SCHEMES, ConfigError, Settings, check_model_path, parse_device_map
 
 
 def check(settings: Settings) -> None:
     # Found, not imported: importing bitsandbytes (and the torch it loads) took 7-10 s of every quantized
     # `make serve` on a 2-core host, before TorchServe even starts; the worker imports it at load anyway.
-    if settings.quantization in ("8bit", "4bit") and importlib.util.find_spec("bitsandbytes") is None:
+    if settings.quantization in BITSANDBYTES_SCHEMES and importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError(f"QUANTIZATION={settings.quantization} needs bitsandbytes: "
                           f"pip install 'llm_api[quant]' (make serve installs it when QUANTIZATION is set)")
     gguf = check_model_path(settings.model_path)

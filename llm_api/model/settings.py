@@ -54,6 +54,7 @@ def default_model_path(env: Mapping[str, str] | None = None) -> Path:
 
 # Raw QUANTIZATION values read as its first choice, "none" (the setting's aliases, and served_default_path's).
 QUANTIZATION_OFF_ALIASES = ("", "null", "no", "off")
+BITSANDBYTES_SCHEMES = ("8bit", "4bit")  # (the QUANTIZATION values bitsandbytes runs, under transformers' loading)
 
 
 def served_default_path(env: Mapping[str, str] | None = None) -> Path:
