@@ -72,7 +72,7 @@ def _reference(lm, texts: list[str], pooling: str = "mean") -> np.ndarray:
     rows = []
     with torch.inference_mode():
         for text in texts:
-            ids = lm.tokenizer(text, return_tensors="pt").input_ids
+            ids = torch.tensor([lm.tokenizer.encode(text)])
             hidden = lm.model.get_decoder()(input_ids=ids).last_hidden_state[0].float()
             pooled = hidden.mean(dim=0) if pooling == "mean" else hidden[-1]
             rows.append(torch.nn.functional.normalize(pooled, dim=0).numpy())
@@ -94,8 +94,8 @@ def test_openai_embeddings_match_the_model(async_frontend, embedded_lm_fp32):
     assert np.all(np.sum(vectors * expected, axis=1) > 0.999), np.sum(vectors * expected, axis=1)
     similarity = vectors[:3] @ vectors[:3].T
     assert similarity[0, 1] > similarity[0, 2]  # (the two sentences about a cat are the closer pair)
-    ids = embedded_lm_fp32.tokenizer(TEXTS[0]).input_ids
-    assert answer.usage.prompt_tokens == sum(len(embedded_lm_fp32.tokenizer(t).input_ids) for t in texts)
+    ids = embedded_lm_fp32.tokenizer.encode(TEXTS[0])
+    assert answer.usage.prompt_tokens == sum(len(embedded_lm_fp32.tokenizer.encode(t)) for t in texts)
 
     floats = client.embeddings.create(model=async_frontend.model_name, input=TEXTS[0], encoding_format="float")
     by_ids = client.embeddings.create(model=async_frontend.model_name, input=ids, encoding_format="float")

@@ -17,9 +17,9 @@ older Llama checkpoints saved), the output head tied to the embedding where ``ti
 Why our own: transformers' config and model classes import torch._dynamo, torch.distributed.tensor and sympy
 (``llm_api.model.decoder_config``): the embedded float32 checkpoint's server reached ready in 3.1 CPU seconds
 instead of 4.8 and held 130 MB less (docs/benchmarks.md, 2-core Intel Xeon), and a transformers release cannot
-change the tree the engine runs. (The tokenizer stays transformers': ``llm_api.model.loader`` gives AutoTokenizer
-a bare config of the model's type where tokenizer_config.json names its class, so that it does not load the
-family's config class either.)
+change the tree the engine runs. The tokenizer is read by ``llm_api.model.tokenizer`` where tokenizer.json alone
+makes it; otherwise ``llm_api.model.loader`` gives transformers' AutoTokenizer a bare config of the model's type
+where tokenizer_config.json names its class, so that it does not load the family's config class either.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from llm_api.model.decoder_config import DecoderConfig
 from llm_api.model.gguf_file import type_name
 from llm_api.model.placement import execution_device
 from llm_api.model.quantize import SCHEMES, quantize_model
+from llm_api.model.tokenizer import tokenizer_of
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 @dataclass
 class LoadedModel:
-    tokenizer: Any  # a transformers tokenizer
+    tokenizer: Any  # ours (llm_api.model.tokenizer.Tokenizer), or transformers' for a layout we do not read
     model: torch.nn.Module
     eos_token_ids: frozenset[int]
     hidden_size: int
@@ -198,11 +199,16 @@ def _owned_config(settings: Settings, path: Path, device_map, on_gpu: bool) -> D
 
 
 def _checkpoint_tokenizer(path: Path, owned: DecoderConfig | None) -> Any:
-    """The checkpoint's tokenizer as ``AutoTokenizer`` loads it. Given no config, AutoTokenizer loads the model's
-    through AutoConfig, whose family class imports transformers' modeling stack (torch._dynamo, sympy: what our
-    tree avoids, ``llm_api.model.decoder_config``); where tokenizer_config.json names the tokenizer's class (and
-    no remote code), AutoTokenizer reads nothing of the config but its ``model_type``, so a bare config of that
-    type is given instead."""
+    """The checkpoint's tokenizer: ours (``llm_api.model.tokenizer``) where tokenizer.json alone makes it,
+    else as ``AutoTokenizer`` loads it. Given no config, AutoTokenizer loads the model's through AutoConfig,
+    whose family class imports transformers' modeling stack (torch._dynamo, sympy: what our tree avoids,
+    ``llm_api.model.decoder_config``); where tokenizer_config.json names the tokenizer's class (and no remote
+    code), AutoTokenizer reads nothing of the config but its ``model_type``, so a bare config of that type is
+    given instead."""
+    return tokenizer_of(path, lambda: _transformers_tokenizer(path, owned))
+
+
+def _transformers_tokenizer(path: Path, owned: DecoderConfig | None) -> Any:
     from transformers import AutoTokenizer
 
     names_class = False

@@ -20,11 +20,11 @@ e.g. a Responses API reasoning item). A tool result (``role: "tool"``) is a mess
 other: data.
 
 ``request.template_kwargs`` (``chat_template_kwargs`` and ``reasoning_effort``) are extra variables of the
-template's render (transformers' sandboxed jinja environment, as always). A name the render already
-gives the template (``messages``, ``tools``, ``add_generation_prompt``, the special tokens such as
-``bos_token``, any parameter of ``apply_chat_template``) is refused, naming it; so is special-token text
-in any string of a value or in an earlier turn's ``reasoning_content``: like tools, the template renders
-them itself, so they cannot be kept as data the way contents are.
+template's render (jinja2's sandbox, set up as transformers sets up its own: ``llm_api.model.tokenizer``). A
+name the render already gives the template (``messages``, ``tools``, ``add_generation_prompt``, the special
+tokens such as ``bos_token``, any parameter of transformers' ``apply_chat_template``) is refused, naming it;
+so is special-token text in any string of a value or in an earlier turn's ``reasoning_content``: like tools,
+the template renders them itself, so they cannot be kept as data the way contents are.
 
 A model whose template has no tool format (``llm_api.text.tools``, generic form) is shown its tools by
 ``request.tool_prompt`` (``GenericPrompt``): a block added to the first system turn (or inserted as one)
@@ -55,6 +55,14 @@ TEMPLATE_NAMES = ("messages", "tools", "documents", "add_generation_prompt", "co
                   "raise_exception", "strftime_now", "tojson", "namespace", "range", "loop", "self")
 
 
+# transformers' ``apply_chat_template`` parameters (5.x): refused as template kwargs whichever tokenizer serves the
+# model (ours, ``llm_api.model.tokenizer``, takes fewer), so one request gets one answer on every model.
+CHAT_TEMPLATE_CALL_PARAMETERS = (
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "kwargs")
+
+
 REASONING_KEYS = ("reasoning_content", "reasoning")  # an assistant turn's thinking, as templates read it
 
 
@@ -77,7 +85,7 @@ class PromptBuilder:
         # Names a template kwarg may not take: what the render already passes (and apply_chat_template's own
         # parameters, which a kwarg of that name would silently change).
         self.reserved_template_names = frozenset(TEMPLATE_NAMES) | frozenset(tokenizer.special_tokens_map) | \
-            frozenset(inspect.signature(tokenizer.apply_chat_template).parameters)
+            frozenset(CHAT_TEMPLATE_CALL_PARAMETERS) | frozenset(inspect.signature(tokenizer.apply_chat_template).parameters)
 
     # ----------------------------------------------------------------------------------------------
 

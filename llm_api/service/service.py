@@ -59,7 +59,6 @@ from typing import AsyncGenerator
 
 
 from llm_api.engine.engine import EngineConfig, LLMEngine
-from llm_api.engine.reference import ReferenceCore
 from llm_api.engine.support import unsupported_reason
 from llm_api.errors import ApiError, echo, internal_error, model_not_found
 from llm_api.lora.config import AdapterError
@@ -100,8 +99,8 @@ class ModelService:
                                    self.path_name, callable(getattr(lm.model, "get_decoder", None)),
                                    settings.max_num_seqs + settings.max_waiting_requests, settings.max_tokens_in_flight)
         self.inputs = InputProcessor(settings, lm, self.limits, self.admission)
-        core = self.engine if self.engine is not None else ReferenceCore(lm.model, lm.eos_token_ids,
-                                                                         lm.tokenizer.pad_token_id)
+        core = self.engine if self.engine is not None else _reference_core()(lm.model, lm.eos_token_ids,
+                                                                            lm.tokenizer.pad_token_id)
         self.loop = EngineLoop(core)
         self.metrics = ServingMetrics(metrics_sink or (lambda *args: None), lambda: self.loop.stats,
                                       engine_alive=lambda: self.loop.alive)
@@ -390,3 +389,10 @@ class Generation:
 def _vocab_size(model) -> int | None:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     return getattr(config, "vocab_size", None)
+
+
+def _reference_core() -> type:
+    """``ReferenceCore``, imported where ENGINE=generate asks for it (it imports transformers' generation)."""
+    from llm_api.engine.reference import ReferenceCore
+
+    return ReferenceCore

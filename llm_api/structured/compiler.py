@@ -119,7 +119,10 @@ class GrammarCompiler:
         # xgrammar detects the vocabulary's encoding; we then rebuild its token table from the decoded
         # bytes with special tokens blanked (xgrammar's mark for "never inside a grammar"). Stop tokens
         # are matched by id, so they stay allowed where the grammar may end.
-        detected = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+        # (xgrammar reads transformers' tokenizer: ours builds one over the same vocabulary for it)
+        as_transformers = getattr(tokenizer, "as_transformers", None)
+        detected = xgr.TokenizerInfo.from_huggingface(as_transformers() if as_transformers else tokenizer,
+                                                      vocab_size=self.vocab_size,
                                                       stop_token_ids=list(self.stop_token_ids))
         special = special_token_ids(tokenizer)
         decoded = [b"" if i in special else token for i, token in enumerate(detected.decoded_vocab)]

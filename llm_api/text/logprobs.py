@@ -30,6 +30,20 @@ NEG_INF_LOGPROB = -9999.0
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte (what byte-level BPE vocabularies spell bytes with):
+    the printable Latin-1 bytes stand for themselves, the other 68 take the characters from U+0100 on, in
+    byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    table = {chr(byte): byte for byte in printable}
+    table.update({chr(256 + i): byte for i, byte in enumerate(b for b in range(256) if b not in printable)})
+    return table
+
+
+BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
+
+
 @dataclass(frozen=True)
 class TokenText:
     token_id: int
@@ -52,9 +66,7 @@ class TokenTexts:
         decoder = getattr(backend, "decoder", None)
         self._byte_decoder = None
         if decoder is not None and type(decoder).__name__ == "ByteLevel":
-            from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-            self._byte_decoder = {char: byte for byte, char in bytes_to_unicode().items()}
+            self._byte_decoder = BYTE_LEVEL_ALPHABET
 
     def __call__(self, token_id: int) -> TokenText:
         found = self._cache.get(token_id)

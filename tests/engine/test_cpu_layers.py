@@ -143,7 +143,7 @@ def test_the_embedded_model_decodes_as_without_kernels(calls, embedded_lm_fp32):
     from llm_api.engine.sampling_params import SamplingParams
 
     model = embedded_lm_fp32.model
-    prompts = [embedded_lm_fp32.tokenizer(text).input_ids for text in (
+    prompts = [embedded_lm_fp32.tokenizer.encode(text) for text in (
         "The capital of France is", "def fibonacci(n):", "Once upon a time,", "List three colours:")]
 
     def run(cache: str) -> list[list[int]]:

@@ -1,6 +1,7 @@
 """A model loaded in a fresh Python process, as a server's start loads it: what it became and which of the heavy
-modules that loading imported (tests/model/test_gguf_model.py, test_checkpoint_model.py: our module tree must load
-without transformers' model and config classes, nor torch._dynamo and sympy, which they import)."""
+modules that loading imported (tests/model/test_gguf_model.py, test_checkpoint_model.py: our module tree and our
+tokenizer must load without transformers, its model and config classes, and torch._dynamo and sympy, which they
+import)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import os
 import subprocess
 import sys
 
-# transformers' modeling stack (a Qwen3 model's classes: the probes' tiny models are Qwen3) and what it imports.
-HEAVY = ("transformers.modeling_utils", "transformers.models.qwen3.modeling_qwen3",
+# transformers, its modeling stack (a Qwen3 model's classes: the probes' tiny models are Qwen3) and what that imports.
+HEAVY = ("transformers", "transformers.modeling_utils", "transformers.models.qwen3.modeling_qwen3",
          "transformers.models.qwen3.configuration_qwen3", "torch._dynamo", "sympy")
 
 

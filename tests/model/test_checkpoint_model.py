@@ -123,7 +123,7 @@ def test_what_is_not_ours_loads_through_transformers(tmp_path, tokenizer_folder,
     assert not isinstance(_load(plain, ENGINE="generate").model, CausalLMWeights)
 
 
-def test_the_load_imports_no_transformers_model_or_config_class(tmp_path, tokenizer_folder):
+def test_the_load_imports_no_transformers_module(tmp_path, tokenizer_folder):
     folder = _checkpoint(tmp_path, tokenizer_folder, "qwen3")
     name, modules = load_in_a_fresh_process({"MODEL_PATH": str(folder), "DTYPE": "float32"})
     assert name == "CausalLMWeights"

@@ -92,7 +92,7 @@ def test_the_served_model_computes_the_files_values(tmp_path, cache, arch, tied,
             if tied:  # one table in memory for both
                 assert loaded.lm_head.blocks.data_ptr() == loaded.model.embed_tokens.blocks.data_ptr()
     assert lm.model.state_dict().keys() == transformers_lm.model.state_dict().keys()  # (LoRA and PEFT keys alike)
-    assert lm.tokenizer.decode(lm.tokenizer("the cat").input_ids) == "the cat"
+    assert lm.tokenizer.decode(lm.tokenizer.encode("the cat")) == "the cat"
     assert lm.tokenizer.chat_template.startswith("{% for m in messages %}")
 
 
@@ -173,10 +173,10 @@ def test_auto_activations_take_one_digit_from_a_parameter_count_up(tmp_path, cac
     assert {m.input_digits for m in lm.model.modules() if isinstance(m, QuantizedLinear)} == {1}
 
 
-def test_a_gguf_model_loads_without_transformers_model_classes(tmp_path, cache):
-    """The paged engine's GGUF load builds our tree (``llm_api.model.decoder_weights``) from our config: no
-    transformers modeling or config class, nor what they import (torch._dynamo, sympy: a third of a server's
-    start). Only the tokenizer is transformers'."""
+def test_a_gguf_model_loads_without_transformers(tmp_path, cache):
+    """The paged engine's GGUF load builds our tree (``llm_api.model.decoder_weights``) from our config and reads
+    the tokenizer the first start saved (``llm_api.model.tokenizer``): no transformers module at all, nor what
+    its model and config classes import (torch._dynamo, sympy: a third of a server's start)."""
     write_gguf(tmp_path / "m.gguf", tiny_model("qwen3", tied=True), "qwen3", "Q4_K", "Q8_0")
     _load(cache, tmp_path / "m.gguf")  # (the tokenizer converted once, into the cache, as a server's first start)
     name, modules = load_in_a_fresh_process({"MODEL_PATH": str(tmp_path / "m.gguf"), "LLM_API_CACHE": str(cache)})

@@ -81,7 +81,7 @@ def test_without_the_release_the_originals_stay_resident_and_with_it_the_tokens_
     settings = float_checkpoint_settings
     lm = loader.load(settings)
     engine = LLMEngine(lm.model, EngineConfig.from_settings(settings), set(lm.eos_token_ids))
-    prompt = lm.tokenizer("The capital of France is").input_ids
+    prompt = lm.tokenizer.encode("The capital of France is")
 
     def greedy(request_id: str) -> list[int]:
         engine.add_request(request_id, prompt, SamplingParams(max_new_tokens=12, do_sample=False, ignore_eos=True))

@@ -18,7 +18,7 @@ def tokenizer_info_answer(tokenizer: Any, max_model_len: int) -> str:
 
     template = getattr(tokenizer, "chat_template", None)
     return json.dumps({
-        "tokenizer_class": type(tokenizer).__name__,
+        "tokenizer_class": getattr(tokenizer, "tokenizer_class", None) or type(tokenizer).__name__,
         "bos_token": token("bos_token"), "eos_token": token("eos_token"), "pad_token": token("pad_token"),
         "unk_token": token("unk_token"),
         "add_bos_token": bool(getattr(tokenizer, "add_bos_token", False)),
