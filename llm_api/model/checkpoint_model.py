@@ -7,12 +7,12 @@ not, before a byte of weights is read. The loader (``llm_api.model.loader``) tak
 on a CPU (no CUDA placement, no offload, no bitsandbytes: those are transformers' loading) and falls back to
 transformers' ``from_pretrained`` for every reason given here, logged.
 
-Ours: ``model_type`` llama, mistral, qwen2 or qwen3; SiLU; the rotary ``default`` or ``linear`` (in the
-``rope_parameters`` that transformers 5 writes or the ``rope_theta`` / ``rope_scaling`` of older files); no
-sliding window (Mistral's, Qwen's ``use_sliding_window``: transformers' classes keep them); every field the
-decoder reads present and well-typed; the weights in safetensors files (one, or an index's shards), every tensor
-the tree holds present with its shape and a float type, nothing else in the files (but the rotary frequencies
-older Llama checkpoints saved), the output head tied to the embedding where ``tie_word_embeddings`` says so.
+Ours: ``model_type`` llama, mistral, qwen2 or qwen3; SiLU; the rotary ``default``, ``linear`` or ``llama3`` (Llama
+3.1-3.3's; in the ``rope_parameters`` that transformers 5 writes or the ``rope_theta`` / ``rope_scaling`` of older
+files); sliding windows as each family's transformers config reads them (``_windows``); every field the decoder
+reads present and well-typed; the weights in safetensors files (one, or an index's shards), every tensor the tree
+holds present with its shape and a float type, nothing else in the files (but the rotary frequencies older Llama
+checkpoints saved), the output head tied to the embedding where ``tie_word_embeddings`` says so.
 
 Why our own: transformers' config and model classes import torch._dynamo, torch.distributed.tensor and sympy
 (``llm_api.model.decoder_config``): the embedded float32 checkpoint's server reached ready in 3.1 CPU seconds
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llm_api.model.decoder_config import ROPE_TYPES, DecoderConfig
+from llm_api.model.decoder_config import LAYER_TYPES, ROPE_TYPES, DecoderConfig
 from llm_api.model.decoder_weights import CausalLMWeights
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -63,19 +63,17 @@ def _positive_float(value: Any) -> float | None:
 
 def _rope(raw: dict) -> dict[str, Any] | str:
     """The rotary parameters (transformers' ``rope_parameters`` form), or why they are not ours."""
-    parameters = raw.get("rope_parameters")
+    parameters, older = raw.get("rope_parameters"), raw.get("rope_scaling")
+    scaling: dict
     if isinstance(parameters, dict):  # (transformers 5's files)
-        kind, theta, factor = parameters.get("rope_type", parameters.get("type", "default")), parameters.get(
-            "rope_theta", raw.get("rope_theta", 10000.0)), parameters.get("factor")
+        scaling, theta = parameters, parameters.get("rope_theta", raw.get("rope_theta", 10000.0))
     elif parameters is None:  # (older files: rope_theta, and rope_scaling where scaled)
-        scaling = raw.get("rope_scaling")
-        if scaling is not None and not isinstance(scaling, dict):
+        if older is not None and not isinstance(older, dict):
             return "rope_scaling is not an object"
-        scaling = scaling or {}
-        kind, theta, factor = scaling.get("rope_type", scaling.get("type", "default")), raw.get("rope_theta", 10000.0), \
-            scaling.get("factor")
+        scaling, theta = older or {}, raw.get("rope_theta", 10000.0)
     else:
         return "rope_parameters is not an object"
+    kind, factor = scaling.get("rope_type", scaling.get("type", "default")), scaling.get("factor")
     if kind not in ROPE_TYPES:
         return f"rotary type {str(kind)[:40]!r} (ours: {', '.join(ROPE_TYPES)})"
     if raw.get("partial_rotary_factor", 1.0) != 1.0 or (isinstance(parameters, dict)
@@ -84,11 +82,52 @@ def _rope(raw: dict) -> dict[str, Any] | str:
     rope: dict[str, Any] = {"rope_type": kind, "rope_theta": _positive_float(theta)}
     if rope["rope_theta"] is None:
         return "rope_theta is not a positive number"
-    if kind == "linear":
+    if kind in ("linear", "llama3"):
         rope["factor"] = _positive_float(factor)
         if rope["factor"] is None:
-            return "the linear rotary's factor is not a positive number"
+            return f"the {kind} rotary's factor is not a positive number"
+    if kind == "llama3":  # (the context it was trained at, where transformers looks: the config's own field first)
+        context = raw["original_max_position_embeddings"] if "original_max_position_embeddings" in raw else \
+            scaling.get("original_max_position_embeddings", raw.get("max_position_embeddings"))
+        rope.update(low_freq_factor=_positive_float(scaling.get("low_freq_factor")),
+                    high_freq_factor=_positive_float(scaling.get("high_freq_factor")),
+                    original_max_position_embeddings=_positive_int({"context": context}, "context"))
+        if None in rope.values() or rope["low_freq_factor"] >= rope["high_freq_factor"]:
+            return "the llama3 rotary's low/high frequency factors or original context are not positive numbers " \
+                   "with low < high"
     return rope
+
+
+def _windows(raw: dict, model_type: str, layers: int) -> tuple[int | None, tuple[str, ...] | None] | str:
+    """(the sliding window, each layer's type) as the family's transformers config reads them, or why not ours.
+    Mistral: ``sliding_window`` on every layer (4096 where the file does not say: transformers' default). Qwen2/3:
+    a window only with ``use_sliding_window`` (``sliding_window``, default 4096), on the layers ``layer_types``
+    names, or where the file has none, from ``max_window_layers`` (default 28) on. Llama: none."""
+    types = raw.get("layer_types")
+    if model_type == "mistral":
+        window = raw.get("sliding_window", 4096)
+        if types is not None:
+            return "layer_types on a Mistral checkpoint (transformers' Ministral classes read those)"
+        return (window, None) if window is None or _positive_int({"window": window}, "window") else \
+            "sliding_window is not a positive integer"
+    if model_type == "llama":
+        if any(kind != "full_attention" for kind in types or ()):
+            return "layer types other than full attention on a Llama checkpoint"
+        return None, None
+    use = raw.get("use_sliding_window", False)
+    window = raw.get("sliding_window", 4096) if use is True else None
+    if not isinstance(use, bool) or (window is not None and not _positive_int({"window": window}, "window")):
+        return "use_sliding_window is not a boolean or sliding_window not a positive integer"
+    if types is None:
+        start = raw.get("max_window_layers", 28)
+        if not isinstance(start, int) or isinstance(start, bool):
+            return "max_window_layers is not an integer"
+        types = ["sliding_attention" if window is not None and i >= start else "full_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or any(kind not in LAYER_TYPES for kind in types):
+        return f"layer_types is not one of {LAYER_TYPES} per layer"
+    if "sliding_attention" in types and window is None:
+        return "sliding layers without a window (use_sliding_window is false)"
+    return window, tuple(types)
 
 
 def checkpoint_dtype(folder: Path) -> str | None:
@@ -112,9 +151,6 @@ def checkpoint_config(folder: Path) -> tuple[DecoderConfig | None, str]:
         return None, f"hidden_act {str(raw.get('hidden_act'))[:40]!r}"
     if raw.get("pretraining_tp", 1) not in (1, None):
         return None, "pretraining_tp > 1"
-    if (model_type == "mistral" and raw.get("sliding_window") is not None) or raw.get("use_sliding_window") or any(
-            kind != "full_attention" for kind in raw.get("layer_types") or ()):
-        return None, "sliding-window attention layers"
     rope = _rope(raw)
     if isinstance(rope, str):
         return None, rope
@@ -134,6 +170,9 @@ def checkpoint_config(folder: Path) -> tuple[DecoderConfig | None, str]:
         return None, "num_key_value_heads, head_dim, rms_norm_eps or a bias/tie flag is not of the expected type"
     if (flags["mlp_bias"] and model_type != "llama") or (flags["attention_bias"] and model_type not in ("llama", "qwen3")):
         return None, f"a bias flag {model_type} does not read"
+    windows = _windows(raw, model_type, ints["num_hidden_layers"])  # type: ignore[arg-type]
+    if isinstance(windows, str):
+        return None, windows
     # (as transformers: the generation config's end ids where the file exists, else the model config's)
     generation = _read_json(Path(folder) / "generation_config.json")
     eos = generation.get("eos_token_id") if generation is not None else raw.get("eos_token_id")
@@ -149,7 +188,7 @@ def checkpoint_config(folder: Path) -> tuple[DecoderConfig | None, str]:
             intermediate_size=ints["intermediate_size"], num_hidden_layers=ints["num_hidden_layers"],  # type: ignore[arg-type]
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
             max_position_embeddings=ints["max_position_embeddings"], rms_norm_eps=eps,  # type: ignore[arg-type]
-            rope_parameters=rope, **flags, **token_ids)
+            rope_parameters=rope, sliding_window=windows[0], layer_types=windows[1], **flags, **token_ids)
     except ValueError as error:  # (heads that do not share, an odd head width)
         return None, str(error)
     return config, ""

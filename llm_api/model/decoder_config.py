@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # The rotary types the decoder computes (transformers' "rope_type" names).
-ROPE_TYPES = ("default", "linear")
+ROPE_TYPES = ("default", "linear", "llama3")
+# A layer's attention, as transformers' configs name it in ``layer_types``.
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class DecoderConfig:
     eos_token_id: int | tuple[int, ...] | None = None  # (a checkpoint's generation config may name several)
     pad_token_id: int | None = None
     hidden_act: str = "silu"
+    sliding_window: int | None = None  # the sliding layers' window (Mistral's: every layer's)
+    layer_types: tuple[str, ...] | None = None  # Qwen2/3: LAYER_TYPES per layer (None: every layer full)
 
     def __post_init__(self) -> None:
         if self.rope_parameters.get("rope_type") not in ROPE_TYPES:
@@ -50,6 +54,23 @@ class DecoderConfig:
                              "key/value heads")
         if self.head_dim % 2:
             raise ValueError(f"heads of {self.head_dim} values: the rotary embedding rotates pairs of a head's values")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"a sliding window of {self.sliding_window} positions")
+        if self.layer_types is not None:
+            if self.model_type == "mistral" or len(self.layer_types) != self.num_hidden_layers or \
+                    any(kind not in LAYER_TYPES for kind in self.layer_types):
+                raise ValueError(f"layer_types must give each of the {self.num_hidden_layers} layers one of "
+                                 f"{LAYER_TYPES} (and Mistral's layers have none)")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("sliding layers without a sliding window")
+
+    def window(self, layer: int) -> int | None:
+        """The layer's sliding window, as the family's transformers class attends (None: the whole context)."""
+        if self.model_type == "mistral":
+            return self.sliding_window
+        if self.layer_types is not None and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     def biased(self, projection: str) -> bool:
         """Whether the family's ``projection`` (q_proj, ..., down_proj, lm_head) has a bias, as transformers'
@@ -78,4 +99,8 @@ class DecoderConfig:
             values.pop("mlp_bias")
         if isinstance(self.eos_token_id, tuple):
             values["eos_token_id"] = list(self.eos_token_id)
+        if self.model_type != "llama":  # (None too: Mistral's and Qwen's configs default to a window of 4096)
+            values["sliding_window"] = self.sliding_window
+        if self.layer_types is not None:
+            values.update(layer_types=list(self.layer_types), use_sliding_window=self.sliding_window is not None)
         return AutoConfig.for_model(self.model_type, **values)

@@ -21,6 +21,8 @@ would change what our paths load into.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -37,7 +39,9 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos and sin of each position's rotary angles, as transformers computes them (``default`` and ``linear``)."""
+    """cos and sin of each position's rotary angles, as transformers computes them (``default``, ``linear``, and
+    ``llama3``: Llama 3.1's long-context frequencies, long wavelengths divided by ``factor``, short ones kept, the
+    band between interpolated)."""
 
     def __init__(self, config: DecoderConfig):
         super().__init__()
@@ -46,6 +50,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         if rope["rope_type"] == "linear":
             inv_freq /= rope["factor"]
+        elif rope["rope_type"] == "llama3":
+            inv_freq = _llama3_frequencies(inv_freq, rope)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
         self.attention_scaling = 1.0
@@ -58,6 +64,20 @@ class RotaryEmbedding(nn.Module):
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
+    """Llama 3.1's frequencies, in transformers' arithmetic (float32 tensors against Python floats, the same
+    order of operations: the tests compare the buffers bit for bit)."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    context = rope["original_max_position_embeddings"]
+    low_wavelength, high_wavelength = context / low, context / high
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > low_wavelength, inv_freq / factor, inv_freq)
+    smooth = (context / wavelength - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    between = ~(wavelength < high_wavelength) * ~(wavelength > low_wavelength)
+    return torch.where(between, smoothed, scaled)
 
 
 def _linear(config: DecoderConfig, name: str, inputs: int, outputs: int, dtype: torch.dtype) -> nn.Linear:
@@ -73,7 +93,7 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.head_dim = d
         self.scaling = d ** -0.5
-        self.sliding_window = None  # (GGUF files of these families attend to the whole context)
+        self.sliding_window = config.window(layer_idx)
         self.q_proj = _linear(c, "q_proj", c.hidden_size, c.num_attention_heads * d, dtype)
         self.k_proj = _linear(c, "k_proj", c.hidden_size, c.num_key_value_heads * d, dtype)
         self.v_proj = _linear(c, "v_proj", c.hidden_size, c.num_key_value_heads * d, dtype)

@@ -66,7 +66,16 @@ CASES = {"llama": ("llama", {}),
          "llama-biases-tied": ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
          "qwen2": ("qwen2", {}),
          "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}),
-         "mistral-no-window": ("mistral", {"sliding_window": None})}
+         "mistral-no-window": ("mistral", {"sliding_window": None}),
+         # windows of 6 positions: the prompts (8 and 11 tokens) and their answers run past them
+         "mistral-window": ("mistral", {"sliding_window": 6}),
+         "qwen2-window-on-layer-1": ("qwen2", {"use_sliding_window": True, "sliding_window": 6,
+                                              "layer_types": ["full_attention", "sliding_attention"]}),
+         # Llama 3.1's rotary: with 16-value heads and an original context of 128 positions, frequencies fall in
+         # all three of its bands (divided, interpolated, kept).
+         "llama3-rotary": ("llama", {"rope_parameters": {
+             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+             "high_freq_factor": 4.0, "original_max_position_embeddings": 128}})}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -80,6 +89,10 @@ def test_our_tree_holds_the_checkpoint_and_generates_its_tokens(tmp_path, tokeni
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[name], theirs[name]) for name in ours)
     assert (lm.model.lm_head.weight is lm.model.model.embed_tokens.weight) == bool(fields.get("tie_word_embeddings"))
+    assert torch.equal(lm.model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
+    assert [layer.self_attn.sliding_window for layer in lm.model.model.layers] == \
+        [getattr(layer.self_attn, "sliding_window", reference.config.sliding_window if arch == "mistral" else None)
+         for layer in reference.model.layers]
     expected = [reference_greedy(reference, prompt, 10) for prompt in PROMPTS]
     assert _engine_tokens(lm.model) == expected
 
@@ -103,17 +116,36 @@ def test_an_older_config_file_and_generation_configs_end_ids(tmp_path, tokenizer
     assert _engine_tokens(lm.model) == [reference_greedy(reference, prompt, 10) for prompt in PROMPTS]
 
 
+@pytest.mark.parametrize("arch, removed, fields", [
+    ("mistral", ("sliding_window",), {}),  # (transformers' default window: 4096)
+    ("qwen2", ("layer_types",), {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
+    ("qwen3", ("layer_types", "sliding_window", "max_window_layers"), {"use_sliding_window": True}),
+])
+def test_windows_a_file_does_not_spell_out_are_transformers_defaults(tmp_path, tokenizer_folder, arch, removed, fields):
+    folder = _checkpoint(tmp_path, tokenizer_folder, arch, **fields)
+    config = json.loads((folder / "config.json").read_text())
+    for key in removed:
+        config.pop(key, None)
+    (folder / "config.json").write_text(json.dumps(config))
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = _load(folder).model
+    assert isinstance(model, CausalLMWeights)
+    ours = model.config
+    assert ours.sliding_window == reference.config.sliding_window
+    theirs = reference.config.layer_types if arch != "mistral" else None  # (Mistral's config has none)
+    assert list(ours.layer_types or []) == list(theirs or [])
+
+
 def test_what_is_not_ours_loads_through_transformers(tmp_path, tokenizer_folder, caplog):
     caplog.set_level(logging.INFO, logger="llm_api.model.loader")
-    window = _checkpoint(tmp_path / "window", tokenizer_folder, "mistral")  # (sliding_window=24)
-    llama3 = _checkpoint(tmp_path / "llama3", tokenizer_folder, "llama", rope_parameters={
-        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 128})
+    window = _checkpoint(tmp_path / "window", tokenizer_folder, "qwen2", layer_types=["full_attention", "sliding_attention"])
+    yarn = _checkpoint(tmp_path / "yarn", tokenizer_folder, "llama", rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128})
     extra = _checkpoint(tmp_path / "extra", tokenizer_folder, "llama")
     tensors = load_file(extra / "model.safetensors")
     save_file({**tensors, "model.layers.0.mlp.mystery.weight": torch.zeros(4)}, extra / "model.safetensors",
               metadata={"format": "pt"})
-    for folder, reason in ((window, "sliding-window attention layers"), (llama3, "rotary type 'llama3'"),
+    for folder, reason in ((window, "sliding layers without a window"), (yarn, "rotary type 'yarn'"),
                            (extra, "'model.layers.0.mlp.mystery.weight', which our llama tree has no place for")):
         caplog.clear()
         assert not isinstance(_load(folder).model, CausalLMWeights)
