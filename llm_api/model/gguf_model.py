@@ -27,15 +27,12 @@ server's memory is the weights once (``bench/server_memory.py``).
 The tokenizer is transformers' conversion of the file's vocabulary (``AutoTokenizer.from_pretrained(...,
 gguf_file=...)``: ~7 s for a 49k vocabulary on a 2-core host), saved once per file under the cache folder
 (``gguf-tokenizers/<digest of the file's metadata>``) and read from there by ``llm_api.model.tokenizer``
-(~0.1 s, no transformers import), the first start included.
+(~0.1 s, no transformers import) once it reads back as the same tokenizer (checked once, on the first start).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -50,7 +47,7 @@ from llm_api.model.gguf_file import GGUFError, GGUFFile, TensorInfo, type_name
 from llm_api.model.settings import ConfigError
 from llm_api.model.decoder_config import DecoderConfig
 from llm_api.model.decoder_weights import CausalLMWeights
-from llm_api.model.tokenizer import tokenizer_of
+from llm_api.model.tokenizer import converted_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -365,39 +362,21 @@ def build_model(file: GGUFFile, config: DecoderConfig, dtype: torch.dtype, refer
 
 
 def tokenizer_for(file: GGUFFile, cache_dir: Path) -> Any:
-    """The file's tokenizer as transformers converts it, saved once per file's metadata under ``cache_dir`` and
-    read from there (by ``llm_api.model.tokenizer``: the conversion saves the layout it reads)."""
+    """The file's tokenizer as transformers converts it, kept once per file's metadata under ``cache_dir`` and read
+    from there by ``llm_api.model.tokenizer`` (``converted_tokenizer``: ours once it reads back as the same)."""
     folder = Path(cache_dir) / "gguf-tokenizers" / file.metadata_digest()[:32]
-    if not (folder / "tokenizer_config.json").is_file():
-        _convert_tokenizer(file, folder)
-    return tokenizer_of(folder, lambda: _transformers_tokenizer(folder), saved_whole=True)
+    return converted_tokenizer(folder, lambda: _convert_tokenizer(file, folder))
 
 
-def _transformers_tokenizer(folder: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder)
-
-
-def _convert_tokenizer(file: GGUFFile, folder: Path) -> None:
+def _convert_tokenizer(file: GGUFFile, folder: Path) -> Any:
     from transformers import AutoTokenizer
 
     logger.info("converting the tokenizer of %s (once; kept in %s)", file.path.name, folder)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(file.path.parent, gguf_file=file.path.name)
+        return AutoTokenizer.from_pretrained(file.path.parent, gguf_file=file.path.name)
     except Exception as error:  # (transformers' converter: a vocabulary it cannot read)
         raise GGUFError(f"{file.path}: its tokenizer could not be read ({type(error).__name__}: "
                         f"{str(error)[:200]})") from None
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staged = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=folder.parent))
-    try:
-        tokenizer.save_pretrained(staged)
-        for path in [staged, *staged.iterdir()]:
-            path.chmod(0o755 if path.is_dir() else 0o644)  # (others sharing the cache read it; mkdtemp makes 0700)
-        if not folder.exists():
-            os.replace(staged, folder)  # (atomic: a concurrent start sees a whole folder or none)
-    finally:
-        shutil.rmtree(staged, ignore_errors=True)
 
 
 def check_served(settings: Any, on_gpu: bool, path: Path) -> None:

@@ -41,7 +41,7 @@ from llm_api.model.decoder_config import DecoderConfig
 from llm_api.model.gguf_file import type_name
 from llm_api.model.placement import execution_device
 from llm_api.model.quantize import SCHEMES, quantize_model
-from llm_api.model.tokenizer import tokenizer_of
+from llm_api.model.tokenizer import Tokenizer, converted_tokenizer, folder_digest, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -198,17 +198,23 @@ def _owned_config(settings: Settings, path: Path, device_map, on_gpu: bool) -> D
     return config
 
 
-def _checkpoint_tokenizer(path: Path, owned: DecoderConfig | None) -> Any:
-    """The checkpoint's tokenizer: ours (``llm_api.model.tokenizer``) where tokenizer.json alone makes it,
-    else as ``AutoTokenizer`` loads it. Given no config, AutoTokenizer loads the model's through AutoConfig,
-    whose family class imports transformers' modeling stack (torch._dynamo, sympy: what our tree avoids,
-    ``llm_api.model.decoder_config``); where tokenizer_config.json names the tokenizer's class (and no remote
-    code), AutoTokenizer reads nothing of the config but its ``model_type``, so a bare config of that type is
-    given instead."""
-    return tokenizer_of(path, lambda: _transformers_tokenizer(path, owned))
+def _checkpoint_tokenizer(path: Path, owned: DecoderConfig | None, cache_dir: Path) -> Any:
+    """The checkpoint's tokenizer: ours (``llm_api.model.tokenizer``) where tokenizer.json alone makes it; else
+    what transformers' ``AutoTokenizer`` builds, kept in the cache (``checkpoint-tokenizers/<digest of the
+    tokenizer's files>``) and read by us from there once it reads back as the same tokenizer."""
+    reads = load_tokenizer(path)
+    if isinstance(reads, Tokenizer):
+        return reads
+    folder = Path(cache_dir) / "checkpoint-tokenizers" / folder_digest(path)
+    logger.info("the tokenizer of %s is transformers' build (%s), kept in %s", path.name, reads, folder)
+    return converted_tokenizer(folder, lambda: _transformers_tokenizer(path, owned))
 
 
 def _transformers_tokenizer(path: Path, owned: DecoderConfig | None) -> Any:
+    """``AutoTokenizer``'s. Given no config, AutoTokenizer loads the model's through AutoConfig, whose family class
+    imports transformers' modeling stack (torch._dynamo, sympy: what our tree avoids, ``llm_api.model.
+    decoder_config``); where tokenizer_config.json names the tokenizer's class (and no remote code),
+    AutoTokenizer reads nothing of the config but its ``model_type``, so a bare config of that type is given."""
     from transformers import AutoTokenizer
 
     names_class = False
@@ -253,7 +259,7 @@ def _load(settings: Settings, path: Path, device_map, cuda: bool) -> LoadedModel
         raise ConfigError(f"QUANTIZATION={settings.quantization} runs on the CPU kernels: " + (
             "set DEVICE_MAP=cpu (no GPU kernels for these formats yet)" if on_gpu else
             "they did not build or load here (a C compiler, cc or gcc, is needed; the log says why)"))
-    tokenizer = _checkpoint_tokenizer(path, owned)
+    tokenizer = _checkpoint_tokenizer(path, owned, Path(settings.cache_dir))
     _pad_left(tokenizer)
     model: Any = load_weights(path, owned, dtype) if owned is not None else None
     if isinstance(model, str):

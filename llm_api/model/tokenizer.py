@@ -10,16 +10,19 @@ layer transformers puts around them, for the one layout it builds nothing else f
 
 Contract:
 
-- ``load_tokenizer(folder)`` -> a ``Tokenizer``, or the reason (a str) transformers' must load this folder
-  instead; ``tokenizer_of(folder, transformers_load)`` is what the loaders call: ours, or the reason logged
-  and ``transformers_load()``'s. Ours only where AutoTokenizer itself builds nothing but the serialization:
-  tokenizer_config.json naming transformers' generic class (``TokenizersBackend``, alias
-  ``PreTrainedTokenizerFast``; or any class, for a tokenizer.json that transformers built and we saved, the
-  GGUF tokenizers' cache), no remote code, none of the older side files (special_tokens_map.json,
+- ``load_tokenizer(folder)`` -> a ``Tokenizer``, or the reason (a str) transformers must build this folder's
+  instead (``converted_tokenizer`` below). Ours only where AutoTokenizer itself builds nothing but the
+  serialization: tokenizer_config.json naming transformers' generic class (``TokenizersBackend``, alias
+  ``PreTrainedTokenizerFast``), no remote code, none of the older side files (special_tokens_map.json,
   added_tokens.json, chat_template.json, additional_chat_templates/), one chat template, every special token
   the config names already an added token of tokenizer.json, no truncation or padding in it, no options that
   rewrite it (split_special_tokens, fix_mistral_regex, clean-up of a non-BPE decode). That is the layout
-  transformers saves (the GGUF tokenizers' cache, the embedded checkpoint) and most current Hub models'.
+  transformers saves (the embedded checkpoint) and many current Hub models'.
+- ``converted_tokenizer(folder, convert)``: what transformers builds otherwise (a GGUF file's vocabulary; a
+  checkpoint naming a family's class, keyed by ``folder_digest``), saved once into the cache; the saved
+  tokenizer.json is then the whole tokenizer whichever class it names, and once ``same_tokenizer`` finds ours
+  equal to transformers' on the probes (ids, text, vocabulary, special tokens, template and a render) the folder
+  is marked and every later start reads it as ours.
 - ``Tokenizer`` answers the calls the server makes under transformers' names and with its results (``encode``,
   ``__call__``'s ``input_ids``, ``decode``, ``convert_ids_to_tokens`` / ``convert_tokens_to_ids``, the named
   and extra special tokens, ``get_vocab``, ``len``, ``backend_tokenizer``, ``chat_template``,
@@ -36,8 +39,14 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import importlib.metadata
 import json
 import logging
+import os
+import shutil
+import tempfile
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -62,17 +71,120 @@ OTHER_LAYOUT_FILES = ("special_tokens_map.json", "added_tokens.json", "chat_temp
 REWRITING_KEYS = {"auto_map": None, "fast_tokenizer_files": None, "split_special_tokens": False,
                   "fix_mistral_regex": None, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output": None,
                   "tokenizer_file": None, "post_processor": None}
+# Written beside a tokenizer kept in the cache once ours reads it back as transformers' (``converted_tokenizer``).
+VERIFIED_MARK = "llm_api-verified"
+# Texts on which a kept tokenizer must give transformers' ids and text (with the special tokens, joined, besides).
+PROBES = ("", "Hello, world! The capital of France is Paris.", "  two  spaces\n\n\ttabs and lines ",
+          "\U0001f642 \u4e2d\u6587, \u00fcn\u00efc\u00f6d\u00e9, \u0627\u0644\u0639\u0631\u0628\u064a\u0629",
+          "def f(x):\n    return x ** 2  # 1234567890", "\x00\x7f \u200b \ufeff <0x0A> <unk> </s> <s>")
+# Files of a checkpoint's folder that are weights (not part of its tokenizer's digest).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".index.json")
 # A message's reasoning, under the names templates read it by (the first is the standard one).
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
-def tokenizer_of(folder: Path, transformers_load: Callable[[], Any], saved_whole: bool = False) -> Any:
-    """The folder's tokenizer: ours where ``load_tokenizer`` reads it, else ``transformers_load()``'s (why, logged)."""
-    owned = load_tokenizer(folder, saved_whole)
-    if isinstance(owned, Tokenizer):
-        return owned
-    logger.info("the tokenizer of %s is loaded by transformers: %s", Path(folder).name, owned)
-    return transformers_load()
+def converted_tokenizer(folder: Path, convert: Callable[[], Any]) -> Any:
+    """The tokenizer transformers builds (``convert()``: a GGUF file's vocabulary, a checkpoint's family class),
+    kept in ``folder``: saved there by the first call, and marked when ours reads the saved copy back as the same
+    tokenizer (``same_tokenizer``); read by us on every later call where marked, else by transformers from there."""
+    folder = Path(folder)
+    if (folder / VERIFIED_MARK).is_file():
+        owned = load_tokenizer(folder, saved_whole=True)
+        if isinstance(owned, Tokenizer):
+            return owned
+        logger.info("the tokenizer kept in %s is loaded by transformers: %s", folder, owned)
+        return _transformers_from(folder)
+    if (folder / "tokenizer_config.json").is_file():  # (kept before the mark existed, or found different: check)
+        built = _transformers_from(folder)
+    else:
+        built = convert()
+        try:
+            _save(built, folder)
+        except OSError as error:  # (a cache we cannot write: transformers' tokenizer, as before the cache)
+            logger.info("the tokenizer could not be kept in %s (%s): transformers' is used", folder, error)
+            return built
+    owned = load_tokenizer(folder, saved_whole=True)
+    difference = owned if isinstance(owned, str) else same_tokenizer(owned, built)
+    if difference:
+        logger.info("the tokenizer kept in %s stays transformers': %s", folder, difference)
+        return built
+    with contextlib.suppress(OSError):  # (a cache we cannot write: the check runs again next start)
+        (folder / VERIFIED_MARK).write_text("read by llm_api.model.tokenizer as transformers' tokenizer\n")
+    return owned
+
+
+def same_tokenizer(ours: Tokenizer, theirs: Any) -> str:
+    """Where ours differs from transformers' tokenizer on the probes (ids with and without the special tokens,
+    text with and without them, the vocabulary, the special tokens, the template and a render), or ""."""
+    texts = [*PROBES, " x ".join(theirs.all_special_tokens)]
+    for text in texts:
+        for special in (True, False):
+            ids = list(theirs.encode(text, add_special_tokens=special))
+            if ours.encode(text, add_special_tokens=special) != ids:
+                return f"the ids of {text[:30]!r}"
+            if any(ours.decode(ids, skip_special_tokens=skip) != theirs.decode(ids, skip_special_tokens=skip)
+                   for skip in (True, False)):
+                return f"the text of {text[:30]!r}'s ids"
+    for name in ("special_tokens_map", "all_special_tokens", "all_special_ids", "bos_token_id", "eos_token_id",
+                 "unk_token_id", "pad_token_id", "chat_template"):
+        if getattr(ours, name) != getattr(theirs, name, None):
+            return f"{name}"
+    if len(ours) != len(theirs) or ours.get_vocab() != theirs.get_vocab():
+        return "the vocabulary"
+    if ours.chat_template:
+        chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROBES[1]}]
+        renders = []
+        for tokenizer in (ours, theirs):
+            try:
+                renders.append(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
+            except Exception as error:  # (a template that refuses a system turn refuses it in both)
+                renders.append(type(error).__name__)
+        if renders[0] != renders[1]:
+            return "the chat template's render"
+    return ""
+
+
+def _transformers_from(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def _save(tokenizer: Any, folder: Path) -> None:
+    """transformers' ``save_pretrained`` into ``folder``, atomically (a concurrent start sees a whole folder or
+    none) and readable by others sharing the cache."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=folder.parent))
+    try:
+        tokenizer.save_pretrained(staged)
+        for path in [staged, *staged.iterdir()]:
+            path.chmod(0o755 if path.is_dir() else 0o644)  # (mkdtemp makes 0700)
+        if not folder.exists():
+            os.replace(staged, folder)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+
+
+def folder_digest(folder: Path) -> str:
+    """A digest of what transformers builds a checkpoint's tokenizer from: every file of the folder but the
+    weights (tokenizer files, config.json), the chat templates folder, and transformers' version."""
+    digest = hashlib.sha256(f"transformers {_transformers_version()}\n".encode())
+    paths = [p for p in sorted(Path(folder).iterdir()) if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES)]
+    if (Path(folder) / "additional_chat_templates").is_dir():
+        paths += sorted((Path(folder) / "additional_chat_templates").iterdir())
+    for path in paths:
+        digest.update(f"{path.relative_to(folder)}\n".encode())
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:32]
+
+
+def _transformers_version() -> str:
+    try:
+        return importlib.metadata.version("transformers")  # (the installed version, without importing it)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
 
 
 def load_tokenizer(folder: Path, saved_whole: bool = False) -> Tokenizer | str:

@@ -18,7 +18,9 @@ from tokenizers import SentencePieceBPETokenizer
 from tokenizers.processors import TemplateProcessing
 from transformers import AutoTokenizer
 
-from llm_api.model.tokenizer import Tokenizer, load_tokenizer, tokenizer_of
+from llm_api.model import tokenizer as tokenizer_module
+from llm_api.model.loader import _checkpoint_tokenizer
+from llm_api.model.tokenizer import VERIFIED_MARK, Tokenizer, folder_digest, load_tokenizer, same_tokenizer
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 TEXTS = ["", " ", "hello world", "  two  spaces\n\n\tand tabs ", "The capital of France is Paris.",
@@ -189,7 +191,7 @@ def test_sandbox_refuses_what_transformers_refuses(template, folders):
     (dict(chat_template=[{"name": "default", "template": "x"}]), "named chat templates"),
     ({"special_tokens_map.json": "{}"}, "special_tokens_map.json beside"),
 ])
-def test_layouts_we_do_not_read_go_to_transformers(change, reason, folders, tmp_path, caplog):
+def test_layouts_we_do_not_read_are_named(change, reason, folders, tmp_path):
     folder = _copy(folders["embedded"], tmp_path / "t", **{k: v for k, v in change.items() if not k.endswith(".json")})
     for name, text in change.items():
         if name.endswith(".json"):
@@ -197,10 +199,42 @@ def test_layouts_we_do_not_read_go_to_transformers(change, reason, folders, tmp_
     if "chat_template" in change:
         (folder / "chat_template.jinja").unlink()
     assert reason in load_tokenizer(folder)
+
+
+@pytest.mark.parametrize("tokenizer_class", ["GPT2Tokenizer", "Qwen2Tokenizer", "LlamaTokenizer"])
+def test_a_family_class_is_transformers_build_kept_and_read_as_ours(tokenizer_class, folders, tmp_path):
+    """A checkpoint naming a family's tokenizer class: transformers builds it (its class may rebuild the pipeline
+    from the vocabulary), the build is kept in the cache, and ours reads the kept copy as that build."""
+    folder = _copy(folders["embedded"], tmp_path / "checkpoint", tokenizer_class=tokenizer_class)
+    theirs = AutoTokenizer.from_pretrained(folder)
+    cache = tmp_path / "cache"
+    first = _checkpoint_tokenizer(folder, None, cache)
+    kept = cache / "checkpoint-tokenizers" / folder_digest(folder)
+    assert isinstance(first, Tokenizer) and (kept / VERIFIED_MARK).is_file()
+    assert same_tokenizer(first, theirs) == ""
+    for text in TEXTS:
+        assert first.encode(text) == theirs.encode(text)
+    for case in (dict(conversation=CALL_CHAT, add_generation_prompt=False), dict(conversation=CHATS[1])):
+        assert first.apply_chat_template(**case, tokenize=False) == theirs.apply_chat_template(**case, tokenize=False)
+    probe = ("import sys; from pathlib import Path; from llm_api.model.loader import _checkpoint_tokenizer; "
+             f"t = _checkpoint_tokenizer(Path({str(folder)!r}), None, Path({str(cache)!r})); "
+             "print(type(t).__name__, sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["Tokenizer", "[]"]
+    (folder / "chat_template.jinja").write_text("{{ messages[0].content }}")  # (another tokenizer: another key)
+    assert folder_digest(folder) != kept.name
+
+
+def test_a_kept_build_that_reads_back_differently_stays_transformers(folders, tmp_path, monkeypatch, caplog):
+    folder = _copy(folders["embedded"], tmp_path / "checkpoint", tokenizer_class="GPT2Tokenizer")
+    monkeypatch.setattr(tokenizer_module, "same_tokenizer", lambda ours, theirs: "the ids of 'x'")
     with caplog.at_level(logging.INFO, logger="llm_api.model.tokenizer"):
-        loaded = tokenizer_of(folder, lambda: "transformers' tokenizer")
-    assert loaded == "transformers' tokenizer"
-    assert reason in caplog.text
+        for _ in range(2):  # (the second start checks the kept copy again: it was never marked)
+            loaded = _checkpoint_tokenizer(folder, None, tmp_path / "cache")
+            assert not isinstance(loaded, Tokenizer)
+    assert caplog.text.count("stays transformers': the ids of 'x'") == 2
+    assert not (tmp_path / "cache" / "checkpoint-tokenizers" / folder_digest(folder) / VERIFIED_MARK).exists()
 
 
 def test_no_tokenizer_json_goes_to_transformers(tmp_path):
