@@ -450,9 +450,10 @@ def test_replicas_scale_up_under_load_and_a_removed_replica_finishes_its_streams
     assert len(after) == 2 and after < replicas, (after, replicas)
     removed = (replicas - after).pop()
     on_removed = [s for s in drained if s.replica == removed]
-    # Ray decided the removal while the removed replica's stream ran, and its process ended after the stream
-    # did: drained, not cut.
-    assert on_removed and all(decided[0] < s.ended_at <= exited_at for s in on_removed), (
+    # Ray decided the removal while the removed replica's stream ran, and the stream still got its end marker
+    # (checked above): drained, not cut. (When the client read that end is no bound on the process's exit: the
+    # replica may exit once it has sent it; CI saw the read 0.7 s after the exit, on a busy host.)
+    assert on_removed and all(decided[0] < s.ended_at for s in on_removed), (
         decided, [s.ended_at for s in on_removed], exited_at)
 
 
