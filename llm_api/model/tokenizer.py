@@ -189,7 +189,7 @@ def _transformers_version() -> str:
 
 def load_tokenizer(folder: Path, saved_whole: bool = False) -> Tokenizer | str:
     """The folder's tokenizer, or why transformers' must load it (see the module docstring). ``saved_whole``:
-    tokenizer.json is what transformers built, saved by us (the GGUF tokenizers' cache), so it is the whole
+    tokenizer.json is what transformers built, saved by us (``converted_tokenizer``'s caches), so it is the whole
     tokenizer whichever class the config names (a family's class would rebuild it from its vocabulary and
     merges on every load: the same pipeline, since that class built the one saved)."""
     folder = Path(folder)
