@@ -79,6 +79,7 @@ PROBES = ("", "Hello, world! The capital of France is Paris.", "  two  spaces\n\
           "def f(x):\n    return x ** 2  # 1234567890", "\x00\x7f \u200b \ufeff <0x0A> <unk> </s> <s>")
 # Files of a checkpoint's folder that are weights (not part of its tokenizer's digest).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".index.json")
+DIGEST_MAX_BYTES = 256 << 20
 # A message's reasoning, under the names templates read it by (the first is the standard one).
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -167,16 +168,17 @@ def _save(tokenizer: Any, folder: Path) -> None:
 
 def folder_digest(folder: Path) -> str:
     """A digest of what transformers builds a checkpoint's tokenizer from: every file of the folder but the
-    weights (tokenizer files, config.json), the chat templates folder, and transformers' version."""
+    weights (tokenizer files, config.json), the chat templates folder, and transformers' version. A file over
+    ``DIGEST_MAX_BYTES`` of another kind counts by its name and size (no tokenizer file is that large)."""
     digest = hashlib.sha256(f"transformers {_transformers_version()}\n".encode())
     paths = [p for p in sorted(Path(folder).iterdir()) if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES)]
     if (Path(folder) / "additional_chat_templates").is_dir():
         paths += sorted((Path(folder) / "additional_chat_templates").iterdir())
     for path in paths:
-        digest.update(f"{path.relative_to(folder)}\n".encode())
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
+        size = path.stat().st_size
+        digest.update(f"{path.relative_to(folder)} {size}\n".encode())
+        if size <= DIGEST_MAX_BYTES:
+            digest.update(path.read_bytes())
     return digest.hexdigest()[:32]
 
 
