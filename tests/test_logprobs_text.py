@@ -5,7 +5,7 @@ import json
 from llm_api.engine.request import FinishReason, TokenLogprob
 from llm_api.errors import ApiError
 from llm_api.protocols.native.encoder import NativeStream
-from llm_api.text.logprobs import LogprobItem, TokenTexts, TokenText
+from llm_api.text.logprobs import BYTE_LEVEL_ALPHABET, LogprobItem, TokenTexts, TokenText
 
 MARKER = "<|endoftext|>"
 
@@ -20,6 +20,12 @@ def test_token_bytes_rebuild_the_text_exactly(embedded_lm_fp32):
     assert any("\ufffd" in p.text for p in pieces)  # the emoji's bytes are split over tokens
     item = texts.item(TokenLogprob(ids[0], -0.5, ((ids[0], -0.5), (ids[1], -1.5))))
     assert item.token == pieces[0] and item.logprob == -0.5 and [t.token_id for t, _ in item.top] == ids[:2]
+
+
+def test_the_byte_level_alphabet_is_gpt2s():
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    assert BYTE_LEVEL_ALPHABET == {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def test_native_json_lines():

@@ -99,8 +99,7 @@ class ModelService:
                                    self.path_name, callable(getattr(lm.model, "get_decoder", None)),
                                    settings.max_num_seqs + settings.max_waiting_requests, settings.max_tokens_in_flight)
         self.inputs = InputProcessor(settings, lm, self.limits, self.admission)
-        core = self.engine if self.engine is not None else _reference_core()(lm.model, lm.eos_token_ids,
-                                                                            lm.tokenizer.pad_token_id)
+        core = self.engine if self.engine is not None else _reference_core(lm)
         self.loop = EngineLoop(core)
         self.metrics = ServingMetrics(metrics_sink or (lambda *args: None), lambda: self.loop.stats,
                                       engine_alive=lambda: self.loop.alive)
@@ -391,8 +390,9 @@ def _vocab_size(model) -> int | None:
     return getattr(config, "vocab_size", None)
 
 
-def _reference_core() -> type:
-    """``ReferenceCore``, imported where ENGINE=generate asks for it (it imports transformers' generation)."""
+def _reference_core(lm: LoadedModel):
+    """The ``generate()`` reference core over ``lm`` (ENGINE=generate), imported only then: it imports
+    transformers' generation, which a server of the paged engine never needs."""
     from llm_api.engine.reference import ReferenceCore
 
-    return ReferenceCore
+    return ReferenceCore(lm.model, lm.eos_token_ids, lm.tokenizer.pad_token_id)
