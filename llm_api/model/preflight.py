@@ -2,12 +2,14 @@
 
 ``check(settings)`` raises the ``ConfigError`` that loading would raise later, for the cases a look at the files
 answers: bitsandbytes missing for QUANTIZATION=8bit/4bit; MODEL_PATH neither a checkpoint folder nor a GGUF file;
-and for a GGUF file, QUANTIZATION set beside it, a GPU device map, and the whole file checked without reading
-its weights (``llm_api.model.gguf_file``'s header and tensor table, the architecture, the rotary scaling, every
-tensor's name, shape and type against the model's: ``llm_api.model.gguf_model.check_tensors``; ~0.1 s for the
-embedded model's file). ``llm_api serve`` runs it before it opens a port, so such a start exits 2 with one line
-naming the file and the reason, instead of a traceback from the loading thread of a server that already
-answers ``/health``; ``make serve`` runs ``python -m llm_api.model.preflight`` before it builds the archive.
+for a checkpoint folder, its tokenizer files unreadable (tokenizer_config.json not a JSON object, tokenizer.json
+not one the ``tokenizers`` library reads: a truncated download names the file); and for a GGUF file, QUANTIZATION
+set beside it, a GPU device map, and the whole file checked without reading its weights
+(``llm_api.model.gguf_file``'s header and tensor table, the architecture, the rotary scaling, every tensor's name,
+shape and type against the model's: ``llm_api.model.gguf_model.check_tensors``; ~0.1 s for the embedded model's
+file). ``llm_api serve`` runs it before it opens a port, so such a start exits 2 with one line naming the file and
+the reason, instead of a traceback from the loading thread of a server that already answers ``/health``;
+``make serve`` runs ``python -m llm_api.model.preflight`` before it builds the archive.
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ def check(settings: Settings) -> None:
                           f"pip install 'llm_api[quant]' (make serve installs it when QUANTIZATION is set)")
     gguf = check_model_path(settings.model_path)
     if gguf is None:
+        from llm_api.model.tokenizer import check_tokenizer_files
+
+        try:
+            check_tokenizer_files(Path(settings.model_path))
+        except ValueError as error:
+            raise ConfigError(f"MODEL_PATH={settings.model_path!r}: {error}") from None
         return
     if settings.quantization != "none":
         raise ConfigError(f"MODEL_PATH={settings.model_path!r} is a GGUF file, whose weights are already quantized: "

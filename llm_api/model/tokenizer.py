@@ -189,6 +189,25 @@ def _transformers_version() -> str:
         return "none"
 
 
+def check_tokenizer_files(folder: Path) -> None:
+    """ValueError naming the file where a checkpoint's tokenizer files cannot be read (tokenizer_config.json not a
+    JSON object, tokenizer.json not a serialization ``tokenizers`` reads): what a start can refuse before it
+    listens. A folder without them passes (transformers may build the tokenizer from other files)."""
+    config_path, serialized = Path(folder) / "tokenizer_config.json", Path(folder) / "tokenizer.json"
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise ValueError(f"{config_path.name} cannot be read ({type(error).__name__}: {str(error)[:120]})") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{config_path.name} is not a JSON object")
+    if serialized.is_file():
+        try:
+            Backend.from_file(str(serialized))
+        except Exception as error:  # (tokenizers raises its own Exception type for a file it cannot read)
+            raise ValueError(f"{serialized.name} cannot be read by the tokenizers library ({str(error)[:160]})") from None
+
+
 def load_tokenizer(folder: Path, saved_whole: bool = False) -> Tokenizer | str:
     """The folder's tokenizer, or why transformers' must load it (see the module docstring). ``saved_whole``:
     tokenizer.json is what transformers built, saved by us (``converted_tokenizer``'s caches), so it is the whole

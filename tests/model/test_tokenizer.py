@@ -289,3 +289,25 @@ def test_a_gguf_files_tokenizer_is_transformers_conversion_of_it(arch, tmp_path)
     for chat in CHATS:
         assert ours.apply_chat_template(chat, add_generation_prompt=True)["input_ids"] == \
             converted.apply_chat_template(chat, add_generation_prompt=True)["input_ids"]
+
+
+@pytest.mark.parametrize("name, damage, reason", [
+    ("tokenizer.json", lambda text: text[:5000], "tokenizer.json cannot be read by the tokenizers library"),
+    ("tokenizer.json", lambda text: '{"version": "1.0", "model": {"type": "Nonsense"}}', "tokenizer.json cannot be read"),
+    ("tokenizer_config.json", lambda text: text[:40], "tokenizer_config.json cannot be read (JSONDecodeError"),
+    ("tokenizer_config.json", lambda text: "[1, 2]", "tokenizer_config.json is not a JSON object"),
+])
+def test_an_unreadable_tokenizer_file_stops_the_start_naming_it(name, damage, reason, folders, tmp_path, monkeypatch,
+                                                                capsys):
+    """A truncated download: the preflight (before ``llm_api serve`` listens, before ``make serve`` builds the
+    archive) exits 2 naming the file, instead of a traceback from the loading thread."""
+    from llm_api.model import preflight
+
+    folder = tmp_path / "checkpoint"
+    shutil.copytree(folders["embedded"], folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    (folder / name).write_text(damage((folder / name).read_text()))
+    monkeypatch.setenv("MODEL_PATH", str(folder))
+    assert preflight.main() == 2
+    assert reason in capsys.readouterr().err
+    (folder / name).write_text((folders["embedded"] / name).read_text())  # (mended: it passes)
+    assert preflight.main() == 0
