@@ -1,7 +1,8 @@
 """Our tokenizer (``llm_api.model.tokenizer``) against transformers' ``AutoTokenizer`` on the same folders: the
 same ids, text, tokens, special tokens and chat-template renders (and template errors), over hostile text; the
-layouts we do not read go to transformers, the reason logged; jinja2's sandbox as transformers sets it up; and
-a server's load of a GGUF file or a checkpoint imports no transformers module at all."""
+layouts we do not read named, and what transformers builds for them (a family's class, a GGUF file's vocabulary)
+kept in the cache and read back as ours; jinja2's sandbox as transformers sets it up; reading imports no
+transformers module; an unreadable tokenizer file stops a start naming it."""
 
 from __future__ import annotations
 
