@@ -51,7 +51,10 @@ def _read_json(path: Path) -> dict | None:
 
 
 def _positive_int(raw: dict, key: str, default: Any = None) -> int | None:
-    value = raw.get(key, default)
+    return _positive_int_value(raw.get(key, default))
+
+
+def _positive_int_value(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2**31 else None
 
 
@@ -91,7 +94,7 @@ def _rope(raw: dict) -> dict[str, Any] | str:
             scaling.get("original_max_position_embeddings", raw.get("max_position_embeddings"))
         rope.update(low_freq_factor=_positive_float(scaling.get("low_freq_factor")),
                     high_freq_factor=_positive_float(scaling.get("high_freq_factor")),
-                    original_max_position_embeddings=_positive_int({"context": context}, "context"))
+                    original_max_position_embeddings=_positive_int_value(context))
         if None in rope.values() or rope["low_freq_factor"] >= rope["high_freq_factor"]:
             return "the llama3 rotary's low/high frequency factors or original context are not positive numbers " \
                    "with low < high"
@@ -108,7 +111,7 @@ def _windows(raw: dict, model_type: str, layers: int) -> tuple[int | None, tuple
         window = raw.get("sliding_window", 4096)
         if types is not None:
             return "layer_types on a Mistral checkpoint (transformers' Ministral classes read those)"
-        return (window, None) if window is None or _positive_int({"window": window}, "window") else \
+        return (window, None) if window is None or _positive_int_value(window) else \
             "sliding_window is not a positive integer"
     if model_type == "llama":
         if any(kind != "full_attention" for kind in types or ()):
@@ -116,7 +119,7 @@ def _windows(raw: dict, model_type: str, layers: int) -> tuple[int | None, tuple
         return None, None
     use = raw.get("use_sliding_window", False)
     window = raw.get("sliding_window", 4096) if use is True else None
-    if not isinstance(use, bool) or (window is not None and not _positive_int({"window": window}, "window")):
+    if not isinstance(use, bool) or (window is not None and not _positive_int_value(window)):
         return "use_sliding_window is not a boolean or sliding_window not a positive integer"
     if types is None:
         start = raw.get("max_window_layers", 28)
