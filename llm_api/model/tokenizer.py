@@ -195,17 +195,28 @@ def check_tokenizer_files(folder: Path) -> None:
     listens. A folder without them passes (transformers may build the tokenizer from other files)."""
     config_path, serialized = Path(folder) / "tokenizer_config.json", Path(folder) / "tokenizer.json"
     if config_path.is_file():
-        try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as error:
-            raise ValueError(f"{config_path.name} cannot be read ({type(error).__name__}: {str(error)[:120]})") from None
-        if not isinstance(config, dict):
-            raise ValueError(f"{config_path.name} is not a JSON object")
+        _read_config(config_path)
     if serialized.is_file():
-        try:
-            Backend.from_file(str(serialized))
-        except Exception as error:  # (tokenizers raises its own Exception type for a file it cannot read)
-            raise ValueError(f"{serialized.name} cannot be read by the tokenizers library ({str(error)[:160]})") from None
+        _read_backend(serialized)
+
+
+def _read_config(path: Path) -> dict:
+    """tokenizer_config.json as a dict (ValueError naming the file otherwise)."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path.name} cannot be read ({type(error).__name__}: {str(error)[:120]})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path.name} is not a JSON object")
+    return config
+
+
+def _read_backend(path: Path) -> Backend:
+    """tokenizer.json as the ``tokenizers`` library reads it (ValueError naming the file otherwise)."""
+    try:
+        return Backend.from_file(str(path))
+    except Exception as error:  # (tokenizers raises its own Exception type for a file it cannot read)
+        raise ValueError(f"{path.name} cannot be read by the tokenizers library ({str(error)[:160]})") from None
 
 
 def load_tokenizer(folder: Path, saved_whole: bool = False) -> Tokenizer | str:
@@ -218,11 +229,9 @@ def load_tokenizer(folder: Path, saved_whole: bool = False) -> Tokenizer | str:
     if not serialized.is_file() or not config_path.is_file():
         return "no tokenizer.json beside a tokenizer_config.json"
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        return f"tokenizer_config.json unreadable ({type(error).__name__})"
-    if not isinstance(config, dict):
-        return "tokenizer_config.json is not an object"
+        config = _read_config(config_path)
+    except ValueError as error:
+        return str(error)
     if not isinstance(config.get("tokenizer_class"), str) or (
             config["tokenizer_class"] not in GENERIC_CLASSES and not saved_whole):
         return f"tokenizer class {config.get('tokenizer_class')!r} (transformers' own class builds it)"
@@ -242,9 +251,9 @@ def load_tokenizer(folder: Path, saved_whole: bool = False) -> Tokenizer | str:
     if template is not None and not isinstance(template, str):
         return "named chat templates"
     try:
-        backend = Backend.from_file(str(serialized))
-    except Exception as error:  # (tokenizers raises its own Exception type for a file it cannot read)
-        return f"tokenizer.json unreadable ({str(error)[:120]})"
+        backend = _read_backend(serialized)
+    except ValueError as error:
+        return str(error)
     if backend.truncation is not None or backend.padding is not None:
         return "tokenizer.json sets truncation or padding"
     added = {token.content for token in backend.get_added_tokens_decoder().values()}
