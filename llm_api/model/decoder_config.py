@@ -97,10 +97,9 @@ class DecoderConfig:
             values.pop("attention_bias")  # (fields the family's config does not have)
         if self.model_type != "llama":
             values.pop("mlp_bias")
+            values["sliding_window"] = self.sliding_window  # (None too: Mistral's and Qwen's default to 4096)
         if isinstance(self.eos_token_id, tuple):
             values["eos_token_id"] = list(self.eos_token_id)
-        if self.model_type != "llama":  # (None too: Mistral's and Qwen's configs default to a window of 4096)
-            values["sliding_window"] = self.sliding_window
         if self.layer_types is not None:
             values.update(layer_types=list(self.layer_types), use_sliding_window=self.sliding_window is not None)
         return AutoConfig.for_model(self.model_type, **values)
