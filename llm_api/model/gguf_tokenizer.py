@@ -99,13 +99,19 @@ def build_tokenizer(file: GGUFFile) -> Tokenizer | str:
         scores = meta.get("tokenizer.ggml.scores")
         if not isinstance(scores, list) or len(scores) != len(tokens):
             return "a SentencePiece vocabulary without a score for every token"
-        backend = _sentencepiece(tokens, types, scores, meta)
+        try:
+            backend = _sentencepiece(tokens, types, scores, meta)
+        except Exception as error:  # (the tokenizers library refusing the vocabulary)
+            return f"the vocabulary does not build ({type(error).__name__}: {str(error)[:200]})"
         add_bos = meta.get("tokenizer.ggml.add_bos_token", True)
     elif kind == "gpt2" and isinstance(pre, str) and pre in PRE_TOKENIZERS:
         merges = meta.get("tokenizer.ggml.merges")
         if not isinstance(merges, list) or not all(isinstance(m, str) and m.count(" ") == 1 for m in merges):
             return "a byte-level vocabulary without merges of two pieces each"
-        backend = _byte_level(tokens, merges, PRE_TOKENIZERS[pre])
+        try:
+            backend = _byte_level(tokens, merges, PRE_TOKENIZERS[pre])
+        except Exception as error:  # (merges naming pieces that are not tokens, ...)
+            return f"the vocabulary does not build ({type(error).__name__}: {str(error)[:200]})"
         add_bos = meta.get("tokenizer.ggml.add_bos_token", PRE_TOKENIZERS[pre].ignore_merges)
     else:
         return f"tokenizer model {kind!r} with pre-tokenizer {pre!r}"
@@ -114,6 +120,9 @@ def build_tokenizer(file: GGUFFile) -> Tokenizer | str:
              if isinstance(index := meta.get(f"tokenizer.ggml.{key}_token_id"), int) and 0 <= index < len(tokens)}
     vocabulary = backend.get_vocab()
     _add_tokens(backend, tokens, types, vocabulary, byte_level=kind == "gpt2")
+    unmatched = [token for token in named.values() if backend.token_to_id(token) is None]
+    if unmatched:  # (a byte-level vocabulary's special token spelled outside its alphabet)
+        return f"special token {unmatched[0][:40]!r} is not a token of the vocabulary as spelled"
     _add_ends(backend, named, bool(add_bos), bool(meta.get("tokenizer.ggml.add_eos_token", False)))
     template = meta.get("tokenizer.chat_template")
     backend.encode_special_tokens = False

@@ -95,3 +95,39 @@ def test_the_embedded_model_splits_digits_as_its_file_says_in_both_forms(embedde
     assert ours.convert_ids_to_tokens(ours.encode("  5")) == ["ĠĠ", "5"]
     for sample in (text, " 7 8 9", "x1y22z333", "  5", "x =\n  12;", "\n 5\t"):
         assert checkpoint.encode(sample) == ours.encode(sample), sample
+
+
+def _vocab_only(path, model: str, pre: str, tokens: list[str], types: list[int], merges=None, scores=None):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model(model)
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    if merges is not None:
+        writer.add_token_merges(merges)
+    if scores is not None:
+        writer.add_token_scores(scores)
+    writer.add_bos_token_id(0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("model, pre, merges, scores, reason", [
+    ("gpt2", "gpt-2", ["a zz"], None, "the vocabulary does not build"),  # (a merge of a piece that is no token)
+    ("gpt2", "gpt-2", ["abc"], None, "without merges of two pieces each"),
+    ("gpt2", "gpt-2", None, None, "without merges"),
+    ("gpt2", "deepseek-llm", ["a b"], None, "pre-tokenizer 'deepseek-llm'"),
+    ("llama", "default", None, None, "without a score for every token"),
+    ("bert", "default", None, None, "tokenizer model 'bert'"),
+])
+def test_a_vocabulary_it_cannot_build_is_a_reason_not_a_crash(model, pre, merges, scores, reason, tmp_path):
+    tokens = ["<s>", "a", "b", "ab"]
+    path = _vocab_only(tmp_path / "v.gguf", model, pre, tokens, [3, 1, 1, 1], merges, scores)
+    with GGUFFile.open(path) as file:
+        built = build_tokenizer(file)
+    assert isinstance(built, str) and reason in built, built
