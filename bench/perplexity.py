@@ -31,12 +31,13 @@ tokens a chunk at 512); PPL = exp(mean NLL over all scored tokens), with llama-p
   before it (the first one's null), computed over the whole prompt (no prefix-cache hit).
 * the tokens: llama-perplexity tokenizes the text itself, so the script asks ``llama-server``'s ``/tokenize``
   for the same tokens (``add_special`` as llama-perplexity) and reports whether llm_api's are the same; when
-  they are not, the two PPLs are over other token sequences (the JSON has the first difference). They are
-  not for SmolLM2's tokenizer: llama.cpp's BPE makes one token of the two newlines of a blank line before a
-  digit (a numbered list) where the HF tokenizer makes two (20,027 and 20,037 tokens for the built-in text),
-  so from the first such place on the chunks hold other tokens. ``--tokens llamacpp`` scores llama.cpp's
-  token ids through llm_api instead of its own (the same sequence on both sides: only the arithmetic
-  differs). ``--no-token-check`` skips the check (and llama-server).
+  they are not, the two PPLs are over other token sequences (the JSON has the first difference). They were
+  not for SmolLM2's tokenizer while llm_api took transformers' conversion of the GGUF vocabulary, which split
+  the two newlines of a blank line before a digit (a numbered list) into two tokens where llama.cpp makes one
+  (20,037 and 20,027 tokens for the built-in text); since the file's tokenizer is built by llama.cpp's rules
+  (``llm_api.model.gguf_tokenizer``) they are the same. ``--tokens llamacpp`` scores llama.cpp's token ids
+  through llm_api instead of its own (the same sequence on both sides: only the arithmetic differs).
+  ``--no-token-check`` skips the check (and llama-server).
 
 Prints both PPLs and their ratio (llm_api / llama.cpp: above 1, llm_api's model predicts the text worse) and
 writes the JSON (``--out``, default ``bench/results/perplexity-<time>.json``). When llm_api cannot serve the
