@@ -26,7 +26,7 @@ server's memory is the weights once (``bench/server_memory.py``).
 
 The tokenizer is built from the file's vocabulary as llama.cpp reads it (``llm_api.model.gguf_tokenizer``: ~0.2 s
 at each start, no transformers import): SentencePiece vocabularies and the byte-level ones whose pre-tokenizer it
-has a rule for (GPT-2, StarCoder/SmolLM, Llama 3, Qwen2). For any other, transformers' conversion
+has a rule for (GPT-2, StarCoder/SmolLM, Llama 3, Qwen2, DeepSeek Coder). For any other, transformers' conversion
 (``AutoTokenizer.from_pretrained(..., gguf_file=...)``: ~7 s for a 49k vocabulary on a 2-core host), saved once per
 file under the cache folder (``gguf-tokenizers/<digest of the file's metadata>``) and read from there by
 ``llm_api.model.tokenizer`` (~0.1 s) once it reads back as the same tokenizer (checked once, on the first start).

@@ -16,8 +16,8 @@ original tokenizers are), assembling its pipeline:
   ``tokenizer.ggml.add_bos_token`` is false.
 * ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE) with a pre-tokenizer named in ``PRE_TOKENIZERS``: the
   file's merges, the text split as the original tokenizer splits it (GPT-2's pattern; StarCoder's and SmolLM's
-  digits one by one first; Llama 3's and Qwen2's patterns), Llama 3's vocabularies taking a whole word that is
-  a token without merging (``ignore_merges``, which llama.cpp sets for those names).
+  digits one by one first; Llama 3's, Qwen2's and DeepSeek Coder's patterns), Llama 3's vocabularies taking a
+  whole word that is a token without merging (``ignore_merges``, which llama.cpp sets for those names).
 
 Control tokens (token type 3) and the unknown token (2) are special added tokens, user-defined ones (4) plain
 added tokens, both matched whole in the text (as llama.cpp's parse of special tokens does); the named special
@@ -81,6 +81,8 @@ PRE_TOKENIZERS: dict[str, _Pre] = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"),
                     _Pre((_LLAMA3,), ignore_merges=True)),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "hunyuan"), _Pre((_QWEN2,))),
+    "deepseek-coder": _Pre(("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+                            r"\p{N}")),
 }
 
 
@@ -109,7 +111,7 @@ def build_tokenizer(file: GGUFFile) -> Tokenizer | str:
         if not isinstance(merges, list) or not all(isinstance(m, str) and m.count(" ") == 1 for m in merges):
             return "a byte-level vocabulary without merges of two pieces each"
         try:
-            backend = _byte_level(tokens, merges, PRE_TOKENIZERS[pre])
+            backend = _byte_level(tokens, types, merges, PRE_TOKENIZERS[pre])
         except Exception as error:  # (merges naming pieces that are not tokens, ...)
             return f"the vocabulary does not build ({type(error).__name__}: {str(error)[:200]})"
         add_bos = meta.get("tokenizer.ggml.add_bos_token", PRE_TOKENIZERS[pre].ignore_merges)
@@ -119,7 +121,7 @@ def build_tokenizer(file: GGUFFile) -> Tokenizer | str:
                                                    ("unk_token", "unknown"), ("pad_token", "padding"))
              if isinstance(index := meta.get(f"tokenizer.ggml.{key}_token_id"), int) and 0 <= index < len(tokens)}
     vocabulary = backend.get_vocab()
-    _add_tokens(backend, tokens, types, vocabulary, byte_level=kind == "gpt2")
+    _add_tokens(backend, tokens, types, vocabulary)
     unmatched = [token for token in named.values() if backend.token_to_id(token) is None]
     if unmatched:  # (a byte-level vocabulary's special token spelled outside its alphabet)
         return f"special token {unmatched[0][:40]!r} is not a token of the vocabulary as spelled"
@@ -172,10 +174,13 @@ BYTE_SPELLING = _byte_spelling()
 BYTE_ALPHABET = frozenset(BYTE_SPELLING.values())
 
 
-def _byte_level(tokens: list[str], merges: list[str], pre: _Pre) -> Backend:
-    # (a token written in plain text rather than the byte alphabet is respelled, as transformers' conversion does)
-    vocab = {(token if set(token) <= BYTE_ALPHABET else "".join(BYTE_SPELLING[b] for b in token.encode())): index
-             for index, token in enumerate(tokens)}
+def _byte_level(tokens: list[str], types: list[int], merges: list[str], pre: _Pre) -> Backend:
+    # Control and user-defined tokens are the original tokenizer's added tokens, which llama.cpp's converter writes
+    # as their text (``<｜begin▁of▁sentence｜>``) and matches whole: kept as written. Any other token written
+    # outside the byte alphabet is respelled in it, as transformers' conversion does.
+    vocab = {(token if set(token) <= BYTE_ALPHABET or kind in (CONTROL, USER_DEFINED)
+              else "".join(BYTE_SPELLING[b] for b in token.encode())): index
+             for index, (token, kind) in enumerate(zip(tokens, types))}
     pairs = [cast(tuple[str, str], tuple(merge.split(" "))) for merge in merges]
     backend = Backend(BPE(vocab=vocab, merges=pairs, ignore_merges=pre.ignore_merges))
     backend.pre_tokenizer = pre.pre_tokenizer()
@@ -183,14 +188,11 @@ def _byte_level(tokens: list[str], merges: list[str], pre: _Pre) -> Backend:
     return backend
 
 
-def _add_tokens(backend: Backend, tokens: list[str], types: list[int], vocabulary: dict[str, int],
-                byte_level: bool) -> None:
+def _add_tokens(backend: Backend, tokens: list[str], types: list[int], vocabulary: dict[str, int]) -> None:
     """Control and unknown tokens as special added tokens, user-defined ones as plain added tokens (each at its
-    own id: only tokens of the vocabulary). In a byte-level vocabulary, a control token spelled outside the byte
-    alphabet is a mislabel of llama.cpp's converter and is left out, as transformers leaves it."""
+    own id: only tokens of the vocabulary), all matched whole in the text as llama.cpp matches them."""
     special = [AddedToken(token, special=True, normalized=False) for token, kind in zip(tokens, types)
-               if kind in (UNKNOWN, CONTROL) and token in vocabulary
-               and not (byte_level and not set(token) <= BYTE_ALPHABET)]
+               if kind in (UNKNOWN, CONTROL) and token in vocabulary]
     plain = [AddedToken(token, special=False, normalized=False) for token, kind in zip(tokens, types)
              if kind == USER_DEFINED and token in vocabulary]
     if special:

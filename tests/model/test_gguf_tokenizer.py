@@ -2,7 +2,7 @@
 the vocabulary files of llama.cpp's models/ folder and the ids their models' original tokenizers give llama.cpp's
 test texts (tests/model/llamacpp_vocab.py), for every rule the module has: SentencePiece (a Llama 2 vocabulary,
 and Phi-3's, the same rule), GPT-2's split, StarCoder's (the embedded SmolLM2's), Llama 3's (with whole-word
-tokens) and Qwen2's. Each text's ids must equal the original's, and decode back to the text. A vocabulary the
+tokens), Qwen2's and DeepSeek Coder's (whose added tokens are written as text). Each text's ids must equal the original's, and decode back to the text. A vocabulary the
 module has no rule for keeps transformers' conversion, and the embedded model's tokenizer is ours, the same in
 its GGUF file and in the checkpoint made from it.
 
@@ -21,8 +21,8 @@ from llm_api.model.gguf_file import GGUFFile
 from llm_api.model.gguf_tokenizer import build_tokenizer
 from llm_api.model.tokenizer import Tokenizer
 
-BUILT = ["llama-spm", "phi-3", "gpt-2", "starcoder", "llama-bpe", "qwen2"]
-NOT_BUILT = "deepseek-coder"  # (its pre-tokenizer, 'deepseek-coder', has no rule here)
+BUILT = ["llama-spm", "phi-3", "gpt-2", "starcoder", "llama-bpe", "qwen2", "deepseek-coder"]
+NOT_BUILT = "deepseek-llm"  # (its pre-tokenizer, 'deepseek-llm', has no rule here)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +60,9 @@ def test_special_tokens_bos_and_matched_control_tokens(vocab_folder):
     assert llama3.encode("Hi")[0] == llama3.bos_token_id == llama3.convert_tokens_to_ids("<|begin_of_text|>")
     assert llama3.encode("<|eot_id|>", add_special_tokens=False) == [llama3.convert_tokens_to_ids("<|eot_id|>")]
     assert llama3.decode(llama3.encode("a<|eot_id|>b"), skip_special_tokens=True) == "ab"
+    deepseek = _built(vocab_folder, "deepseek-coder")  # (its added tokens are written as text, not in bytes)
+    assert deepseek.bos_token == "<｜begin▁of▁sentence｜>" and deepseek.encode("x")[0] == deepseek.bos_token_id == 32013
+    assert deepseek.encode("<｜end▁of▁sentence｜>", add_special_tokens=False) == [deepseek.eos_token_id]
     qwen = _built(vocab_folder, "qwen2")
     assert qwen.encode("Hi") == qwen.encode("Hi", add_special_tokens=False)  # (the file adds no BOS)
 
@@ -71,7 +74,7 @@ def test_a_vocabulary_without_a_rule_here_keeps_transformers_conversion(vocab_fo
 
     path = vocab_folder / f"ggml-vocab-{NOT_BUILT}.gguf"
     with GGUFFile.open(path) as file:
-        assert "pre-tokenizer 'deepseek-coder'" in build_tokenizer(file)
+        assert "pre-tokenizer 'deepseek-llm'" in build_tokenizer(file)
         served = tokenizer_for(file, tmp_path)
     converted = AutoTokenizer.from_pretrained(vocab_folder, gguf_file=path.name)
     for text, _ in cases(vocab_folder, NOT_BUILT):
