@@ -44,7 +44,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
 from llm_api.model.gguf_file import GGUFFile
-from llm_api.model.tokenizer import Tokenizer
+from llm_api.model.tokenizer import BYTE_LEVEL_ALPHABET, Tokenizer
 
 # llama.cpp's token types (gguf's TokenType)
 UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
@@ -157,21 +157,8 @@ def _merges_by_score(tokens: list[str], scores: list[float], vocab: dict[str, in
     return [(left, right) for *_, left, right in ranked]
 
 
-def _byte_spelling() -> dict[int, str]:
-    """GPT-2's byte-to-character table: how byte-level vocabularies spell bytes."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
-    spelled = {byte: chr(byte) for byte in printable}
-    extra = 0
-    for byte in range(256):
-        if byte not in spelled:
-            spelled[byte] = chr(256 + extra)
-            extra += 1
-    return spelled
-
-
-BYTE_SPELLING = _byte_spelling()
-BYTE_ALPHABET = frozenset(BYTE_SPELLING.values())
+BYTE_SPELLING = {byte: char for char, byte in BYTE_LEVEL_ALPHABET.items()}  # (how byte-level vocabularies spell bytes)
+BYTE_ALPHABET = frozenset(BYTE_LEVEL_ALPHABET)
 
 
 def _byte_level(tokens: list[str], types: list[int], merges: list[str], pre: _Pre) -> Backend:

@@ -25,23 +25,11 @@ import re
 from dataclasses import dataclass
 
 from llm_api.engine.request import TokenLogprob
+from llm_api.model.tokenizer import BYTE_LEVEL_ALPHABET
 
 NEG_INF_LOGPROB = -9999.0
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, character -> byte (what byte-level BPE vocabularies spell bytes with):
-    the printable Latin-1 bytes stand for themselves, the other 68 take the characters from U+0100 on, in
-    byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
-    table = {chr(byte): byte for byte in printable}
-    table.update({chr(256 + i): byte for i, byte in enumerate(b for b in range(256) if b not in printable)})
-    return table
-
-
-BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
 
 
 @dataclass(frozen=True)
