@@ -50,7 +50,6 @@ from llm_api.model.tokenizer import BYTE_LEVEL_ALPHABET, Tokenizer
 UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
 SPACE = "\u2581"  # SentencePiece's "▁"
 
-_GPT2 = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
            r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -59,10 +58,13 @@ _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p
 
 class _Pre:
     """How a byte-level vocabulary splits text before its merges: ``splits`` applied in order (each match its own
-    piece), digits one by one first where ``digits``; ``ignore_merges``: a piece that is a token is taken whole."""
+    piece; none: GPT-2's pattern), digits one by one first where ``digits``; ``ignore_merges``: a piece that is a
+    token is taken whole; ``add_bos``: a BOS before each prompt where the file does not say (llama.cpp's default
+    for the name)."""
 
-    def __init__(self, splits: tuple[str, ...] = (), digits: bool = False, ignore_merges: bool = False) -> None:
-        self.splits, self.digits, self.ignore_merges = splits, digits, ignore_merges
+    def __init__(self, splits: tuple[str, ...] = (), digits: bool = False, ignore_merges: bool = False,
+                 add_bos: bool = False) -> None:
+        self.splits, self.digits, self.ignore_merges, self.add_bos = splits, digits, ignore_merges, add_bos
 
     def pre_tokenizer(self) -> Any:
         steps: list[Any] = [pre_tokenizers.Digits(individual_digits=True)] if self.digits else []
@@ -79,7 +81,7 @@ PRE_TOKENIZERS: dict[str, _Pre] = {
     **dict.fromkeys(("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva"),
                     _Pre(digits=True)),
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"),
-                    _Pre((_LLAMA3,), ignore_merges=True)),
+                    _Pre((_LLAMA3,), ignore_merges=True, add_bos=True)),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "hunyuan"), _Pre((_QWEN2,))),
     "deepseek-coder": _Pre(("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
                             r"\p{N}")),
@@ -114,7 +116,7 @@ def build_tokenizer(file: GGUFFile) -> Tokenizer | str:
             backend = _byte_level(tokens, types, merges, PRE_TOKENIZERS[pre])
         except Exception as error:  # (merges naming pieces that are not tokens, ...)
             return f"the vocabulary does not build ({type(error).__name__}: {str(error)[:200]})"
-        add_bos = meta.get("tokenizer.ggml.add_bos_token", PRE_TOKENIZERS[pre].ignore_merges)
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", PRE_TOKENIZERS[pre].add_bos)
     else:
         return f"tokenizer model {kind!r} with pre-tokenizer {pre!r}"
     named = {name: tokens[index] for name, key in (("bos_token", "bos"), ("eos_token", "eos"),
