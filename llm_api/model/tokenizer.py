@@ -77,6 +77,8 @@ VERIFIED_MARK = "llm_api-verified"
 PROBES = ("", "Hello, world! The capital of France is Paris.", "  two  spaces\n\n\ttabs and lines ",
           "\U0001f642 \u4e2d\u6587, \u00fcn\u00efc\u00f6d\u00e9, \u0627\u0644\u0639\u0631\u0628\u064a\u0629",
           "def f(x):\n    return x ** 2  # 1234567890", "\x00\x7f \u200b \ufeff <0x0A> <unk> </s> <s>")
+
+
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte-level alphabet, character -> byte (what byte-level BPE vocabularies spell bytes with):
     the printable Latin-1 bytes stand for themselves, the other 68 take the characters from U+0100 on, in
@@ -89,7 +91,6 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
-
 # Files of a checkpoint's folder that are weights (not part of its tokenizer's digest).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".index.json")
 DIGEST_MAX_BYTES = 256 << 20

@@ -31,7 +31,6 @@ NEG_INF_LOGPROB = -9999.0
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-
 @dataclass(frozen=True)
 class TokenText:
     token_id: int

@@ -2,10 +2,10 @@
 the vocabulary files of llama.cpp's models/ folder and the ids their models' original tokenizers give llama.cpp's
 test texts (tests/model/llamacpp_vocab.py), for every rule the module has: SentencePiece (a Llama 2 vocabulary,
 and Phi-3's, the same rule), GPT-2's split, StarCoder's (the embedded SmolLM2's), Llama 3's (with whole-word
-tokens), Qwen2's and DeepSeek Coder's (whose added tokens are written as text). Each text's ids must equal the original's, and decode back to the text. A vocabulary the
-module has no rule for keeps transformers' conversion, and the embedded model's tokenizer is ours, the same in
-its GGUF file and in the checkpoint made from it. (A vocabulary without a rule here is a reason, not a crash, below;
-served, it is transformers' conversion, which tests/model/test_tokenizer.py checks on tiny files.)
+tokens), Qwen2's and DeepSeek Coder's (whose added tokens are written as text). Each text's ids must equal the
+original's, and decode back to the text. The embedded model's tokenizer is ours, the same in its GGUF file and in
+the checkpoint made from it. A vocabulary without a rule here is a reason, not a crash (below); served, it is
+transformers' conversion, which tests/model/test_tokenizer.py checks on tiny files.
 
 Where transformers' conversion stood on the same files (transformers 5.23.0, 2026-11-29): the Llama 2
 vocabulary differed on 14 of its 46 texts (each starting with a space: no "▁" prepended before it), Llama 3's
@@ -61,7 +61,8 @@ def test_special_tokens_bos_and_matched_control_tokens(vocab_folder):
     assert llama3.encode("<|eot_id|>", add_special_tokens=False) == [llama3.convert_tokens_to_ids("<|eot_id|>")]
     assert llama3.decode(llama3.encode("a<|eot_id|>b"), skip_special_tokens=True) == "ab"
     deepseek = _built(vocab_folder, "deepseek-coder")  # (its added tokens are written as text, not in bytes)
-    assert deepseek.bos_token == "<｜begin▁of▁sentence｜>" and deepseek.encode("x")[0] == deepseek.bos_token_id == 32013
+    assert deepseek.bos_token == "<｜begin▁of▁sentence｜>"
+    assert deepseek.encode("x")[0] == deepseek.bos_token_id == 32013
     assert deepseek.encode("<｜end▁of▁sentence｜>", add_special_tokens=False) == [deepseek.eos_token_id]
     qwen = _built(vocab_folder, "qwen2")
     assert qwen.encode("Hi") == qwen.encode("Hi", add_special_tokens=False)  # (the file adds no BOS)
