@@ -21,6 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / ".cache" / "llamacpp"
 SDIST = "llama-cpp-python==0.3.36"  # (scripts/build_llamacpp.sh's default: the same llama.cpp, 0c1e570)
+SDIST_FILE = CACHE / "dl" / f"llama_cpp_python-{SDIST.split('==')[1]}.tar.gz"  # (where pip download puts it)
 SEPARATOR = "\n__ggml_vocab_test__\n"
 
 
@@ -32,14 +33,12 @@ def vocab_files(names: list[str]) -> Path:
     (CACHE / "dl").mkdir(parents=True, exist_ok=True)
     with open(CACHE / "dl" / ".lock", "w") as lock:  # (test workers of one run fetch it once)
         fcntl.flock(lock, fcntl.LOCK_EX)
-        sdists = sorted((CACHE / "dl").glob("llama_cpp_python-0.3.36.tar.gz"))
-        if not sdists:
+        if not SDIST_FILE.is_file():
             subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-binary", ":all:", "--no-deps",
                             "-d", str(CACHE / "dl"), SDIST], check=True, timeout=600)
-            sdists = sorted((CACHE / "dl").glob("llama_cpp_python-0.3.36.tar.gz"))
         folder.mkdir(parents=True, exist_ok=True)
         pattern = re.compile(r"^[^/]+/vendor/llama\.cpp/models/(ggml-vocab-[\w.-]+)$")
-        with tarfile.open(sdists[0]) as archive:
+        with tarfile.open(SDIST_FILE) as archive:
             for member in archive:
                 found = pattern.match(member.name)
                 if found and found[1] in wanted and member.isfile():
@@ -47,7 +46,7 @@ def vocab_files(names: list[str]) -> Path:
                     assert source is not None
                     (folder / found[1]).write_bytes(source.read())
     missing = [name for name in wanted if not (folder / name).is_file()]
-    assert not missing, f"not in {sdists[0].name}: {missing}"
+    assert not missing, f"not in {SDIST_FILE.name}: {missing}"
     return folder
 
 
